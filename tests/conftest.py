@@ -20,8 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_server import ServerUnavailable, running_vllm  # noqa: E402
 
 
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
 def _unavailable(reason: str):
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    if IN_CI:
         pytest.fail(f"real vLLM unavailable in CI: {reason}", pytrace=False)
     pytest.skip(f"real vLLM unavailable: {reason}")
 
@@ -52,3 +55,13 @@ def vllm_factory(tmp_path_factory):
     def factory(**kwargs):
         return _started(tmp_path_factory.mktemp("vllm"), **kwargs)
     return factory
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In CI a skipped real-vLLM test is a failure, whatever made it skip."""
+    outcome = yield
+    report = outcome.get_result()
+    if IN_CI and report.skipped and item.get_closest_marker("real_vllm"):
+        report.outcome = "failed"
+        report.longrepr = f"real-vLLM test skipped in CI: {report.longrepr}"

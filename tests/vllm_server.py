@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -42,8 +43,12 @@ class Server:
 
 
 def task_exe() -> str:
+    """The `task` beside this Python (go-task-bin in the venv), else the one on PATH."""
     exe = Path(sys.executable).with_name("task")
-    return str(exe) if exe.exists() else "task"
+    found = str(exe) if exe.exists() else shutil.which("task")
+    if not found:
+        raise ServerUnavailable("`task` is not installed: pip install -e '.[test]' (it brings go-task-bin)")
+    return found
 
 
 def free_port() -> int:

@@ -1,0 +1,96 @@
+"""common.py: settings precedence, inference.env parsing, URL checks, error mapping."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+import common
+
+
+def test_env_file_parsing_handles_comments_quotes_and_export():
+    text = "# settings\nexport INFER_URL=http://h:8000  # trailing comment\nINFER_PROFILE='cpu tiny'\n\nX=\"a#b\"\nCMD=$(rm -rf /)\n"
+    assert common.parse_env_file(text) == {
+        "INFER_URL": "http://h:8000", "INFER_PROFILE": "cpu tiny", "X": "a#b", "CMD": "$(rm -rf /)"}
+
+
+def test_env_file_bad_line_names_the_line():
+    with pytest.raises(common.UsageError, match="line 2 is not KEY=VALUE"):
+        common.parse_env_file("A=1\nnot a setting\n")
+
+
+@pytest.mark.parametrize("flag, environ, env_file, expected, source", [
+    ("http://arg", {"INFER_URL": "http://env"}, {"INFER_URL": "http://file"}, "http://arg", "argument"),
+    ("", {"INFER_URL": "http://env"}, {"INFER_URL": "http://file"}, "http://env", "environment"),
+    ("", {}, {"INFER_URL": "http://file"}, "http://file", "inference.env"),
+    ("", {}, {}, "http://default", "default"),
+])
+def test_settings_precedence(flag, environ, env_file, expected, source):
+    settings = common.Settings(env_file, environ)
+    assert settings.get("INFER_URL", flag, "http://default") == expected
+    assert settings.source("INFER_URL", flag) == source
+
+
+def test_inference_env_is_read_from_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("INFER_ENV_FILE", raising=False)
+    assert common.load_env_file() == {}
+    (tmp_path / "inference.env").write_text("INFER_URL=http://from-file:9000\n")
+    assert common.load_env_file() == {"INFER_URL": "http://from-file:9000"}
+    with pytest.raises(common.UsageError, match="does not exist"):
+        common.load_env_file(tmp_path / "missing.env")
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("http://127.0.0.1:8000", "http://127.0.0.1:8000"),
+    ("http://127.0.0.1:8000/", "http://127.0.0.1:8000"),
+    ("https://api.example.com/v1", "https://api.example.com"),
+])
+def test_normalize_url(url, expected):
+    assert common.normalize_url(url) == expected
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://x", "", "http:// spaces"])
+def test_normalize_url_rejects_non_http(url):
+    with pytest.raises(common.UsageError, match="is not http"):
+        common.normalize_url(url)
+
+
+def test_api_key_is_sent_and_never_printed(capsys):
+    seen = {}
+
+    def handler(request):
+        seen["auth"] = request.headers.get("authorization")
+        return httpx.Response(401, text="bad key sk-secret-123")
+
+    http = common.client("http://srv", api_key="sk-secret-123", transport=httpx.MockTransport(handler))
+
+    def body():
+        common.get_json(http, "/v1/models")
+        return 0
+
+    assert common.run_main(body, secret="sk-secret-123") == common.EXIT_SERVER
+    assert seen["auth"] == "Bearer sk-secret-123"
+    err = capsys.readouterr().err
+    assert "sk-secret-123" not in err and "HTTP 401" in err
+
+
+def test_task_argument_api_key_wins_over_environment(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("INFER_API_KEY", "from-env")
+    monkeypatch.setenv("ROOFLINE_TASK_API_KEY", "from-task")
+    args = type("Args", (), {"url": "", "env_file": None})()
+    assert common.server_settings(args) == ("http://127.0.0.1:8000", "from-task")
+
+
+@pytest.mark.parametrize("name, expected", [("H100 SXM", "h100-sxm"), ("h100sxm", "h100-sxm"), ("nvidia-h100", "h100-sxm")])
+def test_find_in_catalog_by_id_or_alias(name, expected):
+    catalog = {"h100-sxm": {"aliases": ["nvidia-h100"]}, "a100-80": {}}
+    assert common.find_in_catalog(catalog, name, "GPU")[0] == expected
+
+
+def test_find_in_catalog_suggests_close_names():
+    catalog = {"h100-sxm": {}, "h200": {}, "a100-80": {}}
+    with pytest.raises(common.UsageError, match="unknown GPU 'h100-sx': did you mean h100-sxm"):
+        common.find_in_catalog(catalog, "h100-sx", "GPU")
+    with pytest.raises(common.UsageError, match="known: a100-80, h100-sxm, h200"):
+        common.find_in_catalog(catalog, "tpu", "GPU")
