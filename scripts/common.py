@@ -23,7 +23,13 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-import httpx
+try:
+    import httpx
+    import yaml  # noqa: F401  (imported here so that a missing dependency fails the same way everywhere)
+except ImportError as exc:
+    print(f"error: Python package {exc.name!r} is missing: run `pip install -e .` in the Roofline checkout",
+          file=sys.stderr)
+    sys.exit(2)
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
@@ -221,8 +227,6 @@ CATALOG_DIR = Path(__file__).resolve().parent / "catalog"
 
 def load_catalog(kind: str) -> dict[str, dict[str, Any]]:
     """An embedded catalog, scripts/catalog/<kind>.yaml: {id: {..., aliases: [...], source: ...}}."""
-    import yaml
-
     with open(CATALOG_DIR / f"{kind}.yaml", encoding="utf-8") as handle:
         return yaml.safe_load(handle)
 

@@ -27,10 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common  # noqa: E402  (first: it checks the dependencies)
+import yaml  # noqa: E402
 from common import UsageError  # noqa: E402
 
 # key -> (allowed types, engines that understand it). Types are checked before rendering.

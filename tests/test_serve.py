@@ -3,9 +3,11 @@ cpu-tiny profile brings up a real vLLM through `task serve`."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -136,10 +138,11 @@ def test_task_list_shows_every_task_with_description():
 def test_documented_skill_form_runs_from_skill_folder():
     """`task -t ${CLAUDE_SKILL_DIR}/../roofline-toolbox/Taskfile.yml` from skills/roofline-perf."""
     skill_dir = REPO / "skills" / "roofline-perf"
+    env = {**os.environ, "CLAUDE_SKILL_DIR": str(skill_dir),
+           "PATH": f"{Path(task_exe()).parent}:{os.environ['PATH']}"}
     result = subprocess.run(
         ["bash", "-c", 'task -t "${CLAUDE_SKILL_DIR}/../roofline-toolbox/Taskfile.yml" serve INFER_PROFILE=cpu-tiny -- --dry-run'],
-        cwd=skill_dir, capture_output=True, text=True, env={**__import__("os").environ, "CLAUDE_SKILL_DIR": str(skill_dir),
-                                                          "PATH": f"{Path(task_exe()).parent}:{__import__('os').environ['PATH']}"})
+        cwd=skill_dir, capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert "--served-model-name tiny-qwen3" in result.stdout
 
@@ -167,3 +170,12 @@ def test_real_vllm_streams_completions(vllm_server):
     assert len(text_chunks) == 8
     assert chunks[-1]["usage"]["completion_tokens"] == 8
     assert "CPU KV cache size: 524,288 tokens" in vllm_server.log()
+
+
+def test_missing_dependency_is_one_line():
+    # -S skips site-packages, so httpx and yaml are missing as on a machine without `pip install`.
+    result = subprocess.run([sys.executable, "-S", str(REPO / "scripts" / "serve.py"), "--help"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr == ("error: Python package 'httpx' is missing: run `pip install -e .` "
+                             "in the Roofline checkout\n")

@@ -107,3 +107,16 @@ def running_vllm(log_dir: Path, sets: Sequence[str] = (), model: str = "tiny-qwe
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        _assert_port_released(port)
+
+
+def _assert_port_released(port: int, timeout_s: float = 30) -> None:
+    """After Ctrl-C the engine (its own process group, under serve.py) must be gone too."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"vLLM still listens on port {port} {timeout_s:.0f} s after SIGINT: serve.py did not stop it")
+        time.sleep(0.5)
