@@ -21,7 +21,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 try:
     import httpx
@@ -41,7 +41,9 @@ EXIT_INTERRUPTED = 130
 DEFAULT_URL = "http://127.0.0.1:8000"
 ENV_FILE_NAME = "inference.env"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PROFILES_DIR = REPO_ROOT / "roofline-toolbox" / "profiles"
+# In the repository scripts/ sits beside roofline-toolbox/; in an installed copy
+# (scripts/install_skills.py) it sits inside it, next to profiles/.
+PROFILES_DIR = (REPO_ROOT if (REPO_ROOT / "profiles").is_dir() else REPO_ROOT / "roofline-toolbox") / "profiles"
 
 
 class UsageError(Exception):
@@ -253,3 +255,27 @@ def find_in_catalog(catalog: Mapping[str, Mapping[str, Any]], name: str, what: s
     hint = ("did you mean " + ", ".join(sorted({index[c] for c in close}))) if close else \
         "known: " + ", ".join(sorted(catalog))
     raise UsageError(f"unknown {what} {name!r}: {hint}")
+
+
+def served_model(http: httpx.Client, wanted: str | None = None) -> dict[str, Any]:
+    """The /v1/models entry of `wanted` (INFER_MODEL), or of the first model listed.
+
+    vLLM entries carry `max_model_len`. An unknown name is a UsageError listing what is served.
+    """
+    models = get_json(http, "/v1/models").get("data") or []
+    if not models:
+        raise UsageError("the server lists no models at /v1/models")
+    names = [m.get("id") for m in models]
+    if wanted and wanted not in names:
+        raise UsageError(f"model {wanted!r} is not served here: INFER_MODEL must be one of {', '.join(names)}")
+    return models[names.index(wanted)] if wanted else models[0]
+
+
+def read_json_file(path: str, what: str, hint: str) -> Any:
+    """A saved JSON document (a baseline, an earlier run); unreadable or not JSON is a UsageError."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror}")
+    except ValueError:
+        raise UsageError(f"{what} {path} is not JSON: {hint}")

@@ -97,14 +97,18 @@ def load_profile(path: Path) -> dict[str, Any]:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`--set key=value`, the value read as YAML (so 2 is an int and true a bool)."""
+    """`--set key=value`, the value read as YAML (so 2 is an int and true a bool).
+
+    A value that is not YAML, such as `{cache}/models/x`, stays a plain string; validate() then
+    rejects it where the key needs another type.
+    """
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise UsageError(f"--set {text!r} is not key=value, e.g. --set max_num_seqs=2")
     try:
         return key.strip(), yaml.safe_load(value)
     except yaml.YAMLError:
-        raise UsageError(f"--set {text!r}: the value is not valid YAML")
+        return key.strip(), value
 
 
 def validate(profile: dict[str, Any]) -> dict[str, Any]:

