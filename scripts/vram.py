@@ -48,6 +48,7 @@ from serve import cache_dir  # noqa: E402
 GIB = 1 << 30
 DEFAULT_VLLM_VERSION = "0.32"
 V1_DEFAULT = (0, 8)       # the V1 engine (new profiler and log lines) is the default from 0.8.0
+TRITON_TOP_K_TOP_P = (0, 16)  # see sampler_bytes_per_logit
 HF_URL = "https://huggingface.co"
 # Bytes per weight of a quantized linear layer, scales included (group 128 for AWQ/GPTQ: an fp16
 # scale and a 4-bit zero per group; MXFP4: an 8-bit scale per 32; NVFP4: an fp8 scale per 16).
@@ -569,16 +570,37 @@ def vllm_defaults(inp: Inputs) -> dict[str, Any]:
             "block_size": inp.block_size or block}
 
 
+def sampler_bytes_per_logit(version: tuple[int, ...]) -> int:
+    """Peak bytes per (row x vocab) logit while the V1 profile run warms the sampler.
+
+    _dummy_sampler_run (vllm/v1/worker/gpu_model_runner.py) samples every dummy request with
+    top_k = vocab - 1 and top_p = 0.9: bf16 logits (2) + their fp32 copy (4) + the top-k/top-p
+    masking. The PyTorch path (vllm/v1/sample/ops/topk_topp_sampler.py) sorts whole rows (fp32
+    values, int64 indices, sort scratch): vllm PR #32558 measured 1.25 GiB, 40 bytes per logit in
+    all, for 256 x 131,072 fp32 logits; taken here as 32 beyond the fp32 logits, which the two
+    gpt-oss-120b H100 logs in benchmarks/vram_accuracy.py bear out (~7.4 GiB at 1024 rows). The
+    Triton kernel that replaced it (vllm PR #33538, merged February 2026, assumed first released
+    in 0.16) needs 12 bytes per logit in PR #32558's table; softmax and the exponential draw follow.
+    """
+    return 14 if version >= TRITON_TOP_K_TOP_P else 2 + 4 + 32
+
+
 def activation_bytes(m: Model, tp: int, tokens: int, seqs: int, quant: str, version: tuple[int, ...]) -> float:
-    """Peak of the profile run: MLP/QKV activations of `tokens` tokens, the sampler's fp32 logits of
-    `seqs` rows, and a fixed part for workspaces (first-order, fitted to logged budgets)."""
+    """Peak of the profile run: MLP/QKV activations of `tokens` tokens, the sampler over one row per
+    dummy request, and a fixed part for workspaces (first-order; see the benchmark for its error)."""
     mlp = (m.top_k * m.expert_intermediate + m.shared_intermediate) if m.experts else m.intermediate
     qkv = m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim if not m.mla else m.heads * (m.mla[2] + m.mla[3]) * 2
-    per_token = (3 * mlp + qkv) / tp * 2
-    # V1 samples every row of the dummy batch (fp32 logits, ~2.5 live copies); V0 one row per sequence.
-    sampler = min(seqs, tokens) * m.vocab * 4 * (2.5 if version >= V1_DEFAULT else 1.0)
-    fixed = (0.3 if tp == 1 and quant in ("bf16", "fp16") else 1.0) * GIB
-    return tokens * per_token + sampler + fixed
+    forward = tokens * (3 * mlp + qkv) / tp * 2
+    rows = min(seqs, tokens)
+    if version < V1_DEFAULT:
+        # V0 (one execute_model call): forward + fp32 logits + workspaces (more for quantized
+        # kernels and TP), fitted to the V0 logs in the benchmark.
+        fixed = (0.3 if tp == 1 and quant in ("bf16", "fp16") else 1.0) * GIB
+        return forward + rows * m.vocab * 4 + fixed
+    # V1: profile_run runs the forward, frees its activations, then the sampler on the dummy
+    # requests' last tokens; every TP rank samples the full vocabulary. The peak is the larger one.
+    sampler = rows * m.vocab * sampler_bytes_per_logit(version)
+    return max(forward, sampler) + 0.3 * GIB
 
 
 def cudagraph_bytes(m: Model, tp: int) -> float:
@@ -767,7 +789,7 @@ def parse_number(name: str, value: Any, kind: type = int, minimum: float = 1) ->
         number = kind(str(value).replace("_", ""))
     except ValueError:
         raise UsageError(f"{name} must be a {'whole ' if kind is int else ''}number, got {value!r}")
-    if number < minimum or (kind is float and number <= 0):
+    if (kind is float and number <= 0) or (kind is int and number < minimum):
         raise UsageError(f"{name} must be {'> 0' if kind is float else f'>= {minimum}'}, got {value!r}")
     return number
 

@@ -122,6 +122,29 @@ def test_weights_follow_the_checkpoint_quantization():
     assert vram.estimate(_inp("gpt-oss-120b", "b200", ctx=8192))["weights_gib"] == pytest.approx(60.7, abs=0.5)
 
 
+@pytest.mark.parametrize("version, util, batched, logged_kv_gib", [
+    ("0.10", 0.9, None, -2.14),   # vllm#23278: "Available KV cache memory: -2.14 GiB"
+    ("0.11", 0.95, 1024, 1.71),   # vllm#27508: "Available KV cache memory: 1.71 GiB"
+])
+def test_gpt_oss_120b_on_h100_matches_the_logged_budget(version, util, batched, logged_kv_gib):
+    """The sampler warm-up over 1024 rows x 201,088 vocab, not the MoE forward, sets the profile
+    peak: the same ~7.5 GiB whether the batch is 8192 or 1024 tokens."""
+    result = vram.estimate(_inp("gpt-oss-120b", "h100", ctx=131072, gpu_util=util, vllm_version=version,
+                                max_num_batched_tokens=batched))
+    assert result["kv_cache_gib"] == pytest.approx(logged_kv_gib, abs=0.5)
+    assert not result["fits"]
+
+
+def test_v1_profile_peak_is_the_larger_of_forward_and_sampler():
+    model = vram.resolve_model("gpt-oss-120b")
+    small, large = (vram.activation_bytes(model, 1, tokens, 1024, "mxfp4", (0, 11)) for tokens in (1024, 8192))
+    assert small == large                               # the sampler dominates both
+    one_row = vram.activation_bytes(model, 1, 8192, 1, "mxfp4", (0, 11))
+    assert one_row < small / 5                          # --max-num-seqs 1: the forward is what is left
+    sort_era, triton_era = (vram.activation_bytes(model, 1, 8192, 1024, "mxfp4", v) for v in ((0, 11), (0, 16)))
+    assert triton_era < sort_era / 2
+
+
 def test_tp_splits_weights():
     one = vram.estimate(_inp("llama-3.3-70b", "h100", tp=2, ctx=8192))
     two = vram.estimate(_inp("llama-3.3-70b", "h100", tp=4, ctx=8192))
@@ -179,6 +202,15 @@ def test_readme_command_answers_offline(capsys):
         ["max-model-len", "kv-cache-dtype", "fp8-weights", "tensor-parallel-size", "max-num-seqs"]
     fp8_kv = next(lever for lever in result["levers"] if lever["lever"] == "kv-cache-dtype")
     assert fp8_kv["kv_cache_tokens"] == pytest.approx(2 * result["kv_cache_tokens"], abs=16)
+
+
+def test_fractional_flags_are_accepted(capsys):
+    """vllm#27508's command: a utilization below 1 and a smaller batch."""
+    code, result = run_json(["--model", "gpt-oss-120b", "--gpu", "h100", "--ctx", "131072", "--vllm-version", "0.11",
+                             "--gpu-util", "0.95", "--max-num-batched-tokens", "1024"], capsys)
+    assert code == common.EXIT_CHECK_FAILED
+    assert result["gpu_util"] == 0.95 and result["max_num_batched_tokens"] == 1024
+    assert result["fix"] is not None
 
 
 def test_task_vram_prints_a_human_answer():
