@@ -136,7 +136,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env-file", default=None,
                         help=f"settings file (default: ./{ENV_FILE_NAME}, or $INFER_ENV_FILE)")
     parser.add_argument("--timeout", type=float, default=30.0,
-                        help="seconds to wait for the server per request (default 30)")
+                        help="seconds to wait for the server per request")
 
 
 def normalize_url(url: str) -> str:
@@ -200,7 +200,12 @@ def emit(result: Any, human: str, as_json: bool) -> None:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keep the examples in the epilog as written and show defaults."""
+    """Keep the examples in the epilog as written and show defaults, where there is one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, "", False, []):
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def parser(description: str, epilog: str) -> argparse.ArgumentParser:

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Bench at several concurrencies in one command: the knee and the tok/s vs TPOT trade-off.
+
+Runs bench.py's load once per concurrency in --sweep-c (default 1,4,8,16,32), each with its own
+warm-up and unique prompts, then prints one row per point (req/s, output and total tok/s,
+TTFT and TPOT p50/p95, verdict) and the knee: the largest concurrency whose run meets the SLO
+(SLO_TTFT_P95_MS / SLO_TPOT_P95_MS) with every request completed and a valid client. Without an
+SLO there is no knee, only the trade-off. With --log each point appends its bench log entry.
+-n (BENCH_N) counts requests per point, by default 4 x C (at least 16) so that each point runs
+several waves; the other options are bench.py's.
+
+Examples:
+  sweep.py --url http://127.0.0.1:8000 --slo-ttft-p95-ms 500 --slo-tpot-p95-ms 50
+  sweep.py --sweep-c 8,16,32,64 --input-tokens 1024 --output-tokens 128 --json
+  SWEEP_C=1,2,4 BENCH_N=16 sweep.py --endpoint chat --log bench-log.md
+
+Exit codes: 0 a knee was found (or no SLO was set and every point completed), 1 no
+concurrency meets the SLO, 2 usage error, 3 server unreachable or failing at every point,
+4 a point's run was invalid (client-bound), 130 interrupted (the points done are printed).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402
+import common  # noqa: E402
+from common import UsageError  # noqa: E402
+
+DEFAULT_SWEEP = "1,4,8,16,32"
+
+
+def parse_levels(text: str) -> list[int]:
+    """'1,4,8' -> [1, 4, 8]: positive, increasing, no repeats."""
+    try:
+        levels = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise UsageError(f"--sweep-c (SWEEP_C) must be whole numbers separated by commas, got {text!r}")
+    if not levels or any(c < 1 or c > bench.LIMITS["concurrency"] for c in levels):
+        raise UsageError(f"--sweep-c (SWEEP_C) needs concurrencies between 1 and {bench.LIMITS['concurrency']}, got {text!r}")
+    return sorted(set(levels))
+
+
+def point_summary(concurrency: int, result: dict[str, Any]) -> dict[str, Any]:
+    return {"concurrency": concurrency, "verdict": result["verdict"], "reasons": result["verdict_reasons"],
+            "requests": result["config"]["num_requests"], "completed": result["requests"]["completed"],
+            "failed": result["requests"]["failed"], **{k: result["throughput"][k] for k in
+                                                        ("req_s", "output_tok_s", "total_tok_s")},
+            "ttft_ms": result["ttft_ms"], "tpot_ms": result["tpot_ms"], "itl_ms": result["itl_ms"],
+            "e2e_ms": result["e2e_ms"], "client_valid": result["client"]["valid"]}
+
+
+def knee(points: Sequence[dict[str, Any]], has_slo: bool) -> dict[str, Any] | None:
+    """The largest concurrency whose run passed (SLO met, no failures, valid client)."""
+    if not has_slo:
+        return None
+    passing = [p for p in points if p["verdict"] == "PASS"]
+    return max(passing, key=lambda p: p["concurrency"]) if passing else None
+
+
+def human(report: dict[str, Any]) -> str:
+    lines = [f"{'C':>5}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}{'TTFT p50':>10}{'p95':>9}"
+             f"{'TPOT p50':>10}{'p95':>8}  verdict"]
+    for p in report["points"]:
+        lines.append(f"{p['concurrency']:>5}{bench._fmt(p['req_s']):>9}{bench._fmt(p['output_tok_s'], 1):>11}"
+                     f"{bench._fmt(p['total_tok_s'], 1):>13}{bench._fmt(p['ttft_ms']['p50'], 1):>10}"
+                     f"{bench._fmt(p['ttft_ms']['p95'], 1):>9}{bench._fmt(p['tpot_ms']['p50'], 1):>10}"
+                     f"{bench._fmt(p['tpot_ms']['p95'], 1):>8}  {p['verdict']}")
+    k = report["knee"]
+    if k:
+        lines.append(f"Knee: C = {k['concurrency']}: {bench._fmt(k['total_tok_s'], 1)} total tok/s at TPOT p95 "
+                     f"{bench._fmt(k['tpot_ms']['p95'], 1)} ms, TTFT p95 {bench._fmt(k['ttft_ms']['p95'], 1)} ms")
+    elif report["slo_set"]:
+        lines.append("Knee: none: no concurrency met the SLO")
+    else:
+        lines.append("Knee: set SLO_TTFT_P95_MS and/or SLO_TPOT_P95_MS to find it; the table is the trade-off")
+    if report["interrupted"]:
+        lines.append("interrupted: the points done so far")
+    return "\n".join(lines)
+
+
+def exit_code(report: dict[str, Any]) -> int:
+    points = report["points"]
+    if report["interrupted"]:
+        return common.EXIT_INTERRUPTED
+    if points and all(p["verdict"] == "ERROR" for p in points):
+        return common.EXIT_SERVER
+    if any(p["verdict"] == "INVALID" for p in points):
+        return common.EXIT_INVALID
+    if report["slo_set"] and not report["knee"]:
+        return common.EXIT_CHECK_FAILED
+    if not report["slo_set"] and any(p["verdict"] != "NO SLO" for p in points):
+        return common.EXIT_CHECK_FAILED
+    return common.EXIT_OK
+
+
+def run(args: Any) -> int:
+    settings = common.settings_from_args(args)
+    if args.concurrency:
+        raise UsageError("sweep sets the concurrency itself: use --sweep-c (SWEEP_C), not -c")
+    levels = parse_levels(settings.get("SWEEP_C", args.sweep_c, DEFAULT_SWEEP))
+    base_url, api_key = common.server_settings(args)
+    # -n (BENCH_N) is per point; by default 4 x C, at least 16, so each point has several waves.
+    per_point = settings.get("BENCH_N", args.num_requests, None)
+    points, interrupted = [], False
+    target = None
+    for concurrency in levels:
+        args.concurrency = str(concurrency)
+        args.num_requests = str(per_point or max(16, 4 * concurrency))
+        cfg = bench.make_config(args, settings)
+        if target is None:
+            target = bench.find_target(base_url, api_key, settings.get("INFER_MODEL", args.model) or None,
+                                       cfg["timeout_s"])
+        common.progress(f"sweep: C = {concurrency}")
+        result = bench.execute(target, cfg)
+        result.pop("records")
+        if cfg["log"]:
+            bench.append_log(cfg["log"], bench.render_log_entry(result))
+        points.append(point_summary(concurrency, result))
+        if result["interrupted"]:
+            interrupted = True
+            break
+    has_slo = bool(points) and bool(result["slo"])
+    report = {"points": points, "knee": knee(points, has_slo), "slo_set": has_slo,
+              "slo": {"ttft_p95_ms": cfg["slo_ttft_p95_ms"], "tpot_p95_ms": cfg["slo_tpot_p95_ms"]},
+              "levels": levels, "interrupted": interrupted,
+              "config": {k: cfg[k] for k in ("input_tokens", "output_tokens", "endpoint", "warmup")}
+              | {"url": base_url, "model": target.model if target else None}}
+    common.emit(report, human(report), args.json)
+    return exit_code(report)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = bench.build_parser()
+    p.description = __doc__.splitlines()[0]
+    p.epilog = __doc__.split("\n", 1)[1]
+    p.add_argument("--sweep-c", default="", help=f"concurrencies to run (else $SWEEP_C, {DEFAULT_SWEEP})")
+    args = p.parse_args(argv)
+    try:
+        _, api_key = common.server_settings(args)
+    except UsageError:
+        api_key = None
+    return common.run_main(lambda: run(args), secret=api_key)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
