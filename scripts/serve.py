@@ -24,8 +24,10 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (first: it checks the dependencies)
@@ -265,6 +267,44 @@ def check_port_free(host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError:
             raise UsageError(f"port {port} on {host} is already in use: stop what runs there or pass PORT=<free port>")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+    """Poll /health until it answers 200; a ServerError if the process exits or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            tail = (log_path.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
+            raise common.ServerError(f"the server exited with status {proc.returncode} while starting: "
+                                     f"{tail} (log {log_path})")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise common.ServerError(f"the server was not healthy after {timeout_s:.0f} s (log {log_path})")
+        time.sleep(1)
+
+
+@contextmanager
+def running(cmd: Sequence[str], url: str, log_path: Path, timeout_s: float, **popen: Any) -> Iterator[subprocess.Popen]:
+    """Run a server command (serve.py or `task serve`) until healthy; stop it as Ctrl-C would on exit."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **popen)
+    try:
+        wait_healthy(url, proc, timeout_s, log_path)
+        yield proc
+    finally:
+        stop(proc, grace_s=120.0)
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> int:

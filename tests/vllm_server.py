@@ -11,17 +11,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import httpx
+import common
+import serve
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLBOX = REPO / "roofline-toolbox" / "Taskfile.yml"
@@ -51,12 +51,6 @@ def task_exe() -> str:
     return found
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def setup(models: Sequence[str] = ("tiny-qwen3",)) -> dict:
     """Install the CPU vLLM and build the models (cached after the first run)."""
     cmd = [task_exe(), "-t", str(TOOLBOX), "setup-cpu-vllm", "--", "--json", "--models", *models]
@@ -72,7 +66,7 @@ def running_vllm(log_dir: Path, sets: Sequence[str] = (), model: str = "tiny-qwe
                  env: dict[str, str] | None = None) -> Iterator[Server]:
     """A real vLLM serving `model` (a name from setup_cpu_vllm.MODELS) with profile overrides."""
     setup([model])
-    port = free_port()
+    port = serve.free_port()
     overrides = list(sets)
     if model != "tiny-qwen3":
         overrides += [f"model={{cache}}/models/{model}", f"served_model_name={model}"]
@@ -80,34 +74,16 @@ def running_vllm(log_dir: Path, sets: Sequence[str] = (), model: str = "tiny-qwe
     cmd = [task_exe(), "-t", str(TOOLBOX), "serve", "INFER_PROFILE=cpu-tiny", f"PORT={port}", "--"]
     for item in overrides:
         cmd += ["--set", item]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})}, cwd=log_dir)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-                raise ServerUnavailable(f"vLLM exited with status {proc.returncode} while starting: {tail[0]} (log {log_path})")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise ServerUnavailable(f"vLLM was not healthy after {STARTUP_TIMEOUT_S:.0f} s (log {log_path})")
-            time.sleep(1)
+    stack = ExitStack()
+    try:  # only a failed start is "unavailable"; errors inside the tests stay theirs
+        stack.enter_context(serve.running(cmd, url, log_path, STARTUP_TIMEOUT_S, cwd=log_dir,
+                                          env={**os.environ, **(env or {})}))
+    except common.ServerError as exc:
+        raise ServerUnavailable(f"vLLM did not start: {exc}")
+    with stack:
         yield Server(url=url, model=model, log_path=log_path)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        _assert_port_released(port)
+    _assert_port_released(port)
 
 
 def _assert_port_released(port: int, timeout_s: float = 30) -> None:
