@@ -1,0 +1,1254 @@
+#!/usr/bin/env python3
+"""Read a vLLM or SGLang server's Prometheus metrics and name the bottleneck.
+
+Reads /metrics from one or more servers (--url, auto-detects vLLM or SGLang), from saved
+scrapes (--file), or asks a Prometheus server for a whole fleet (--prometheus). Reports TTFT,
+ITL, TPOT, e2e, queue, prefill and decode time (p50/p95/p99, as Prometheus' histogram_quantile
+computes them), running and waiting requests, KV-cache usage, preemptions, prefix-cache hit
+rate, prompt and generation tok/s, MFU and bandwidth utilisation (vLLM with
+--enable-mfu-metrics and --gpu), then a diagnosis: each finding names the bottleneck, the
+numbers behind it and the levers, in this order: queue or prefill, decode, KV-cache or
+max-num-seqs limit, preemptions, prefix-cache hits. No finding means no bottleneck seen.
+
+Since server start (one scrape) the quantiles mix all history since the engine started; over a
+window (--window 30: two scrapes, gauges sampled each second) they cover only the requests that
+finished in it. Latency findings need targets: --slo-ttft-p95-ms / --slo-tpot-p95-ms (or
+SLO_TTFT_P95_MS / SLO_TPOT_P95_MS, as for task bench). SGLang support follows its documented
+metric names (recorded formats, not a live server).
+
+Examples:
+  metrics.py --url http://127.0.0.1:8000
+  metrics.py --url http://127.0.0.1:8000 --window 30 --json
+  metrics.py --url http://10.0.0.1:8000 --url http://10.0.0.2:8000 --window 60
+  metrics.py --file scrape.txt
+  metrics.py --file before.txt --file after.txt --window 60
+  metrics.py --url http://127.0.0.1:8000 --watch 10
+  metrics.py --prometheus http://prometheus:9090 --window 300 --match 'model_name="qwen3-8b"'
+  metrics.py --url http://127.0.0.1:8000 --gpu H100 --slo-ttft-p95-ms 500 --slo-tpot-p95-ms 50
+
+Functions for other scripts (import metrics; errors: common.ServerError, metrics.InvalidScrape):
+  scrape(url, api_key=None) -> (text, unix_time)   GET <url>/metrics
+  parse_exposition(text) -> Exposition             Prometheus text format, any exporter
+  snapshot(text, source="", at=None) -> dict       normalized vLLM/SGLang figures of one scrape
+  window(before, after, during=(), gpu=None, slo=None) -> report   the interval between snapshots
+  report(snap, gpu=None, slo=None) -> report       one snapshot (since server start)
+  difference(before, after), merge(snapshots)      the interval / several replicas, as a snapshot
+  histogram_quantile(q, buckets), quantile_bucket(q, buckets)   Prometheus' classic quantile
+  prometheus_snapshot(url, seconds, match="")      the same figures from a Prometheus server
+  Targets(ttft_p95_ms, tpot_p95_ms)                SLOs for the prefill and decode findings
+A report is a JSON-ready dict: engine, ttft_ms, itl_ms, tpot_ms, e2e_ms, queue_ms, prefill_ms,
+decode_ms (each p50, p95, p99, mean, n), running, waiting, kv_cache_usage, preemptions,
+prefix_cache_hit_rate, prompt_tok_s, gen_tok_s, mfu, bandwidth_util, diagnosis (bottleneck,
+evidence, levers), warnings.
+
+Exit codes: 0 report printed (with or without findings), 2 usage error (bad flag, missing
+file, unknown GPU), 3 server or Prometheus unreachable or answering an HTTP error, 4 the answer
+is not usable metrics (HTML page, empty or truncated scrape, neither vLLM nor SGLang),
+130 interrupted (the window measured so far is still reported).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import ServerError, UsageError  # noqa: E402
+
+QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
+
+
+class InvalidScrape(Exception):
+    """The text is not usable Prometheus metrics of vLLM or SGLang: exit 4, one line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus text exposition format (0.0.4, and the OpenMetrics variant prometheus_client serves)
+
+@dataclass
+class Exposition:
+    """Samples by name: {name: [(labels, value), ...]}; `types` from `# TYPE` lines."""
+    samples: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
+    types: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(,?)')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def _labels(line: str, start: int) -> tuple[dict[str, str], int]:
+    """Parse `{a="1",b="2"}` from line[start] == '{'; return the labels and the index after '}'."""
+    labels: dict[str, str] = {}
+    pos = start + 1
+    while True:
+        while pos < len(line) and line[pos] == " ":
+            pos += 1
+        if pos < len(line) and line[pos] == "}":
+            return labels, pos + 1
+        match = _LABEL.match(line, pos)
+        if not match:
+            raise ValueError("bad label set")
+        value = match.group(2)
+        if "\\" in value:
+            value = re.sub(r'\\[\\"n]', lambda m: _UNESCAPE[m.group(0)], value)
+        labels[match.group(1)] = value
+        pos = match.end()
+        if not match.group(3) and not line.startswith("}", pos):
+            raise ValueError("bad label set")
+
+
+def _sample(line: str) -> tuple[str, dict[str, str], float]:
+    match = _NAME.match(line)
+    if not match:
+        raise ValueError("no metric name")
+    name, pos, labels = match.group(0), match.end(), {}
+    if line.startswith("{", pos):
+        labels, pos = _labels(line, pos)
+    parts = line[pos:].split()
+    if not 1 <= len(parts) <= 2 or (line[pos:pos + 1] not in (" ", "\t")):
+        raise ValueError("expected a value (and an optional timestamp) after the name")
+    return name, labels, float(parts[0])
+
+
+def parse_exposition(text: str) -> Exposition:
+    """Parse the Prometheus text format; reject what is not metrics with one clear line."""
+    if not text.strip():
+        raise InvalidScrape("the scrape is empty: the server sent no metrics "
+                            "(vLLM with --disable-log-stats? SGLang without --enable-metrics?)")
+    head = text.lstrip()[:500].lower()
+    if head.startswith("<") or "<html" in head:
+        raise InvalidScrape("this is an HTML page, not Prometheus metrics: point at the engine's "
+                            "own port (vLLM /metrics, SGLang /metrics with --enable-metrics)")
+    result = Exposition()
+    lines = text.split("\n")
+    for number, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            words = line.split(None, 3)
+            if len(words) >= 4 and words[1] == "TYPE":
+                result.types[words[2]] = words[3].strip()
+            continue
+        try:
+            name, labels, value = _sample(line)
+        except ValueError as exc:
+            cut = number == len(lines) and not text.endswith("\n")
+            if cut:
+                raise InvalidScrape(f"the scrape is truncated: its last line is cut ({line[:80]!r}); "
+                                    "scrape again or save the whole response")
+            raise InvalidScrape(f"line {number} is not Prometheus text format ({exc}): {line[:80]!r}")
+        result.samples.setdefault(name, []).append((labels, value))
+    _check_histograms(result)
+    if not text.endswith("\n"):
+        result.warnings.append("the scrape does not end with a newline: it may be truncated")
+    return result
+
+
+def _check_histograms(exposition: Exposition) -> None:
+    """A histogram series without its +Inf bucket or _count means the text was cut short."""
+    for family, kind in exposition.types.items():
+        if kind != "histogram":
+            continue
+        buckets = exposition.samples.get(family + "_bucket", [])
+        series = {_series_key(labels) for labels, _ in buckets}
+        complete = {_series_key(labels) for labels, _ in buckets if labels.get("le") == "+Inf"}
+        counted = {_series_key(labels) for labels, _ in exposition.samples.get(family + "_count", [])}
+        if series - complete or series - counted:
+            raise InvalidScrape(f"the scrape is truncated: histogram {family} lacks its +Inf bucket "
+                                "or _count; scrape again or save the whole response")
+
+
+def _series_key(labels: Mapping[str, str]) -> tuple:
+    return tuple(sorted((k, v) for k, v in labels.items() if k != "le"))
+
+
+# ---------------------------------------------------------------------------------------------
+# histogram_quantile, as Prometheus computes it for classic histograms
+# (prometheus/prometheus promql/quantile.go, bucketQuantile)
+
+def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float:
+    """The q-quantile of cumulative (upper bound, count) buckets, as PromQL histogram_quantile.
+
+    Linear interpolation inside the bucket (from 0 for the first one); a rank in the +Inf
+    bucket returns the largest finite bound (a floor: see `quantile_bucket`); NaN when there
+    are no observations, fewer than two buckets, or no +Inf bucket.
+    """
+    if math.isnan(q):
+        return math.nan
+    if q < 0:
+        return -math.inf
+    if q > 1:
+        return math.inf
+    ordered = _prepared(buckets)
+    if ordered is None:
+        return math.nan
+    bounds, counts = ordered
+    rank = q * counts[-1]
+    index = _rank_index(rank, counts)
+    if index == len(counts) - 1:
+        return bounds[-2]
+    if index == 0 and bounds[0] <= 0:
+        return bounds[0]
+    start = bounds[index - 1] if index > 0 else 0.0
+    below = counts[index - 1] if index > 0 else 0.0
+    if counts[index] == below:  # q = 0 over an empty first bucket: Go's 0/0 gives NaN
+        return math.nan
+    return start + (bounds[index] - start) * (rank - below) / (counts[index] - below)
+
+
+def quantile_bucket(q: float, buckets: Iterable[tuple[float, float]]) -> tuple[float, float] | None:
+    """The (lower, upper) bounds of the bucket the q-quantile falls in; None when undefined.
+
+    An upper bound of +Inf means histogram_quantile's value is only a floor; a lower bound of 0
+    (the first bucket) means the value is interpolated from an assumed 0, so only a ceiling.
+    """
+    ordered = _prepared(buckets)
+    if ordered is None or not 0 <= q <= 1:
+        return None
+    bounds, counts = ordered
+    index = _rank_index(q * counts[-1], counts)
+    return (bounds[index - 1] if index > 0 else min(0.0, bounds[0])), bounds[index]
+
+
+def _rank_index(rank: float, counts: list[float]) -> int:
+    """The first bucket whose cumulative count reaches the rank (the +Inf one is not searched)."""
+    return next((i for i in range(len(counts) - 1) if counts[i] >= rank), len(counts) - 1)
+
+
+def _prepared(buckets: Iterable[tuple[float, float]]) -> tuple[list[float], list[float]] | None:
+    """Sorted, merged, monotonic bounds and counts; None where Prometheus answers NaN."""
+    ordered = sorted(buckets, key=lambda b: b[0])
+    if not ordered or not math.isinf(ordered[-1][0]):
+        return None
+    bounds: list[float] = []
+    counts: list[float] = []
+    for bound, count in ordered:  # buckets with the same bound are added up
+        if bounds and bounds[-1] == bound:
+            counts[-1] += count
+        else:
+            bounds.append(bound)
+            counts.append(count)
+    if len(bounds) < 2:
+        return None
+    previous = counts[0]
+    for i in range(1, len(counts)):  # float noise (relative 1e-12) is smoothed away
+        delta = abs(counts[i] - previous)
+        if delta and delta / counts[i] <= 1e-12:
+            counts[i] = previous
+        elif delta:
+            previous = counts[i]
+    for i in range(1, len(counts)):  # other decreases are forced monotonic
+        counts[i] = max(counts[i], counts[i - 1])
+    if counts[-1] == 0:
+        return None
+    return bounds, counts
+
+
+# ---------------------------------------------------------------------------------------------
+# What each engine generation calls each figure. Candidates in order; the first one present is
+# used and the others are ignored, so a metric exposed under an old and a new name (vLLM
+# 0.9.2-0.10, or 0.11 with --show-hidden-metrics-for-version) is never counted twice.
+# Sources: /work/shared/research/metrics-anchors.md section 1 (vllm/v1/metrics/loggers.py,
+# vllm/engine/metrics.py, sglang python/sglang/srt/metrics/collector.py, PRs cited there).
+
+HISTOGRAMS: dict[str, dict[str, tuple[str, ...]]] = {
+    "ttft": {"vllm": ("vllm:time_to_first_token_seconds",),
+             "sglang": ("sglang:time_to_first_token_seconds",)},
+    # vLLM's time_per_output_token_seconds measured the gap between tokens (ITL) until its
+    # rename in 0.11 (PR #24110); SGLang's likewise until PR #3988/#4914.
+    "itl": {"vllm": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+            "sglang": ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds")},
+    "tpot": {"vllm": ("vllm:request_time_per_output_token_seconds",), "sglang": ()},
+    "e2e": {"vllm": ("vllm:e2e_request_latency_seconds",),
+            "sglang": ("sglang:e2e_request_latency_seconds",)},
+    "queue": {"vllm": ("vllm:request_queue_time_seconds",), "sglang": ("sglang:queue_time_seconds",)},
+    "prefill": {"vllm": ("vllm:request_prefill_time_seconds",), "sglang": ()},
+    "decode": {"vllm": ("vllm:request_decode_time_seconds",), "sglang": ()},
+}
+
+COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
+    "prompt_tokens": {"vllm": ("vllm:prompt_tokens_total",), "sglang": ("sglang:prompt_tokens_total",)},
+    "generation_tokens": {"vllm": ("vllm:generation_tokens_total",),
+                          "sglang": ("sglang:generation_tokens_total",)},
+    # SGLang calls a preemption a retraction.
+    "preemptions": {"vllm": ("vllm:num_preemptions_total",),
+                    "sglang": ("sglang:num_retracted_requests_total",)},
+    # vLLM counts looked-up and found prompt tokens; SGLang counts cached tokens among all
+    # prompt tokens (that SGLang's prompt_tokens include the cached ones is inferred).
+    "prefix_queries": {"vllm": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+                       "sglang": ("sglang:prompt_tokens_total",)},
+    "prefix_hits": {"vllm": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+                    "sglang": ("sglang:cached_tokens_total",)},
+    # vLLM >= 0.31 with --enable-mfu-metrics (vllm/v1/metrics/perf.py, PerfMetricsProm).
+    "flops": {"vllm": ("vllm:estimated_flops_per_gpu_total",), "sglang": ()},
+    "read_bytes": {"vllm": ("vllm:estimated_read_bytes_per_gpu_total",), "sglang": ()},
+    "write_bytes": {"vllm": ("vllm:estimated_write_bytes_per_gpu_total",), "sglang": ()},
+}
+
+# concept -> (candidates per engine, how series of several engines/ranks combine)
+GAUGES: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
+    "running": ({"vllm": ("vllm:num_requests_running",), "sglang": ("sglang:num_running_reqs",)}, "sum"),
+    "waiting": ({"vllm": ("vllm:num_requests_waiting",), "sglang": ("sglang:num_queue_reqs",)}, "sum"),
+    # vLLM's own log line averages KV usage over data-parallel engines; the max is kept too.
+    "kv_cache_usage": ({"vllm": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+                        "sglang": ("sglang:token_usage",)}, "mean"),
+    # Older engines only: vLLM V0's hit-rate gauge (-1 when prefix caching is off) and SGLang's
+    # hit rate of the last prefill batch; used when the counters are missing.
+    "prefix_hit_rate": ({"vllm": ("vllm:gpu_prefix_cache_hit_rate",), "sglang": ("sglang:cache_hit_rate",)},
+                        "mean"),
+    "retracted_now": ({"vllm": (), "sglang": ("sglang:num_retracted_reqs",)}, "sum"),
+    "queue_latency_last_s": ({"vllm": (), "sglang": ("sglang:avg_request_queue_latency",)}, "mean"),
+    "max_running": ({"vllm": (), "sglang": ("sglang:max_running_requests",)}, "sum"),
+    "kv_capacity_tokens": ({"vllm": (), "sglang": ("sglang:max_total_num_tokens",)}, "sum"),
+    # Throughput of the last logging interval: vLLM V0 (removed ~0.7) and SGLang; used only
+    # when the token counters give no rate (a single scrape without a known start time).
+    "prompt_throughput": ({"vllm": ("vllm:avg_prompt_throughput_toks_per_s",), "sglang": ()}, "sum"),
+    "gen_throughput": ({"vllm": ("vllm:avg_generation_throughput_toks_per_s",),
+                        "sglang": ("sglang:gen_throughput",)}, "sum"),
+}
+
+ENGINE_LABELS = {"vllm": "vLLM", "sglang": "SGLang"}
+
+
+def _engine(exposition: Exposition) -> str:
+    counts = {engine: sum(1 for name in exposition.samples if name.startswith(engine + ":"))
+              for engine in ENGINE_LABELS}
+    if not any(counts.values()):
+        example = next(iter(exposition.samples), "nothing")
+        raise InvalidScrape(f"these metrics are neither vLLM's nor SGLang's (no vllm: or sglang: "
+                            f"names; first is {example}): point at the engine's port, not another exporter")
+    return max(counts, key=counts.get)
+
+
+def _selected(engine: str, rows: list[tuple[dict[str, str], float]]) -> list[tuple[dict[str, str], float]]:
+    """SGLang repeats scheduler series once per TP rank of the same DP group: keep rank 0.
+
+    With priority scheduling it adds per-priority series beside an aggregate whose `priority`
+    label is empty (seen in third-party test data of SGLang scrapes): keep the aggregate.
+    """
+    if engine != "sglang":
+        return rows
+    kept = [(labels, value) for labels, value in rows
+            if labels.get("tp_rank", "0") == "0" and labels.get("attn_tp_rank", "0") == "0"]
+    if any(labels.get("priority") == "" for labels, _ in kept):
+        kept = [(labels, value) for labels, value in kept if labels.get("priority", "") == ""]
+    return kept
+
+
+def choose_metrics(engine: str, names: Iterable[str]) -> dict[str, dict[str, str]]:
+    """For each concept, the first candidate name present: {histograms|counters|gauges: {concept: name}}."""
+    present = set(names)
+
+    def first(candidates: Sequence[str], suffix: str = "") -> str | None:
+        return next((name for name in candidates if name + suffix in present), None)
+
+    chosen = {"histograms": {c: first(n[engine], "_bucket") for c, n in HISTOGRAMS.items()},
+              "counters": {c: first(n[engine]) for c, n in COUNTERS.items()},
+              "gauges": {c: first(n[engine]) for c, (n, _) in GAUGES.items()}}
+    return {kind: {c: name for c, name in found.items() if name} for kind, found in chosen.items()}
+
+
+def snapshot(text: str | Exposition, source: str = "", at: float | None = None) -> dict[str, Any]:
+    """The normalized figures of one vLLM or SGLang scrape, summed over engines / DP ranks.
+
+    {engine, source, time, start_time, models, engines, histograms: {concept: {metric, le,
+    counts, sum, count}}, counters: {concept: {metric, value, series}}, gauges: {concept:
+    {metric, value, max}}, cache_config, warnings}. `le` holds float('inf'): emit reports,
+    not snapshots, as JSON.
+    """
+    exposition = text if isinstance(text, Exposition) else parse_exposition(text)
+    engine = _engine(exposition)
+    snap: dict[str, Any] = {"engine": engine, "source": source, "time": at, "histograms": {},
+                            "counters": {}, "gauges": {}, "warnings": list(exposition.warnings)}
+    models, engines = set(), set()
+    for name, rows in exposition.samples.items():
+        if name.startswith(engine + ":"):
+            for labels, _ in rows:
+                models.add(labels.get("model_name") or labels.get("name") or "")
+                engines.add(labels.get("engine") or labels.get("dp_rank") or "")
+    snap["models"] = sorted(m for m in models if m)
+    snap["engines"] = max(1, len(engines - {""}))
+    if len(snap["models"]) > 1:
+        snap["warnings"].append(f"several models on one page ({', '.join(snap['models'])}): "
+                                "their figures are added together")
+    chosen = choose_metrics(engine, exposition.samples)
+    for concept, metric in chosen["histograms"].items():
+        snap["histograms"][concept] = _histogram(exposition, engine, metric, snap["warnings"])
+    for concept, metric in chosen["counters"].items():
+        rows = _selected(engine, exposition.samples[metric])
+        snap["counters"][concept] = {"metric": metric, "value": sum(v for _, v in rows), "series": len(rows)}
+    for concept, metric in chosen["gauges"].items():
+        values = [v for _, v in _selected(engine, exposition.samples[metric])]
+        if not values:
+            continue
+        value = sum(values) if GAUGES[concept][1] == "sum" else sum(values) / len(values)
+        snap["gauges"][concept] = {"metric": metric, "value": value, "max": max(values)}
+    info = exposition.samples.get("vllm:cache_config_info")
+    snap["cache_config"] = dict(info[0][0]) if info else {}
+    snap["start_time"] = _start_time(exposition, engine)
+    return snap
+
+
+def _histogram(exposition: Exposition, engine: str, metric: str, warnings: list[str]) -> dict[str, Any]:
+    """Buckets of every series added up (PromQL `sum by (le)`); None counts if layouts differ."""
+    series: dict[tuple, dict[float, float]] = {}
+    for labels, value in _selected(engine, exposition.samples[metric + "_bucket"]):
+        series.setdefault(_series_key(labels), {})[float(labels.get("le", "nan"))] = value
+    layouts = {tuple(sorted(b)) for b in series.values()}
+    total = {"metric": metric, "le": None, "counts": None,
+             "sum": sum(v for _, v in _selected(engine, exposition.samples.get(metric + "_sum", []))),
+             "count": sum(v for _, v in _selected(engine, exposition.samples.get(metric + "_count", [])))}
+    if len(layouts) > 1:
+        warnings.append(f"{metric}: engines use different buckets, so no quantiles are computed")
+        return total
+    if layouts:
+        bounds = sorted(next(iter(layouts)))
+        total["le"] = bounds
+        total["counts"] = [sum(b[le] for b in series.values()) for le in bounds]
+    return total
+
+
+def _start_time(exposition: Exposition, engine: str) -> float | None:
+    """When the server started: process_start_time_seconds, else the oldest `_created` sample."""
+    starts = exposition.samples.get("process_start_time_seconds")
+    if starts:
+        return min(v for _, v in starts)
+    created = [v for name, rows in exposition.samples.items()
+               if name.startswith(engine + ":") and name.endswith("_created") for _, v in rows]
+    return min(created) if created else None
+
+
+def merge(snapshots: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several replicas as one server: counters and buckets added, gauges added or averaged."""
+    if len(snapshots) == 1:
+        return snapshots[0]
+    engines = {s["engine"] for s in snapshots}
+    if len(engines) > 1:
+        raise UsageError("the URLs mix vLLM and SGLang servers: aggregate one engine at a time")
+    merged: dict[str, Any] = {
+        "engine": engines.pop(), "source": ", ".join(s["source"] for s in snapshots),
+        "time": max((s["time"] for s in snapshots if s["time"] is not None), default=None),
+        "start_time": min((s["start_time"] for s in snapshots if s["start_time"]), default=None),
+        "models": sorted({m for s in snapshots for m in s["models"]}),
+        "engines": sum(s["engines"] for s in snapshots), "histograms": {}, "counters": {}, "gauges": {},
+        "cache_config": {}, "warnings": [w for s in snapshots for w in s["warnings"]],
+    }
+    for concept in HISTOGRAMS:
+        parts = [s["histograms"][concept] for s in snapshots if concept in s["histograms"]]
+        if parts:
+            merged["histograms"][concept] = _add_histograms(parts, merged["warnings"])
+    for concept in COUNTERS:
+        parts = [s["counters"][concept] for s in snapshots if concept in s["counters"]]
+        if parts:
+            merged["counters"][concept] = {"metric": parts[0]["metric"], "value": sum(p["value"] for p in parts),
+                                           "series": sum(p["series"] for p in parts)}
+    for concept, (_, how) in GAUGES.items():
+        parts = [s["gauges"][concept] for s in snapshots if concept in s["gauges"]]
+        if parts:
+            values = [p["value"] for p in parts]
+            merged["gauges"][concept] = {"metric": parts[0]["metric"], "max": max(p["max"] for p in parts),
+                                         "value": sum(values) if how == "sum" else sum(values) / len(values)}
+    return merged
+
+
+def _add_histograms(parts: Sequence[dict[str, Any]], warnings: list[str]) -> dict[str, Any]:
+    total = {"metric": parts[0]["metric"], "le": parts[0]["le"], "counts": parts[0]["counts"],
+             "sum": sum(p["sum"] for p in parts), "count": sum(p["count"] for p in parts)}
+    if any(p["le"] != total["le"] or p["counts"] is None for p in parts):
+        warnings.append(f"{total['metric']}: servers use different buckets, so no quantiles are computed")
+        total["le"] = total["counts"] = None
+    elif total["counts"] is not None:
+        total["counts"] = [sum(values) for values in zip(*(p["counts"] for p in parts))]
+    return total
+
+
+def difference(before: dict[str, Any], after: dict[str, Any],
+               during: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """What happened between two snapshots of the same server(s): counters and buckets as
+    increases, gauges as at the end with their peak over `before`, `during` and `after`.
+
+    A counter that went down, or a new start time, means the server restarted in between:
+    then, as Prometheus does for a counter reset, the increase is the value after the restart
+    (`after` alone), and a warning says so.
+    """
+    if before["engine"] != after["engine"]:
+        raise UsageError("the two scrapes come from different engines: compare scrapes of one server")
+    delta = {key: after[key] for key in ("engine", "source", "models", "engines", "cache_config", "start_time")}
+    delta["warnings"] = list(after["warnings"])
+    delta["time"] = after["time"]
+    delta["seconds"] = (after["time"] - before["time"]
+                        if after["time"] is not None and before["time"] is not None else None)
+    restarted = _restarted(before, after)
+    if restarted:
+        delta["warnings"].append(f"the server restarted between the scrapes ({restarted}): "
+                                 "figures cover the time since the restart")
+        before = {"histograms": {}, "counters": {}}
+    delta["histograms"] = {}
+    for concept, hist in after["histograms"].items():
+        old = before["histograms"].get(concept)
+        if old is None:
+            delta["histograms"][concept] = hist
+            continue
+        if old["le"] != hist["le"] or hist["counts"] is None:
+            delta["warnings"].append(f"{hist['metric']}: buckets changed between scrapes, no quantiles")
+            delta["histograms"][concept] = {**hist, "le": None, "counts": None,
+                                            "sum": hist["sum"] - old["sum"], "count": hist["count"] - old["count"]}
+            continue
+        delta["histograms"][concept] = {
+            "metric": hist["metric"], "le": hist["le"],
+            "counts": [a - b for a, b in zip(hist["counts"], old["counts"])],
+            "sum": hist["sum"] - old["sum"], "count": hist["count"] - old["count"]}
+    delta["counters"] = {concept: {**c, "value": c["value"] - before["counters"].get(concept, {"value": 0})["value"]}
+                         for concept, c in after["counters"].items()}
+    delta["gauges"] = {}
+    sampled = [*during, after] if restarted else [before, *during, after]
+    for concept, gauge in after["gauges"].items():
+        peak = max(s["gauges"][concept]["max"] for s in sampled if concept in s["gauges"])
+        running = [s["gauges"][concept]["value"] for s in sampled if concept in s["gauges"]]
+        delta["gauges"][concept] = {**gauge, "max": peak, "peak_value": max(running)}
+    return delta
+
+
+def _restarted(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """Why the two snapshots cannot be subtracted, or '' when they can."""
+    if before["start_time"] and after["start_time"] and abs(before["start_time"] - after["start_time"]) > 1e-3:
+        return "its start time changed"
+    for concept, counter in after["counters"].items():
+        if counter["value"] < before["counters"].get(concept, {"value": 0})["value"]:
+            return f"{counter['metric']} went down"
+    for concept, hist in after["histograms"].items():
+        if hist["count"] < before["histograms"].get(concept, {"count": 0})["count"]:
+            return f"{hist['metric']}_count went down"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Report and diagnosis
+
+@dataclass
+class Targets:
+    """Latency targets (SLOs) that the prefill and decode findings are judged against."""
+    ttft_p95_ms: float | None = None
+    tpot_p95_ms: float | None = None
+
+
+def _latency(hist: dict[str, Any] | None, precomputed: Mapping[str, float | None] | None = None) -> dict[str, Any]:
+    """p50/p95/p99/mean in ms, n, the metric used, and which quantiles are only floors.
+
+    `precomputed` holds quantiles and the mean, in seconds, that Prometheus already computed.
+    """
+    empty = {"p50": None, "p95": None, "p99": None, "mean": None, "n": 0, "metric": None,
+             "at_least": [], "at_most": [], "bucket_ms": {}}
+    if not hist:
+        return empty
+    result = {**empty, "metric": hist["metric"], "n": int(round(hist["count"]))}
+    if hist["count"] > 0:
+        result["mean"] = hist["sum"] / hist["count"] * 1000
+    if precomputed:
+        result.update({name: None if precomputed.get(name) is None else precomputed[name] * 1000
+                       for name in [*QUANTILES, "mean"]})
+    if hist["counts"] is not None:
+        buckets = list(zip(hist["le"], hist["counts"]))
+        for name, q in QUANTILES.items():
+            value = histogram_quantile(q, buckets)
+            result[name] = None if math.isnan(value) else value * 1000
+            bucket = quantile_bucket(q, buckets)
+            if result[name] is not None and bucket:
+                result["bucket_ms"][name] = [bucket[0] * 1000, None if math.isinf(bucket[1]) else bucket[1] * 1000]
+                if math.isinf(bucket[1]):
+                    result["at_least"].append(name)
+                elif bucket[0] == 0:
+                    result["at_most"].append(name)
+    return result
+
+
+def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
+           slo: Targets | None = None) -> dict[str, Any]:
+    """The report of one snapshot (since server start) or of a `difference` (a window)."""
+    windowed = "seconds" in snap
+    seconds = snap["seconds"] if windowed else (
+        snap["time"] - snap["start_time"] if snap.get("time") and snap.get("start_time") else None)
+    counters, gauges = snap["counters"], snap["gauges"]
+
+    def count(concept: str) -> float | None:
+        return counters[concept]["value"] if concept in counters else None
+
+    def per_second(concept: str) -> float | None:
+        value = count(concept)
+        return value / seconds if value is not None and seconds else None
+
+    result: dict[str, Any] = {
+        "engine": snap["engine"], "source": snap["source"], "models": snap["models"],
+        "engines": snap["engines"], "mode": "window" if windowed else "since_start",
+        "seconds": seconds, "warnings": list(snap["warnings"]),
+    }
+    for concept in HISTOGRAMS:
+        result[f"{concept}_ms"] = _latency(snap["histograms"].get(concept), snap.get("prometheus", {}).get(concept))
+    if "queue" not in snap["histograms"] and "queue_latency_last_s" in gauges:
+        result["queue_ms"]["mean"] = gauges["queue_latency_last_s"]["value"] * 1000
+        result["queue_ms"]["metric"] = gauges["queue_latency_last_s"]["metric"] + " (last batch)"
+    for concept in ("running", "waiting"):
+        gauge = gauges.get(concept)
+        result[concept] = gauge["value"] if gauge else None
+        result[f"{concept}_peak"] = gauge.get("peak_value", gauge["value"]) if gauge else None
+    kv = gauges.get("kv_cache_usage")
+    result["kv_cache_usage"] = kv["value"] if kv else None
+    result["kv_cache_usage_max"] = kv["max"] if kv else None
+    result["kv_cache_tokens"] = _int_or_none(snap["cache_config"].get("kv_cache_size_tokens")
+                                             or gauges.get("kv_capacity_tokens", {}).get("value"))
+    result["preemptions"] = count("preemptions")
+    if result["preemptions"] is None and "retracted_now" in gauges:
+        result["preemptions"] = gauges["retracted_now"]["value"]
+    result["requests"] = result["e2e_ms"]["n"]
+    result["prefix_cache_hit_rate"], result["prefix_cache_queries"] = _prefix_hit_rate(snap)
+    result["prompt_tok_s"] = per_second("prompt_tokens")
+    result["gen_tok_s"] = per_second("generation_tokens")
+    for key, concept in (("prompt_tok_s", "prompt_throughput"), ("gen_tok_s", "gen_throughput")):
+        if result[key] is None and concept in gauges:
+            result[key] = gauges[concept]["value"]
+            result["warnings"].append(f"{key} is {gauges[concept]['metric']}, the engine's figure "
+                                      "for its last logging interval")
+    result["prompt_tokens"] = count("prompt_tokens")
+    generated = count("generation_tokens")
+    result["tokens_per_request"] = ((result["prompt_tokens"] or 0) + (generated or 0)) / result["requests"] \
+        if result["requests"] and result["prompt_tokens"] is not None else None
+    # Little's law over the requests that finished: time spent running (prefill + decode) or
+    # queued, divided by the interval, is the mean number running or waiting.
+    busy = [snap["histograms"][c]["sum"] for c in ("prefill", "decode") if c in snap["histograms"]]
+    result["running_mean"] = sum(busy) / seconds if len(busy) == 2 and seconds else None
+    queued = snap["histograms"].get("queue")
+    result["waiting_mean"] = queued["sum"] / seconds if queued and seconds else None
+    result["max_running"] = gauges["max_running"]["value"] if "max_running" in gauges else None
+    result.update(_utilisation(snap, seconds, gpu))
+    if not windowed:
+        result["warnings"].append("since server start: quantiles and rates mix all history; "
+                                  "use --window for what happens now")
+    result["diagnosis"] = diagnose(result, slo or Targets())
+    return result
+
+
+def _int_or_none(text: Any) -> int | None:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def _prefix_hit_rate(snap: dict[str, Any]) -> tuple[float | None, float | None]:
+    queries = snap["counters"].get("prefix_queries", {}).get("value")
+    hits = snap["counters"].get("prefix_hits", {}).get("value")
+    if queries is not None and hits is not None:
+        return (hits / queries if queries > 0 else None), queries
+    gauge = snap["gauges"].get("prefix_hit_rate")
+    if gauge and gauge["value"] >= 0:  # vLLM V0 reports -1 when prefix caching is off
+        return gauge["value"], None
+    return None, None
+
+
+def _utilisation(snap: dict[str, Any], seconds: float | None, gpu: Mapping[str, Any] | None) -> dict[str, Any]:
+    """MFU and bandwidth utilisation from vLLM's estimated FLOPs and bytes per GPU."""
+    result = {"gpu": gpu.get("name") if gpu else None, "mfu": None, "bandwidth_util": None,
+              "tflops_per_gpu": None, "tb_s_per_gpu": None}
+    flops = snap["counters"].get("flops")
+    if not flops or not seconds or flops["value"] <= 0:
+        return result
+    per_gpu = 1 / (seconds * max(1, flops["series"]))  # the counters are per GPU, one per engine
+    moved = sum(snap["counters"][c]["value"] for c in ("read_bytes", "write_bytes") if c in snap["counters"])
+    result["tflops_per_gpu"] = flops["value"] * per_gpu / 1e12
+    result["tb_s_per_gpu"] = moved * per_gpu / 1e12
+    if gpu and gpu.get("bf16_dense_tflops"):
+        result["mfu"] = result["tflops_per_gpu"] / gpu["bf16_dense_tflops"]
+    if gpu and gpu.get("bandwidth_tb_s"):
+        result["bandwidth_util"] = result["tb_s_per_gpu"] / gpu["bandwidth_tb_s"]
+    return result
+
+
+# Rules of thumb the findings use (the skill's diagnosis table; change them together).
+QUEUE_SHARE = 0.2           # requests spend a fifth or more of their time waiting for a slot
+KV_FULL = 0.9               # KV usage at which vLLM/SGLang start to hold requests back
+PREFIX_LOW = 0.2            # prefix-cache hit rate below which long prompts are mostly recomputed
+PREFIX_LONG_PROMPT = 512    # mean prompt tokens from which recomputing a shared prefix costs real prefill
+
+# Engine flags the levers name (vLLM / SGLang, as serve.py renders the profile keys).
+FLAGS = {
+    "vllm": {"seqs": "--max-num-seqs", "batched": "--max-num-batched-tokens",
+             "memory": "--gpu-memory-utilization or --kv-cache-memory-bytes", "kv_fp8": "--kv-cache-dtype fp8",
+             "len": "--max-model-len", "tp": "--tensor-parallel-size", "dp": "--data-parallel-size",
+             "spec": "--speculative-config", "prefix": "--enable-prefix-caching"},
+    "sglang": {"seqs": "--max-running-requests", "batched": "--chunked-prefill-size",
+               "memory": "--mem-fraction-static", "kv_fp8": "--kv-cache-dtype fp8_e4m3",
+               "len": "--context-length", "tp": "--tp-size", "dp": "--dp-size",
+               "spec": "--speculative-algorithm", "prefix": "the radix cache (drop --disable-radix-cache)"},
+}
+
+LEVERS = {
+    "queue": ["let more requests run at once: raise {seqs} if the KV cache has room (see the limit finding)",
+              "add replicas or data-parallel engines ({dp}) and spread the load",
+              "cut the load per server: rate-limit, or lower max_tokens where answers allow"],
+    "prefill": ["reuse prefill: keep shared prompt prefixes byte-stable so the prefix cache hits",
+                "tune chunked prefill: a larger {batched} prefills faster (ITL gets spikier)",
+                "more compute per request: tensor parallel ({tp}) or FP8 weights",
+                "at scale, separate prefill and decode servers (disaggregated serving)"],
+    "decode": ["smaller decode batches: lower {seqs} (faster tokens, less throughput)",
+               "speculative decoding ({spec}) when the batch is small",
+               "fewer bytes per token: FP8/INT4 weights, {kv_fp8}",
+               "more memory bandwidth: tensor parallel ({tp})"],
+    "kv_cache": ["give the KV cache more memory: raise {memory}",
+                 "halve KV bytes per token: {kv_fp8}",
+                 "lower {len} to what requests really need",
+                 "more GPUs for the same model: tensor parallel ({tp}); or quantize weights to free memory"],
+    "seqs_limit": ["raise {seqs}: the KV cache has room for more running requests",
+                   "raise {batched} with it so the larger batch still prefills in one step",
+                   "add replicas ({dp}) when the KV cache is the next limit"],
+    "preemptions": ["more KV room: raise {memory}, {kv_fp8}, lower {len}",
+                    "admit fewer requests at once: lower {seqs} (or {batched})",
+                    "more GPUs: tensor parallel ({tp})"],
+    "prefix_cache": ["make sure prefix caching is on: {prefix}",
+                     "put shared content first and keep it byte-identical (no timestamps or ids in system prompts)",
+                     "send requests that share a prefix to the same replica (cache-aware routing)",
+                     "give the cache more memory ({memory}) so prefixes survive between requests"],
+}
+
+
+def _finding(report_: dict[str, Any], bottleneck: str, evidence: str) -> dict[str, Any]:
+    flags = FLAGS[report_["engine"]]
+    return {"bottleneck": bottleneck, "evidence": evidence,
+            "levers": [lever.format(**flags) for lever in LEVERS[bottleneck]]}
+
+
+def _ms(value: float | None, bound: str = "") -> str:
+    """Milliseconds for people; `bound` ">=" or "<=" marks a quantile that is only a floor or ceiling."""
+    if value is None:
+        return "n/a"
+    prefix = bound
+    return f"{prefix}{value / 1000:.3g} s" if value >= 1000 else f"{prefix}{value:.3g} ms"
+
+
+def _quantile(row: dict[str, Any], name: str) -> str:
+    """A quantile for people: in the first bucket only its upper bound is known, in the +Inf
+    bucket only its lower bound (histogram_quantile's interpolation there is not a measurement)."""
+    if name in row["at_most"]:
+        return _ms(row["bucket_ms"][name][1], "<=")
+    return _ms(row[name], ">=" if name in row["at_least"] else "")
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:.1f}%"
+
+
+def diagnose(r: dict[str, Any], slo: Targets) -> list[dict[str, Any]]:
+    """Findings in the skill's order: queue or prefill, decode, KV or seqs limit, preemptions,
+    prefix-cache hits. Each names the bottleneck, the numbers, and the levers in order."""
+    findings = []
+    queue, e2e, ttft = r["queue_ms"], r["e2e_ms"], r["ttft_ms"]
+    share = queue["mean"] / e2e["mean"] if queue["mean"] is not None and e2e["mean"] else None
+    waiting = r["waiting_peak"] or 0
+    queued = (share is not None and share >= QUEUE_SHARE) or (not e2e["n"] and waiting > 0)
+    if queued:
+        findings.append(_finding(r, "queue", (
+            f"requests wait for a slot: queue p95 {_quantile(queue, 'p95')}, "
+            f"mean {_ms(queue['mean'])} = {_pct(share)} of e2e{_seen(r)}; TTFT p95 {_quantile(ttft, 'p95')}")))
+    elif slo.ttft_p95_ms and ttft["p95"] is not None and ttft["p95"] > slo.ttft_p95_ms:
+        prefill = r["prefill_ms"]
+        findings.append(_finding(r, "prefill", (
+            f"TTFT p95 {_quantile(ttft, 'p95')} > target {_ms(slo.ttft_p95_ms)} with little queueing "
+            f"(queue {_pct(share)} of e2e): prefill p95 {_quantile(prefill, 'p95')}, "
+            f"prompt {_rate(r['prompt_tok_s'])} tok/s")))
+    per_token = r["tpot_ms"] if r["tpot_ms"]["p95"] is not None else r["itl_ms"]
+    if slo.tpot_p95_ms and per_token["p95"] is not None and per_token["p95"] > slo.tpot_p95_ms:
+        findings.append(_finding(r, "decode", (
+            f"{'TPOT' if per_token is r['tpot_ms'] else 'ITL'} p95 {_quantile(per_token, 'p95')} > target "
+            f"{_ms(slo.tpot_p95_ms)} with up to {r['running_peak'] or 0:g} running; generation "
+            f"{_rate(r['gen_tok_s'])} tok/s, bandwidth utilisation {_pct(r['bandwidth_util'])}")))
+    kv_max = r["kv_cache_usage_max"]
+    if queued or waiting > 0:
+        findings += _limit_findings(r, kv_max)
+    if r["preemptions"]:
+        per_request = f", {r['preemptions'] / r['requests']:.2g} per finished request" if r["requests"] else ""
+        findings.append(_finding(r, "preemptions", (
+            f"{r['preemptions']:g} preemptions{per_request}: requests lost their KV blocks and were "
+            f"recomputed{_kv_usage(r, kv_max)}")))
+    hit_rate = r["prefix_cache_hit_rate"]
+    mean_prompt = r["prompt_tokens"] / r["requests"] if r["prompt_tokens"] and r["requests"] else None
+    if hit_rate is not None and hit_rate < PREFIX_LOW and mean_prompt and mean_prompt >= PREFIX_LONG_PROMPT:
+        findings.append(_finding(r, "prefix_cache", (
+            f"prefix-cache hit rate {_pct(hit_rate)} with {mean_prompt:.0f}-token prompts on "
+            f"average: most prompt tokens are computed again")))
+    return findings
+
+
+def _limit_findings(r: dict[str, Any], kv_max: float | None) -> list[dict[str, Any]]:
+    """Why requests wait: a full KV cache, or the cap on running requests while memory is free.
+
+    The KV gauge is sampled, and a busy server may answer its scrapes only after the load, so
+    preemptions also prove a full cache, and Little's law (requests running on average times
+    tokens per request, from the histograms of finished requests) proves free room.
+    """
+    if (kv_max is not None and kv_max >= KV_FULL) or r["preemptions"]:
+        return [_finding(r, "kv_cache", (
+            f"the KV cache fills up while requests wait: {r['preemptions'] or 0:g} preemptions"
+            f"{_kv_usage(r, kv_max)}{_seen(r)}"))]
+    footprint = r["tokens_per_request"]
+    if r["running_mean"] and footprint and r["kv_cache_tokens"]:
+        needed = r["running_mean"] * footprint
+        if needed < r["kv_cache_tokens"] / 2:
+            return [_finding(r, "seqs_limit", (
+                f"requests wait while the KV cache has room: {r['running_mean']:.1f} requests ran at a "
+                f"time on average, about {needed:,.0f} of {r['kv_cache_tokens']:,} KV tokens "
+                f"({footprint:,.0f} per request){_seen(r)}{_cap(r)}"))]
+        return []
+    if kv_max is not None and (r["running_peak"] or r["waiting_peak"]):
+        return [_finding(r, "seqs_limit", (
+            f"requests wait while the KV cache has room: usage at most {_pct(kv_max)}"
+            f"{_seen(r)}{_cap(r)}: the running-requests cap, not memory, holds them back"))]
+    return []
+
+
+def _rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.0f}"
+
+
+def _kv_size(r: dict[str, Any]) -> str:
+    return f" of {r['kv_cache_tokens']:,} tokens" if r.get("kv_cache_tokens") else ""
+
+
+def _kv_usage(r: dict[str, Any], kv_max: float | None) -> str:
+    """The sampled KV usage where it showed anything, and the cache size."""
+    if kv_max:
+        return f"; KV usage up to {_pct(kv_max)}{_kv_size(r)}"
+    return f"; the KV cache holds {r['kv_cache_tokens']:,} tokens" if r.get("kv_cache_tokens") else ""
+
+
+def _seen(r: dict[str, Any]) -> str:
+    """The running/waiting gauges where they caught requests (a busy server may answer its
+    scrapes only after the load, so samples can miss the peak)."""
+    seen = [f"{name} up to {r[name + '_peak']:g}" for name in ("waiting", "running") if r[name + "_peak"]]
+    return "; " + ", ".join(seen) if seen else ""
+
+
+def _cap(r: dict[str, Any]) -> str:
+    return f" of max {r['max_running']:g}" if r.get("max_running") else ""
+
+
+def window(before: dict[str, Any], after: dict[str, Any], during: Sequence[dict[str, Any]] = (),
+           gpu: Mapping[str, Any] | None = None, slo: Targets | None = None) -> dict[str, Any]:
+    """The report of the interval between two snapshots (see `difference`)."""
+    return report(difference(before, after, during), gpu, slo)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources: scrape a URL, read files, ask Prometheus
+
+def metrics_url(url: str) -> str:
+    """The /metrics URL of a server given by its base URL (or by the /metrics URL itself)."""
+    url = common.normalize_url(url)
+    return url if url.endswith("/metrics") else url + "/metrics"
+
+
+def scrape(url: str, api_key: str | None = None, timeout: float = 30.0,
+           transport: httpx.BaseTransport | None = None) -> tuple[str, float]:
+    """GET the /metrics page of `url` (a base URL or the /metrics URL); (text, unix time)."""
+    target = metrics_url(url)
+    base, path = target.rsplit("/", 1)
+    with common.client(base, api_key, timeout, max_connections=1, transport=transport) as http:
+        try:
+            response = http.get("/" + path)
+        except httpx.HTTPError as exc:
+            raise ServerError(f"cannot reach {target}: {type(exc).__name__}: {exc}".rstrip(": "))
+    if response.status_code == 404:
+        raise ServerError(f"GET {target} answered HTTP 404: no metrics there "
+                          "(vLLM serves /metrics on its API port; SGLang needs --enable-metrics)")
+    if response.status_code >= 400:
+        raise ServerError(f"GET {target} answered HTTP {response.status_code}: {response.text[:120].strip()}")
+    return response.text, time.time()
+
+
+def read_file(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"metrics file {path} does not exist: save a scrape with "
+                         "`curl -s http://HOST:PORT/metrics > scrape.txt`")
+    return file.read_text(encoding="utf-8", errors="replace")
+
+
+def promql_queries(chosen: dict[str, dict[str, str]], seconds: float, match: str = "") -> dict[str, str]:
+    """The PromQL for each figure over the last `seconds` (names from `choose_metrics`).
+
+    The same forms as vLLM's and SGLang's Grafana dashboards: histogram_quantile over
+    `sum by (le) (rate(..._bucket[range]))`, pooled means sum(rate(_sum))/sum(rate(_count)).
+    """
+    sel = "{" + match + "}" if match else ""
+    rng = f"{max(1, round(seconds))}s"
+    queries: dict[str, str] = {}
+    for concept, metric in chosen["histograms"].items():
+        for name, q in QUANTILES.items():
+            queries[f"{concept}.{name}"] = f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{sel}[{rng}])))"
+        queries[f"{concept}.mean"] = f"sum(rate({metric}_sum{sel}[{rng}])) / sum(rate({metric}_count{sel}[{rng}]))"
+        queries[f"{concept}.n"] = f"sum(increase({metric}_count{sel}[{rng}]))"
+    for concept, metric in chosen["counters"].items():
+        queries[f"counter.{concept}"] = f"sum(increase({metric}{sel}[{rng}]))"
+        queries[f"counter.{concept}.series"] = f"count({metric}{sel})"
+    for concept, metric in chosen["gauges"].items():
+        agg = "sum" if GAUGES[concept][1] == "sum" else "avg"
+        queries[f"gauge.{concept}"] = f"{agg}({metric}{sel})"
+        queries[f"gauge.{concept}.max"] = f"max(max_over_time({metric}{sel}[{rng}]))"
+        queries[f"gauge.{concept}.peak"] = f"max_over_time({agg}({metric}{sel})[{rng}:])"
+    return queries
+
+
+def prometheus_snapshot(base_url: str, seconds: float, match: str = "", api_key: str | None = None,
+                        timeout: float = 30.0, transport: httpx.BaseTransport | None = None) -> dict[str, Any]:
+    """Ask a Prometheus server (HTTP API /api/v1/query) about the last `seconds` of a fleet.
+
+    Returns what `difference` returns, for `report`; the quantiles are Prometheus' own
+    (histogram_quantile over rate()), carried under the `prometheus` key.
+    """
+    scope = ", " + match if match else ""
+    with common.client(common.normalize_url(base_url), api_key, timeout, transport=transport) as http:
+        def query(expr: str) -> list[dict[str, Any]]:
+            data = common.get_json(http, "/api/v1/query", params={"query": expr})
+            if not isinstance(data, dict) or data.get("status") != "success" or "data" not in data:
+                raise ServerError(f"{base_url} is not a Prometheus API or refused {expr!r}: "
+                                  f"{data.get('error', 'no data') if isinstance(data, dict) else 'not an object'}")
+            return data["data"]["result"]
+
+        def scalar(expr: str) -> float | None:
+            rows = query(expr)
+            value = float(rows[0]["value"][1]) if rows else math.nan
+            return None if math.isnan(value) or math.isinf(value) else value
+
+        names = {row["metric"]["__name__"]
+                 for row in query('count by (__name__) ({__name__=~"vllm:.+|sglang:.+"' + scope + "})")}
+        engines = {name.split(":", 1)[0] for name in names}
+        if not engines:
+            raise InvalidScrape(f"Prometheus at {base_url} holds no vllm: or sglang: series{scope}: "
+                                "is it scraping the engines?")
+        if len(engines) > 1:
+            raise UsageError("Prometheus holds both vLLM and SGLang series: select one with --match, "
+                             "e.g. --match 'job=\"vllm\"'")
+        engine = engines.pop()
+        models = sorted(row["metric"].get("model_name", "") for row in
+                        query(f'count by (model_name) ({{__name__=~"{engine}:.+"{scope}}})'))
+        chosen = choose_metrics(engine, names)
+        values = {key: scalar(expr) for key, expr in promql_queries(chosen, seconds, match).items()}
+    return _prometheus_figures(engine, base_url, seconds, chosen, values, [m for m in models if m])
+
+
+def _prometheus_figures(engine: str, source: str, seconds: float, chosen: dict[str, dict[str, str]],
+                        values: Mapping[str, float | None], models: list[str]) -> dict[str, Any]:
+    snap: dict[str, Any] = {"engine": engine, "source": source, "time": time.time(), "seconds": seconds,
+                            "start_time": None, "models": models, "engines": 1, "cache_config": {},
+                            "histograms": {}, "counters": {}, "gauges": {}, "prometheus": {},
+                            "warnings": ["quantiles from Prometheus' histogram_quantile over rate(): "
+                                         "one equal to a bucket's top bound may be a floor"]}
+    if len(models) > 1:
+        snap["warnings"].append(f"several models ({', '.join(models)}): figures are added together; "
+                                "select one with --match 'model_name=\"...\"'")
+    for concept, metric in chosen["histograms"].items():
+        n, mean = values[f"{concept}.n"] or 0.0, values[f"{concept}.mean"]
+        snap["histograms"][concept] = {"metric": metric, "le": None, "counts": None,
+                                       "count": n, "sum": (mean or 0.0) * n}
+        snap["prometheus"][concept] = {name: values[f"{concept}.{name}"] for name in [*QUANTILES, "mean"]}
+    for concept, metric in chosen["counters"].items():
+        snap["counters"][concept] = {"metric": metric, "value": values[f"counter.{concept}"] or 0.0,
+                                     "series": int(values[f"counter.{concept}.series"] or 1)}
+    for concept, metric in chosen["gauges"].items():
+        value = values[f"gauge.{concept}"]
+        if value is not None:
+            snap["gauges"][concept] = {"metric": metric, "value": value,
+                                       "max": values[f"gauge.{concept}.max"] or value,
+                                       "peak_value": values[f"gauge.{concept}.peak"] or value}
+    return snap
+
+
+# ---------------------------------------------------------------------------------------------
+# Human output
+
+ROWS = [("ttft", "TTFT"), ("itl", "ITL"), ("tpot", "TPOT"), ("e2e", "e2e"), ("queue", "queue"),
+        ("prefill", "prefill"), ("decode", "decode")]
+
+
+def format_report(r: dict[str, Any]) -> str:
+    where = r["source"] + (f" ({', '.join(r['models'])})" if r["models"] else "")
+    if r["mode"] == "window":
+        span = f"over {r['seconds']:g} s" if r["seconds"] else "between two scrapes"
+    else:
+        span = "since server start" + (f" ({_uptime(r['seconds'])} ago)" if r["seconds"] else "")
+    lines = [f"{ENGINE_LABELS[r['engine']]} at {where}, {span}"
+             + (f", {r['engines']} engines" if r["engines"] > 1 else "")]
+    lines.append(f"  {'':8}{'p50':>10}{'p95':>10}{'p99':>10}{'mean':>10}{'n':>8}  metric")
+    for concept, label in ROWS:
+        row = r[f"{concept}_ms"]
+        if row["metric"] is None:
+            continue
+        cells = "".join(f"{_quantile(row, q):>10}" for q in QUANTILES)
+        lines.append(f"  {label:8}{cells}{_ms(row['mean']):>10}{row['n']:>8}  {row['metric']}")
+    lines.append(
+        f"  running {_gauge(r, 'running')}, waiting {_gauge(r, 'waiting')}"
+        f", KV cache {_pct(r['kv_cache_usage'])} (max {_pct(r['kv_cache_usage_max'])}{_kv_size(r)})"
+        f", preemptions {_num(r['preemptions'])}, prefix-cache hits {_pct(r['prefix_cache_hit_rate'])}")
+    lines.append(f"  prompt {_rate(r['prompt_tok_s'])} tok/s, generation {_rate(r['gen_tok_s'])} tok/s, "
+                 f"{r['requests']} requests finished")
+    if r["tflops_per_gpu"] is not None:
+        on = f" of {r['gpu']}" if r["gpu"] else " (pass --gpu for MFU)"
+        lines.append(f"  per GPU {r['tflops_per_gpu']:.3g} TFLOP/s, {r['tb_s_per_gpu'] * 1000:.3g} GB/s: "
+                     f"MFU {_pct(r['mfu'])}, bandwidth {_pct(r['bandwidth_util'])}{on}")
+    for warning in r["warnings"]:
+        lines.append(f"  note: {warning}")
+    if r["diagnosis"]:
+        lines.append("Diagnosis:")
+        for finding in r["diagnosis"]:
+            lines.append(f"  [{finding['bottleneck']}] {finding['evidence']}")
+            lines += [f"      {i}. {lever}" for i, lever in enumerate(finding["levers"], 1)]
+    else:
+        lines.append("Diagnosis: no bottleneck found in these figures.")
+    return "\n".join(lines)
+
+
+def format_replica_line(r: dict[str, Any]) -> str:
+    return (f"  {r['source']}: TTFT p95 {_quantile(r['ttft_ms'], 'p95')}, ITL p95 {_quantile(r['itl_ms'], 'p95')}, "
+            f"running {_num(r['running'])}, waiting {_num(r['waiting'])}, KV {_pct(r['kv_cache_usage'])}, "
+            f"preemptions {_num(r['preemptions'])}, findings: "
+            f"{', '.join(f['bottleneck'] for f in r['diagnosis']) or 'none'}")
+
+
+def _gauge(r: dict[str, Any], name: str) -> str:
+    """`running 0 (peak 2, mean 1.2)`: now, the peak sampled in a window, the Little's-law mean."""
+    extra = []
+    if r["mode"] == "window" and r[name + "_peak"] is not None:
+        extra.append(f"peak {r[name + '_peak']:g}")
+    if r[name + "_mean"] is not None:
+        extra.append(f"mean {r[name + '_mean']:.2g}")
+    return _num(r[name]) + (f" ({', '.join(extra)})" if extra else "")
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:g}"
+
+
+def _uptime(seconds: float) -> str:
+    hours, rest = divmod(int(seconds), 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+def build_parser() -> argparse.ArgumentParser:
+    doc = __doc__.split("\n", 1)
+    p = common.parser(doc[0], doc[1].split("Functions for other scripts")[0].strip() + "\n\n"
+                      + doc[1][doc[1].index("Exit codes"):].strip())
+    p.add_argument("--url", action="append", default=[],
+                   help="server base URL or its /metrics URL; repeat (or comma-separate) for replicas "
+                        f"(else $INFER_URL, {common.ENV_FILE_NAME}, {common.DEFAULT_URL}); "
+                        "--file and --prometheus take precedence")
+    p.add_argument("--file", action="append", default=[],
+                   help="a saved scrape ('-' for stdin); give two (before, after) for a window")
+    p.add_argument("--prometheus", default="", help="Prometheus base URL: ask it with PromQL instead "
+                                                    "(else $PROMETHEUS)")
+    p.add_argument("--match", default="", help="PromQL label matchers for --prometheus, e.g. 'model_name=\"x\"'")
+    p.add_argument("--window", default="", help="seconds between two scrapes (the interval of two files; "
+                                                "the range for --prometheus, default 300)")
+    p.add_argument("--watch", default="", help="refresh every N seconds until Ctrl-C (JSON: one line each)")
+    p.add_argument("--count", type=int, default=0, help="with --watch: stop after this many refreshes (0: never)")
+    p.add_argument("--gpu", default="", help="GPU name from scripts/catalog/gpus.yaml, for MFU (else $GPU)")
+    p.add_argument("--slo-ttft-p95-ms", default="", help="TTFT p95 target for the prefill finding "
+                                                         "(else $SLO_TTFT_P95_MS)")
+    p.add_argument("--slo-tpot-p95-ms", default="", help="TPOT p95 target for the decode finding "
+                                                         "(else $SLO_TPOT_P95_MS)")
+    p.add_argument("--env-file", default=None,
+                   help=f"settings file (default: ./{common.ENV_FILE_NAME}, or $INFER_ENV_FILE)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each answer")
+    common.add_output_args(p)
+    return p
+
+
+def _positive(name: str, text: Any) -> float | None:
+    if text in (None, ""):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or math.isinf(value):
+        raise UsageError(f"{name} must be a positive number of seconds/ms, got {text!r}")
+    return value
+
+
+@dataclass
+class Options:
+    urls: list[str]
+    api_key: str | None
+    files: list[str]
+    prometheus: str
+    match: str
+    window: float | None
+    watch: float | None
+    count: int
+    gpu: Mapping[str, Any] | None
+    slo: Targets
+    timeout: float
+    as_json: bool
+
+
+def options(args: argparse.Namespace) -> Options:
+    settings = common.settings_from_args(args)
+    files = [f for f in args.file if f]
+    prometheus = settings.get("PROMETHEUS", args.prometheus, "")
+    given = ",".join(args.url)
+    urls, api_key = [], None
+    # INFER_URL is often set for every task: a file or Prometheus given explicitly wins over it.
+    if not files and not prometheus:
+        raw = settings.get("INFER_URL", given, common.DEFAULT_URL)
+        for piece in re.split(r"[,\s]+", raw):
+            if piece:
+                url, api_key = common.server_settings(argparse.Namespace(url=piece, env_file=args.env_file))
+                urls.append(url)
+    if files and prometheus:
+        raise UsageError("give --file or --prometheus, not both")
+    if len(files) > 2:
+        raise UsageError("give one --file (since start) or two (before and after), not more")
+    if len(files) == 1 and args.window:
+        raise UsageError("--window with --file needs two files, the scrapes before and after the window")
+    gpu_name = settings.get("GPU", args.gpu, "")
+    gpu = common.find_in_catalog(common.load_catalog("gpus"), gpu_name, "GPU")[1] if gpu_name else None
+    watch = _positive("--watch", args.watch)
+    if watch and (files or prometheus):
+        raise UsageError("--watch reads live servers: use it with --url")
+    return Options(
+        urls=urls, api_key=api_key, files=files, prometheus=prometheus, match=args.match,
+        window=_positive("--window", args.window), watch=watch, count=max(0, args.count), gpu=gpu,
+        slo=Targets(_positive("SLO_TTFT_P95_MS", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms)),
+                    _positive("SLO_TPOT_P95_MS", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms))),
+        timeout=args.timeout, as_json=args.json)
+
+
+def scrape_all(opts: Options) -> list[dict[str, Any]]:
+    snaps = []
+    for url in opts.urls:
+        text, at = scrape(url, opts.api_key, opts.timeout)
+        snaps.append(snapshot(text, url, at))
+    return snaps
+
+
+def window_reports(opts: Options, seconds: float, before: list[dict[str, Any]] | None = None
+                   ) -> tuple[list[dict[str, Any]], bool, list[dict[str, Any]]]:
+    """Scrape (unless `before` is given), sample the gauges each second for `seconds`, scrape
+    again; Ctrl-C ends early. Returns the window of each replica, whether interrupted, and the
+    last scrape (the next window's start)."""
+    before = before or scrape_all(opts)
+    during: list[list[dict[str, Any]]] = []
+    interrupted = False
+    deadline = time.monotonic() + seconds
+    common.progress(f"measuring for {seconds:g} s (Ctrl-C ends early and still reports)...")
+    try:
+        while time.monotonic() < deadline - 1:
+            time.sleep(1)
+            during.append(scrape_all(opts))
+        time.sleep(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        interrupted = True
+    after = scrape_all(opts)
+    replicas = [difference(before[i], after[i], [d[i] for d in during]) for i in range(len(after))]
+    return replicas, interrupted, after
+
+
+def results(opts: Options, replicas: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    """The aggregated report (with per-replica reports when several) and its human text."""
+    reports = [report(s, opts.gpu, opts.slo) for s in replicas]
+    if len(replicas) == 1:
+        return reports[0], format_report(reports[0])
+    merged = _merge_deltas(replicas) if "seconds" in replicas[0] else merge(replicas)
+    total = report(merged, opts.gpu, opts.slo)
+    total["replicas"] = reports
+    text = format_report(total) + "\nPer replica:\n" + "\n".join(format_replica_line(r) for r in reports)
+    return total, text
+
+
+def _merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Windows of several replicas as one; a gauge's peak is the sum of the replicas' peaks
+    (an upper bound: the replicas may have peaked at different moments)."""
+    merged = merge(deltas)
+    merged["seconds"] = max((d["seconds"] for d in deltas if d["seconds"]), default=None)
+    for concept in merged["gauges"]:
+        merged["gauges"][concept]["peak_value"] = sum(
+            d["gauges"][concept]["peak_value"] for d in deltas if concept in d["gauges"])
+    return merged
+
+
+def _from_files(opts: Options) -> list[dict[str, Any]]:
+    snaps = [snapshot(read_file(path), path) for path in opts.files]
+    if len(snaps) == 1:
+        return snaps
+    snaps[0]["time"], snaps[1]["time"] = 0.0, opts.window  # the interval between the two files
+    delta = difference(snaps[0], snaps[1])
+    delta["source"] = f"{opts.files[0]} -> {opts.files[1]}"
+    if not opts.window:
+        delta["seconds"] = None
+        delta["warnings"].append("no --window given: rates need the seconds between the two scrapes")
+    return [delta]
+
+
+def run(opts: Options) -> int:
+    if opts.prometheus:
+        snap = prometheus_snapshot(opts.prometheus, opts.window or 300.0, opts.match, opts.api_key, opts.timeout)
+        result, text = results(opts, [snap])
+    elif opts.files:
+        result, text = results(opts, _from_files(opts))
+    elif opts.watch:
+        return watch(opts)
+    elif opts.window:
+        replicas, interrupted, _ = window_reports(opts, opts.window)
+        result, text = results(opts, replicas)
+        common.emit(result, text, opts.as_json)
+        return common.EXIT_INTERRUPTED if interrupted else common.EXIT_OK
+    else:
+        result, text = results(opts, scrape_all(opts))
+    common.emit(result, text, opts.as_json)
+    return common.EXIT_OK
+
+
+def watch(opts: Options) -> int:
+    """Print the report of each interval of `opts.watch` seconds until Ctrl-C (or `count`)."""
+    refreshes, last = 0, None
+    while True:
+        replicas, interrupted, last = window_reports(opts, opts.watch, last)
+        refreshes += 1
+        result, text = results(opts, replicas)
+        if opts.as_json:
+            print(json.dumps(result, default=str), flush=True)
+        else:
+            print(f"--- {time.strftime('%H:%M:%S')}\n{text}", flush=True)
+        if interrupted or refreshes == opts.count:
+            return common.EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        try:
+            return run(options(args))
+        except InvalidScrape as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return common.EXIT_INVALID
+
+    return common.run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
