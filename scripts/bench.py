@@ -379,6 +379,44 @@ def settle(outcome: Outcome, chat: bool) -> Outcome:
 # ---------------------------------------------------------------------------------------------
 # The streaming client: asyncio protocol, bytes stored with their arrival time, nothing else
 
+class ChunkFraming:
+    """Follows chunked transfer coding as body bytes arrive, to notice the end of a response.
+
+    Only the chunk-size lines are read, each once: a read that falls inside a chunk's data costs
+    an addition and a comparison. (Checking the whole body again at the end would cost ~0.1 ms
+    per response, and 256 streams that end together would stall the loop for tens of ms.)"""
+
+    def __init__(self) -> None:
+        self.received = 0   # body bytes so far
+        self.next_line = 0  # body offset of the next chunk-size line
+        self.pending = b""  # bytes from next_line on, while that line is incomplete
+
+    def feed(self, data: bytes) -> bool:
+        """True once the last chunk and its trailer section have arrived; ValueError if the
+        bytes are not chunked coding."""
+        start = self.received
+        self.received += len(data)
+        if self.received <= self.next_line:
+            return False
+        buf = self.pending + data if self.pending else data[self.next_line - start:]
+        base, pos, self.pending = self.next_line, 0, b""
+        while pos < len(buf):
+            line_end = buf.find(b"\r\n", pos)
+            if line_end < 0:
+                break
+            size = int(buf[pos:line_end].split(b";", 1)[0].strip(), 16)
+            if size == 0:  # the last chunk: complete after the (usually empty) trailer section
+                rest = buf[line_end + 2:]
+                if rest.startswith(b"\r\n") or b"\r\n\r\n" in rest:
+                    return True
+                break
+            pos = line_end + 2 + size + 2
+        if pos < len(buf):
+            self.pending = buf[pos:]
+        self.next_line = base + pos
+        return False
+
+
 class Connection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection. data_received only timestamps and stores the bytes,
     and notices the end of the response (chunked terminator or Content-Length)."""
@@ -394,8 +432,8 @@ class Connection(asyncio.Protocol):
         self._head: tuple[int, dict[str, str], int] | None = None
         self._chunked = False
         self._keep_alive = False
-        self._tail = b""
         self._received = 0
+        self._framing = ChunkFraming()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -404,7 +442,7 @@ class Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def begin(self) -> asyncio.Future:
-        self.reads, self._head, self._tail, self._received = [], None, b"", 0
+        self.reads, self._head, self._received, self._framing = [], None, 0, ChunkFraming()
         self._chunked = self._keep_alive = False
         self.timed_out = False
         self.last_read_ns = time.perf_counter_ns()
@@ -415,11 +453,8 @@ class Connection(asyncio.Protocol):
         now = time.perf_counter_ns()
         self.reads.append((now, data))
         self.last_read_ns = now
-        if self._chunked:  # the hot path: one slice and one comparison per read
-            tail = data[-5:] if len(data) >= 5 else (self._tail + data)[-5:]
-            self._tail = tail
-            if tail == b"0\r\n\r\n" and dechunk(b"".join(d for _, d in self.reads)[self._head[2]:])[1]:
-                self._finish(self._keep_alive)
+        if self._chunked:  # the hot path: an addition and a comparison for most reads
+            self._feed_chunked(data)
         else:
             self._other_read(data)
 
@@ -438,17 +473,19 @@ class Connection(asyncio.Protocol):
             self._keep_alive = headers.get("connection", "").lower() != "close"
             if "chunked" in headers.get("transfer-encoding", "").lower():
                 self._chunked = True
-                self._received = 0
-                self._check_tail(b"".join(d for _, d in self.reads)[self._head[2]:])
+                self._feed_chunked(b"".join(d for _, d in self.reads)[self._head[2]:])
                 return
         length = self._head[1].get("content-length")
         if length is not None and self._received - self._head[2] >= int(length):
             self._finish(self._keep_alive)
 
-    def _check_tail(self, body: bytes) -> None:
-        """The body bytes that came with the head, checked for the chunked terminator."""
-        self._tail = body[-5:]
-        if self._tail == b"0\r\n\r\n" and dechunk(body)[1]:
+    def _feed_chunked(self, data: bytes) -> None:
+        try:
+            complete = self._framing.feed(data)
+        except ValueError:  # not chunked coding: the parse after the run says what it was
+            self._finish(reusable=False)
+            return
+        if complete:
             self._finish(self._keep_alive)
 
     def _finish(self, reusable: bool) -> None:

@@ -4,9 +4,13 @@
 It answers /v1/models, /version, /tokenize (one token per word), /metrics and streaming
 /v1/completions and /v1/chat/completions: the first token TTFT ms after the request arrived, then
 one chunk every ITL ms, exactly the requested number of tokens (or fewer under a fault). It
-records the truth: for every request (by its X-Request-Id) the time the request arrived and the
-time each content chunk was written (monotonic ns, the clock bench.py uses on the same machine),
-served at GET /calibration/truth, and its own event-loop lag at GET /calibration/lag. Faults on demand (--fault KIND:EVERY, every EVERY-th request):
+records the truth: for every request (by its X-Request-Id) the time the request arrived (the
+kernel's receive timestamp of its bytes on this server's socket, SO_TIMESTAMPNS) and the time each
+content chunk was written (monotonic ns, the clock bench.py uses on the same machine), served at
+GET /calibration/truth, and its own event-loop lag at GET /calibration/lag. The schedule counts
+from that arrival, so the time this server takes to get round to reading a request is inside its
+TTFT, as it would be inside a real server's. Faults on demand (--fault KIND:EVERY, every EVERY-th
+request):
 http500, http400, cut (connection closed mid-stream), malformed (bad SSE data), stream_error
 (an error object inside the stream), stall (stops sending), short (stops early: ignore_eos not
 honoured), no_usage (no usage in the stream).
@@ -22,7 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import socket
+import struct
 import sys
 import threading
 import time
@@ -169,25 +176,68 @@ class Stream:
         self.server.finished += 1
 
 
-class HttpProtocol(asyncio.Protocol):
-    """A keep-alive HTTP/1.1 connection: requests with Content-Length bodies."""
+# SO_TIMESTAMPNS (Linux): the kernel notes when each segment arrived, in CLOCK_REALTIME ns.
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+TIMESTAMP_SPACE = socket.CMSG_SPACE(16)
+
+
+def kernel_arrival_ns(sock: socket.socket, scratch: bytearray) -> int | None:
+    """When the kernel received the bytes now waiting on sock (the newest segment among them),
+    on the perf_counter_ns clock; None when the kernel did not say. Peeks: reads nothing."""
+    try:
+        _, ancillary, _, _ = sock.recvmsg_into([scratch], TIMESTAMP_SPACE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return None
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+            seconds, nanoseconds = struct.unpack("qq", data[:16])
+            # Realtime to monotonic: the two clocks read back to back differ by well under 1 µs.
+            return seconds * 1_000_000_000 + nanoseconds - (time.time_ns() - time.perf_counter_ns())
+    return None
+
+
+class HttpProtocol(asyncio.BufferedProtocol):
+    """A keep-alive HTTP/1.1 connection: requests with Content-Length bodies.
+
+    A request arrives when its bytes reached this server's socket, by the kernel's receive
+    timestamp, taken just before the loop reads them. The loop's own time would charge a request
+    with however long the loop was busy with other connections before it got to this one: at 256
+    streams, requests that come together wait for each other to be parsed, up to ~15 ms, which is
+    this server's slowness, not the client's. Where the kernel gives no timestamp, the time just
+    before the read is used."""
 
     def __init__(self, server: "CalibrationServer"):
         self.server = server
         self.buffer = b""
         self.served = 0
         self.transport: asyncio.Transport | None = None
+        self.read_buffer = bytearray(65536)
+        self.peek_buffer = bytearray(65536)
+        self.sock: socket.socket | None = None
+        self.arrived = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server.connections.add(transport)
+        # A socket object of our own on the same connection, for the peeking recvmsg.
+        self.sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+        self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        # Each chunk leaves when written, as from uvicorn: Nagle would hold a token back until
+        # the client acknowledged the previous write (up to its delayed-ACK timer).
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self.transport)
+        if self.sock is not None:
+            self.sock.close()
 
-    def data_received(self, data: bytes) -> None:
-        arrived = time.perf_counter_ns()
-        self.buffer += data
+    def get_buffer(self, sizehint: int) -> bytearray:
+        self.arrived = kernel_arrival_ns(self.sock, self.peek_buffer) or time.perf_counter_ns()
+        return self.read_buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        arrived = self.arrived
+        self.buffer += self.read_buffer[:nbytes]
         while True:
             end = self.buffer.find(b"\r\n\r\n")
             if end < 0:

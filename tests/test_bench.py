@@ -65,6 +65,26 @@ def test_dechunk_reports_completeness():
     assert bench.dechunk(raw[:-7])[1] is False
 
 
+# A chunk whose data ends in "0\r\n\r\n" looks like the end of the body to a check of the tail.
+FRAMED = b"5\r\nhello\r\n8\r\nx: 0\r\n\r\n\r\n3;ext=1\r\nabc\r\n0\r\n\r\n"
+
+
+@pytest.mark.parametrize("cut", range(1, len(FRAMED)))
+def test_chunk_framing_notices_the_end_only_after_the_last_chunk(cut):
+    framing = bench.ChunkFraming()
+    ends = [framing.feed(FRAMED[:cut]), framing.feed(FRAMED[cut:])]
+    assert ends == [False, True]
+
+
+def test_chunk_framing_byte_by_byte_and_with_trailers():
+    raw = b"4\r\n0\r\n\r\n\r\n0\r\nx-trailer: 1\r\n\r\n"
+    framing = bench.ChunkFraming()
+    ends = [framing.feed(raw[i:i + 1]) for i in range(len(raw))]
+    assert ends == [False] * (len(raw) - 1) + [True]
+    with pytest.raises(ValueError):
+        bench.ChunkFraming().feed(b"zz\r\nhello")
+
+
 def test_each_event_gets_the_time_of_the_read_that_completed_it():
     events = [b"data: {\"a\": 1}\n\n", b": ping\n\n", b"data:{\"a\": 2}\n\n", b"data: [DONE]\n\n"]
     raw = _chunked_stream(events)

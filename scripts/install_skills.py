@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Install the Roofline skills into a skills folder (Claude Code's ~/.claude/skills by default).
+
+Copies roofline-perf and roofline-perf-ru (each with its references) and, beside them,
+roofline-toolbox with its Taskfile, profiles and the scripts, so that the command the skills
+document, `task -t ${CLAUDE_SKILL_DIR}/../roofline-toolbox/Taskfile.yml <task>`, works from the
+installed copy. An earlier install is replaced; a folder of the same name that is not Roofline's
+is left alone (exit 2). The tasks need python3 with httpx, tiktoken, jinja2, pyyaml and go-task
+(`pip install httpx tiktoken jinja2 pyyaml go-task-bin`).
+
+Examples:
+  install_skills.py
+  install_skills.py --target ./.claude/skills
+  install_skills.py --target /tmp/skills --json
+
+Exit codes: 0 installed, 2 bad target (a file, or a folder that is not a Roofline install).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import UsageError  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SKILLS = ("roofline-perf", "roofline-perf-ru")
+TOOLBOX = "roofline-toolbox"
+DEFAULT_TARGET = "~/.claude/skills"
+# What an earlier install of each folder contains; anything else under that name is not ours.
+SIGNATURE = {**{name: f"SKILL.md:name: {name}" for name in SKILLS}, TOOLBOX: "Taskfile.yml:Roofline toolbox"}
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
+
+
+def is_roofline_install(folder: Path, name: str) -> bool:
+    file_name, marker = SIGNATURE[name].split(":", 1)
+    path = folder / file_name
+    return path.is_file() and marker in path.read_text(encoding="utf-8", errors="replace")
+
+
+def check_target(target: Path) -> None:
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"--target {target} is a file, not a folder")
+    for name in (*SKILLS, TOOLBOX):
+        existing = target / name
+        if (existing.exists() or existing.is_symlink()) and not is_roofline_install(existing, name):
+            raise UsageError(f"{existing} exists and is not a Roofline install: move it away or pick another --target")
+
+
+def stage(name: str, staging: Path, source: Path = REPO) -> None:
+    """Build one installed folder under `staging` (real files, no links)."""
+    if name in SKILLS:
+        shutil.copytree(source / "skills" / name, staging, ignore=_IGNORE)
+        return
+    staging.mkdir()
+    shutil.copy2(source / TOOLBOX / "Taskfile.yml", staging / "Taskfile.yml")
+    shutil.copytree(source / TOOLBOX / "profiles", staging / "profiles", ignore=_IGNORE)
+    shutil.copytree(source / "scripts", staging / "scripts", ignore=_IGNORE)
+
+
+def install(target: Path, source: Path = REPO) -> list[str]:
+    """Copy the three folders into `target`, each replaced whole, and return what was installed."""
+    check_target(target)
+    target.mkdir(parents=True, exist_ok=True)
+    installed = []
+    for name in (*SKILLS, TOOLBOX):
+        staging = target / f".{name}.installing"
+        shutil.rmtree(staging, ignore_errors=True)
+        stage(name, staging, source)
+        final = target / name
+        if final.is_symlink() or final.is_file():
+            final.unlink()
+        elif final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        installed.append(str(final))
+    return installed
+
+
+def build_parser():
+    p = common.parser(__doc__.splitlines()[0], __doc__.split("\n", 1)[1].strip())
+    p.add_argument("--target", default="", help=f"skills folder to install into (empty: {DEFAULT_TARGET})")
+    common.add_output_args(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def body() -> int:
+        target = Path(os.path.expanduser(args.target or DEFAULT_TARGET)).absolute()
+        installed = install(target)
+        taskfile = target / TOOLBOX / "Taskfile.yml"
+        result = {"target": str(target), "installed": installed, "try": f"task -t {taskfile} --list"}
+        human = (f"Installed {', '.join(Path(p).name for p in installed)} into {target}\n"
+                 f"Try: {result['try']}\n"
+                 "The tasks need: pip install httpx tiktoken jinja2 pyyaml go-task-bin")
+        common.emit(result, human, args.json)
+        return common.EXIT_OK
+
+    return common.run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

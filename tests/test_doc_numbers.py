@@ -1,0 +1,119 @@
+"""Every number the skills state as a fact is one our own tools reproduce: each claim below runs the
+tool (or reads the data or constant it uses) and finds the same number, as written, in the English
+and the Russian text."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from functools import lru_cache
+
+import pytest
+import yaml
+
+import metrics
+import smoke_toolcall
+from common import load_catalog
+from markdown_doc import REPO, Doc
+
+SKILL = "SKILL.md"
+ROOFLINE = "references/roofline.md"
+QUANT = "references/quantization.md"
+FLAGS = "references/serving-flags.md"
+
+
+@lru_cache(maxsize=None)
+def tool_json(script: str, *args: str) -> dict:
+    """One run of a script with --json; exit 1 ("does not fit") still carries the full answer."""
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / script), *args, "--json"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode in (0, 1), result.stderr
+    return json.loads(result.stdout)
+
+
+def vram(*args: str) -> dict:
+    return tool_json("vram.py", *args)
+
+
+def roofline(*args: str) -> dict:
+    return tool_json("roofline.py", *args)
+
+
+QWEN_H100 = ("--model", "qwen3-32b", "--gpu", "h100", "--ctx", "32768")
+LLAMA_ROOFLINE = ("--model", "llama-3.1-8b", "--gpu", "h100", "--batch", "1", "--prompt-tokens", "2048")
+PPL_GATES = yaml.safe_load((REPO / "scripts" / "catalog" / "ppl_gates.yaml").read_text())
+
+# (claim, the number as the docs write it (normalized), where it is written, what the tool says)
+CLAIMS = [
+    ("Qwen3-32B KV bytes per token, BF16", "262144", [SKILL, ROOFLINE],
+     lambda: vram(*QWEN_H100)["kv_bytes_per_token"]),
+    ("Qwen3-32B KV bytes per token, FP8 KV", "131072", [SKILL, ROOFLINE],
+     lambda: vram(*QWEN_H100, "--kv-dtype", "fp8")["kv_bytes_per_token"]),
+    ("Llama-3.1-8B KV bytes per token, BF16", "131072", [ROOFLINE],
+     lambda: vram("--model", "llama-3.1-8b", "--gpu", "h100")["kv_bytes_per_token"]),
+    ("DeepSeek-V3 (MLA) KV bytes per token, BF16", "70272", [SKILL, ROOFLINE],
+     lambda: vram("--model", "deepseek-v3", "--gpu", "h200", "--tp", "8", "--ctx", "32768")["kv_bytes_per_token"]),
+    ("Qwen3-32B on one H100 at 32768: KV tokens", "35840", [SKILL],
+     lambda: vram(*QWEN_H100)["kv_cache_tokens"]),
+    ("Qwen3-32B on one H100 at 32768: max concurrency", "1.09", [SKILL],
+     lambda: round(vram(*QWEN_H100)["max_concurrency"], 2)),
+    ("Qwen3-32B on one H100 at 32768, FP8 KV: KV tokens", "71696", [SKILL],
+     lambda: vram(*QWEN_H100, "--kv-dtype", "fp8")["kv_cache_tokens"]),
+    ("Qwen3-32B on one H100 at 32768, FP8 KV: max concurrency", "2.19", [SKILL],
+     lambda: round(vram(*QWEN_H100, "--kv-dtype", "fp8")["max_concurrency"], 2)),
+    ("vLLM 0.32 default gpu_memory_utilization", "0.92", [SKILL, FLAGS],
+     lambda: vram(*QWEN_H100)["gpu_util"]),
+    ("vLLM serve max_num_seqs on 70 GiB or more", "1024", [SKILL, FLAGS],
+     lambda: vram(*QWEN_H100)["max_num_seqs"]),
+    ("vLLM serve max_num_seqs below 70 GiB", "256", [SKILL, FLAGS],
+     lambda: vram("--model", "qwen3-8b", "--gpu", "l40s", "--ctx", "8192")["max_num_seqs"]),
+    ("vLLM serve max_num_batched_tokens on 70 GiB or more", "8192", [SKILL, FLAGS],
+     lambda: vram(*QWEN_H100)["max_num_batched_tokens"]),
+    ("vLLM serve max_num_batched_tokens from 160 GiB", "16384", [SKILL, FLAGS],
+     lambda: vram("--model", "qwen3-32b", "--gpu", "b200", "--ctx", "32768")["max_num_batched_tokens"]),
+    ("vLLM serve max_num_seqs on an A100 80GB", "256", [SKILL, FLAGS],
+     lambda: vram("--model", "qwen3-8b", "--gpu", "a100-80gb", "--ctx", "8192")["max_num_seqs"]),
+    ("vLLM serve max_num_batched_tokens below 70 GiB", "2048", [SKILL, FLAGS],
+     lambda: vram("--model", "qwen3-8b", "--gpu", "l40s", "--ctx", "8192")["max_num_batched_tokens"]),
+    ("KV block size", "16", [SKILL],
+     lambda: vram(*QWEN_H100)["block_size"]),
+    ("Llama-3.1-8B H100 decode bound at batch 1, ms", "4.56", [SKILL, ROOFLINE],
+     lambda: round(roofline(*LLAMA_ROOFLINE)["decode"]["step_ms_bound"], 2)),
+    ("Llama-3.1-8B H100 tokens/s per user bound", "219", [SKILL, ROOFLINE],
+     lambda: int(roofline(*LLAMA_ROOFLINE)["decode"]["tokens_per_s_per_user_bound"])),
+    ("Llama-3.1-8B H100 prefill bound of 2048 tokens, ms", "32.2", [SKILL, ROOFLINE],
+     lambda: round(roofline(*LLAMA_ROOFLINE)["prefill"]["ttft_ms_bound"], 1)),
+    ("H100 SXM bandwidth, TB/s", "3.35", [ROOFLINE], lambda: load_catalog("gpus")["h100-sxm"]["bandwidth_tb_s"]),
+    ("H100 SXM dense BF16 TFLOP/s", "989", [ROOFLINE], lambda: load_catalog("gpus")["h100-sxm"]["bf16_dense_tflops"]),
+    ("H100 SXM dense FP8 TFLOP/s", "1979", [ROOFLINE], lambda: load_catalog("gpus")["h100-sxm"]["fp8_dense_tflops"]),
+    ("FP8 perplexity warn level, %", "1", [SKILL, QUANT], lambda: PPL_GATES["fp8"]["warn_pct"]),
+    ("FP8 perplexity fail level, %", "2", [SKILL, QUANT], lambda: PPL_GATES["fp8"]["fail_pct"]),
+    ("INT8 perplexity warn level, %", "1.5", [SKILL, QUANT], lambda: PPL_GATES["int8"]["warn_pct"]),
+    ("INT8 perplexity fail level, %", "3", [SKILL, QUANT], lambda: PPL_GATES["int8"]["fail_pct"]),
+    ("4-bit perplexity warn level, %", "3", [SKILL, QUANT], lambda: PPL_GATES["4bit"]["warn_pct"]),
+    ("4-bit perplexity fail level, %", "5", [SKILL, QUANT], lambda: PPL_GATES["4bit"]["fail_pct"]),
+    ("metrics: queue finding at this share of e2e, %", "20", [SKILL], lambda: metrics.QUEUE_SHARE * 100),
+    ("metrics: KV cache counted full at, %", "90", [SKILL], lambda: metrics.KV_FULL * 100),
+    ("metrics: low prefix-cache hit rate below, %", "20", [SKILL], lambda: metrics.PREFIX_LOW * 100),
+    ("metrics: prefix finding from mean prompt tokens", "512", [SKILL], lambda: metrics.PREFIX_LONG_PROMPT),
+    ("smoke: a case passes at this share of repeats, %", "80", [QUANT], lambda: smoke_toolcall.PASS_SHARE * 100),
+    ("smoke: repeats per case by default", "3", [QUANT],
+     lambda: smoke_toolcall.build_parser().get_default("repeat")),
+]
+
+
+@pytest.mark.parametrize("claim, written, files, measure", CLAIMS, ids=[c[0] for c in CLAIMS])
+def test_stated_number_is_what_the_tool_gives(claim, written, files, measure):
+    assert float(measure()) == float(written), f"{claim}: the tool gives {measure()}, the docs say {written}"
+    for relative in files:
+        for skill in ("roofline-perf", "roofline-perf-ru"):
+            doc = Doc.read(REPO / "skills" / skill / relative)
+            assert written in doc.numbers(), f"{claim}: {written} is not written in skills/{skill}/{relative}"
+
+
+def test_stated_fix_is_what_vram_gives():
+    """The skill's example of a model that does not fit names vram's smallest fix verbatim."""
+    answer = vram("--model", "qwen3-32b", "--gpu", "l40s", "--ctx", "32768")
+    assert answer["fits"] is False
+    for skill in ("roofline-perf", "roofline-perf-ru"):
+        assert answer["fix"]["change"] in Doc.read(REPO / "skills" / skill / SKILL).inline_code
