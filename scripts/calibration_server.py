@@ -3,17 +3,20 @@
 
 It answers /v1/models, /version, /tokenize (one token per word), /metrics and streaming
 /v1/completions and /v1/chat/completions: the first token TTFT ms after the request arrived, then
-one chunk every ITL ms, exactly the requested number of tokens (or fewer under a fault). It
-records the truth: for every request (by its X-Request-Id) the time the request arrived (the
-kernel's receive timestamp of its bytes on this server's socket, SO_TIMESTAMPNS) and the time each
-content chunk was written (monotonic ns, the clock bench.py uses on the same machine), served at
-GET /calibration/truth, and its own event-loop lag at GET /calibration/lag. The schedule counts
-from that arrival, so the time this server takes to get round to reading a request is inside its
-TTFT, as it would be inside a real server's. Faults on demand (--fault KIND:EVERY, every EVERY-th
-request):
-http500, http400, cut (connection closed mid-stream), malformed (bad SSE data), stream_error
-(an error object inside the stream), stall (stops sending), short (stops early: ignore_eos not
-honoured), no_usage (no usage in the stream).
+one chunk every ITL ms, exactly the requested number of tokens (or fewer under a fault).
+
+It records the truth for every request (by its X-Request-Id), served at GET /calibration/truth:
+when the request arrived and when each content chunk was written (monotonic ns, the clock bench.py
+uses on the same machine). A request arrives when its bytes reached this server's socket, by the
+kernel's receive timestamp (SO_TIMESTAMPNS; arrived_by "kernel"), else the time just before the
+server read them (arrived_by "read"). The schedule counts from that arrival, so the time this
+server takes to get round to reading a request is inside its TTFT, as it would be inside a real
+server's. Its own event-loop lag is at GET /calibration/lag.
+
+Faults on demand (--fault KIND:EVERY, every EVERY-th request): http500, http400, cut (connection
+closed mid-stream), malformed (bad SSE data), stream_error (an error object inside the stream),
+stall (stops sending), short (stops early: ignore_eos not honoured), no_usage (no usage in the
+stream).
 
 Examples:
   calibration_server.py --port 8100 --ttft-ms 40 --itl-ms 20
@@ -82,7 +85,7 @@ class Stream:
     """One streamed completion, driven by loop timers (no coroutine per token)."""
 
     def __init__(self, server: "CalibrationServer", transport: asyncio.Transport, request: dict[str, Any],
-                 chat: bool, request_id: str, arrived_ns: int, fault: str | None):
+                 chat: bool, request_id: str, arrived_ns: int, fault: str | None, arrived_by: str):
         self.server, self.transport, self.chat, self.fault = server, transport, chat, fault
         self.total = int(request.get("max_tokens") or request.get("max_completion_tokens") or 16)
         if fault == "short":
@@ -93,7 +96,7 @@ class Stream:
         self.prompt_tokens = server.count_tokens(request, chat)
         self.sent = 0
         self._middle = self._middle_event()
-        self.truth = {"arrived_ns": arrived_ns, "writes_ns": [], "tokens": []}
+        self.truth = {"arrived_ns": arrived_ns, "arrived_by": arrived_by, "writes_ns": [], "tokens": []}
         server.truth[request_id] = self.truth
         head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
         transport.write(head)
@@ -215,16 +218,14 @@ class HttpProtocol(asyncio.BufferedProtocol):
         self.peek_buffer = bytearray(65536)
         self.sock: socket.socket | None = None
         self.arrived = 0
+        self.arrived_by = "read"
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server.connections.add(transport)
-        # A socket object of our own on the same connection, for the peeking recvmsg.
+        # A socket object of our own on the same connection, for the peeking recvmsg (it has
+        # SO_TIMESTAMPNS from the listening socket; asyncio already set TCP_NODELAY).
         self.sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
-        self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
-        # Each chunk leaves when written, as from uvicorn: Nagle would hold a token back until
-        # the client acknowledged the previous write (up to its delayed-ACK timer).
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self.transport)
@@ -232,11 +233,12 @@ class HttpProtocol(asyncio.BufferedProtocol):
             self.sock.close()
 
     def get_buffer(self, sizehint: int) -> bytearray:
-        self.arrived = kernel_arrival_ns(self.sock, self.peek_buffer) or time.perf_counter_ns()
+        kernel = kernel_arrival_ns(self.sock, self.peek_buffer)
+        self.arrived, self.arrived_by = (kernel, "kernel") if kernel else (time.perf_counter_ns(), "read")
         return self.read_buffer
 
     def buffer_updated(self, nbytes: int) -> None:
-        arrived = self.arrived
+        arrived, arrived_by = self.arrived, self.arrived_by
         self.buffer += self.read_buffer[:nbytes]
         while True:
             end = self.buffer.find(b"\r\n\r\n")
@@ -255,7 +257,7 @@ class HttpProtocol(asyncio.BufferedProtocol):
             if self.server.schedule.drop_reused and self.served > 1 and path.startswith("/v1/"):
                 self.transport.close()
                 return
-            self.server.handle(self.transport, method, path, headers, body, arrived)
+            self.server.handle(self.transport, method, path, headers, body, arrived, arrived_by)
 
 
 class CalibrationServer:
@@ -283,7 +285,8 @@ class CalibrationServer:
             return len(text.split()) + CHAT_TEMPLATE_TOKENS
         return len(str(request.get("prompt", "")).split())
 
-    def handle(self, transport, method: str, path: str, headers: dict[str, str], body: bytes, arrived: int) -> None:
+    def handle(self, transport, method: str, path: str, headers: dict[str, str], body: bytes, arrived: int,
+               arrived_by: str) -> None:
         if self.schedule.api_key and path.startswith("/v1/") and \
                 headers.get("authorization") != f"Bearer {self.schedule.api_key}":
             transport.write(_response(401, b'{"error": {"message": "invalid API key"}}'))
@@ -325,7 +328,7 @@ class CalibrationServer:
                 transport.write(_response(status, json.dumps({"error": {"message": f"injected {fault}"}}).encode()))
                 return
             Stream(self, transport, request, path.endswith("chat/completions"),
-                   headers.get("x-request-id", str(self.requests)), arrived, fault)
+                   headers.get("x-request-id", str(self.requests)), arrived, fault, arrived_by)
         else:
             transport.write(_response(404, b'{"error": {"message": "not found"}}'))
 
@@ -333,6 +336,10 @@ class CalibrationServer:
         self.loop = asyncio.get_running_loop()
         self._server = await self.loop.create_server(lambda: HttpProtocol(self), self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
+        for sock in self._server.sockets:
+            # Accepted connections inherit it, so even a request sent at once with the connection
+            # gets a kernel timestamp, and the kernel starts stamping from now on.
+            sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         # The server's own lateness, measured as bench.py measures the client's: it tells how
         # much of a gap between the two is the server's.
         self.loop.create_task(bench.lag_probe(self.lag_ms, asyncio.Event()))

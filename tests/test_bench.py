@@ -357,6 +357,9 @@ def test_timing_against_a_known_schedule(calibration, capsys, tmp_path):
     for record in lines:
         entry = truth[f"bench-{result['config']['run_id']}-{record['index']}"]
         first_write_ms = (entry["writes_ns"][0] - record["sent_ns"]) / 1e6
+        # The server's arrival time is the kernel's: after the client sent, and the schedule counts from it.
+        assert entry["arrived_by"] == "kernel"
+        assert record["sent_ns"] < entry["arrived_ns"] <= entry["writes_ns"][0] - 59_000_000
         assert record["ttft_ms"] >= first_write_ms  # client timestamps come after the server's writes
         assert len(record["chunk_ms"]) == 6
 
