@@ -129,7 +129,8 @@ def test_port_in_use_is_one_line(capsys):
 
 
 def test_task_list_shows_every_task_with_description():
-    out = subprocess.run([task_exe(), "--list"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    # --color=false: go-task forces colour when CI=true.
+    out = subprocess.run([task_exe(), "--list", "--color=false"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     tasks = [line for line in out.splitlines() if line.startswith("* ")]
     assert any(line.startswith("* infer:serve:") for line in tasks)
     assert all(line.split(":", 1)[1].strip() for line in tasks)
