@@ -140,7 +140,7 @@ def human(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common.parser(__doc__.splitlines()[0], __doc__.split("\n", 1)[1])
+    p = common.parser(__doc__)
     common.add_output_args(p)
     p.add_argument("-n", type=int, default=1024, help="measured requests")
     p.add_argument("-c", type=int, default=256, help="concurrent streams")

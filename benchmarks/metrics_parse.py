@@ -48,8 +48,7 @@ def measure(text: str, repeat: int) -> list[float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    doc = __doc__.split("\n", 1)
-    p = common.parser(doc[0], doc[1].strip())
+    p = common.parser(__doc__)
     p.add_argument("--size-mb", type=float, default=1.0, help="scrape size in MB (10^6 bytes)")
     p.add_argument("--repeat", type=int, default=5, help="runs; the best and the median are reported")
     p.add_argument("--budget-s", type=float, default=1.0, help="the best run must take less than this")

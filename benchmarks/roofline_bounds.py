@@ -40,8 +40,7 @@ def bound_ms(case: dict[str, Any]) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    doc = __doc__.split("\n\n", 1)
-    p = common.parser(doc[0], doc[1])
+    p = common.parser(__doc__)
     p.add_argument("--fixture", default=str(FIXTURE), help="measurements file")
     common.add_output_args(p)
     args = p.parse_args(argv)

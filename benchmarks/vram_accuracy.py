@@ -112,8 +112,7 @@ def render(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    doc = __doc__.split("\n\n", 1)
-    p = common.parser(doc[0], doc[1])
+    p = common.parser(__doc__)
     p.add_argument("--fixture", default=str(FIXTURE), help="cases file")
     common.add_output_args(p)
     args = p.parse_args(argv)

@@ -233,7 +233,7 @@ def result_rows(base: dict[str, Any], cand: dict[str, Any], ppl_result: dict[str
 # ---------------------------------------------------------------- command line
 
 def build_parser():
-    p = common.parser(__doc__.splitlines()[0], __doc__.split("\n\n", 1)[1])
+    p = common.parser(__doc__)
     p.add_argument("--base", default="", help="the trusted deployment: URL or serve profile (else $BASE)")
     p.add_argument("--candidate", default="", help="the deployment to accept: URL or serve profile (else $CANDIDATE)")
     p.add_argument("--text", default="", help=f"UTF-8 text to score (else $TEXT, else the bundled {ppl.SAMPLE_TEXT.name})")

@@ -1357,7 +1357,7 @@ def make_config(args: Any, settings: common.Settings) -> dict[str, Any]:
 
 
 def build_parser():
-    p = common.parser(__doc__.splitlines()[0], __doc__.split("\n", 1)[1])
+    p = common.parser(__doc__)
     common.add_server_args(p)
     common.add_output_args(p)
     p.add_argument("--model", default="", help="served model name (else $INFER_MODEL, else the first in /v1/models)")

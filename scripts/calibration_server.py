@@ -390,7 +390,7 @@ def parse_fault(text: str) -> tuple[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common.parser(__doc__.splitlines()[0], __doc__.split("\n", 1)[1])
+    p = common.parser(__doc__)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8100, help="port (0 = any free port, printed on stdout)")
     p.add_argument("--ttft-ms", type=float, default=40.0, help="time from request to first token")

@@ -208,7 +208,15 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
-def parser(description: str, epilog: str) -> argparse.ArgumentParser:
+def split_doc(doc: str) -> tuple[str, str]:
+    """A script's docstring as --help text: the first line describes, the rest (examples, exit
+    codes) is the epilog."""
+    first, _, rest = doc.strip().partition("\n")
+    return first, rest.strip()
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    description, epilog = split_doc(doc)
     return argparse.ArgumentParser(description=description, epilog=epilog, formatter_class=HelpFormatter)
 
 

@@ -82,7 +82,7 @@ def install(target: Path, source: Path = REPO) -> list[str]:
 
 
 def build_parser():
-    p = common.parser(__doc__.splitlines()[0], __doc__.split("\n", 1)[1].strip())
+    p = common.parser(__doc__)
     p.add_argument("--target", default="", help=f"skills folder to install into (empty: {DEFAULT_TARGET})")
     common.add_output_args(p)
     return p

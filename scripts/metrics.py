@@ -1049,9 +1049,8 @@ def _uptime(seconds: float) -> str:
 # Command line
 
 def build_parser() -> argparse.ArgumentParser:
-    doc = __doc__.split("\n", 1)
-    p = common.parser(doc[0], doc[1].split("Functions for other scripts")[0].strip() + "\n\n"
-                      + doc[1][doc[1].index("Exit codes"):].strip())
+    # --help leaves out the docstring's section for other scripts (the Python API).
+    p = common.parser(__doc__.split("Functions for other scripts")[0] + __doc__[__doc__.index("Exit codes"):])
     p.add_argument("--url", action="append", default=[],
                    help="server base URL or its /metrics URL; repeat (or comma-separate) for replicas "
                         f"(else $INFER_URL, {common.ENV_FILE_NAME}, {common.DEFAULT_URL}); "

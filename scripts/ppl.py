@@ -330,7 +330,7 @@ def describe_comparison(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- command line
 
 def build_parser():
-    p = common.parser(__doc__.splitlines()[0], __doc__.split("\n\n", 1)[1])
+    p = common.parser(__doc__)
     common.add_server_args(p)
     p.add_argument("--model", default="", help="served model name (else $INFER_MODEL, else the first of /v1/models)")
     p.add_argument("--text", default="", help=f"UTF-8 text file to score (else $TEXT, else the bundled {SAMPLE_TEXT.name})")

@@ -219,8 +219,7 @@ def render(r: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    doc = __doc__.split("\n\n", 1)
-    p = common.parser(doc[0], doc[1])
+    p = common.parser(__doc__)
     vram.add_model_args(p)
     p.add_argument("--batch", default=SUPPRESS, help="decode batch for the headline figures (BATCH, default 1)")
     p.add_argument("--prompt-tokens", default=SUPPRESS,

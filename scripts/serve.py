@@ -320,7 +320,7 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
 
 
 def build_parser():
-    p = common.parser(__doc__.splitlines()[0], __doc__.split("\n\n", 2)[2])
+    p = common.parser(__doc__)
     p.add_argument("--profile", default="", help="profile name or YAML path (else $INFER_PROFILE, inference.env)")
     p.add_argument("--port", type=int, default=None, help="port to serve on (0 or unset: the profile's, else the engine's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

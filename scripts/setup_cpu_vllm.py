@@ -90,7 +90,7 @@ def ensure_model(name: str) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common.parser(__doc__.splitlines()[0], __doc__.split("\n\n", 1)[1])
+    p = common.parser(__doc__)
     p.add_argument("--models", nargs="*", default=["tiny-qwen3"], choices=sorted(MODELS),
                    help="tiny models to build")
     common.add_output_args(p)

@@ -640,7 +640,7 @@ def render_human(report: dict[str, Any], url: str) -> str:
 
 
 def build_parser():
-    p = common.parser(__doc__.splitlines()[0], __doc__.split("\n\n", 1)[1])
+    p = common.parser(__doc__)
     common.add_server_args(p)
     p.add_argument("--model", default="", help="served model name (else $INFER_MODEL, else the first of /v1/models)")
     p.add_argument("--repeat", type=int, default=3, help="runs of each case at temperature 0")

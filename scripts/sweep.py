@@ -134,8 +134,7 @@ def run(args: Any) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = bench.build_parser()
-    p.description = __doc__.splitlines()[0]
-    p.epilog = __doc__.split("\n", 1)[1]
+    p.description, p.epilog = common.split_doc(__doc__)
     p.add_argument("--sweep-c", default="", help=f"concurrencies to run (else $SWEEP_C, {DEFAULT_SWEEP})")
     args = p.parse_args(argv)
     try:

@@ -909,8 +909,7 @@ def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    doc = __doc__.split("\n\n", 1)
-    p = common.parser(doc[0], doc[1])
+    p = common.parser(__doc__)
     add_model_args(p)
     p.add_argument("--no-roofline", action="store_true", help="leave out the roofline summary")
     common.add_output_args(p)
