@@ -46,7 +46,8 @@ def case_inputs(case: dict[str, Any], **overrides: Any) -> vram.Inputs:
     fields = dict(model=vram.resolve_model(case["model"]), gpu=gpu, tp=case.get("tp", 1), ctx=case["max_model_len"],
                   kv_dtype=case.get("kv_dtype", "auto"), gpu_util=case.get("gpu_util"),
                   max_num_seqs=case.get("max_num_seqs"), max_num_batched_tokens=case.get("max_num_batched_tokens"),
-                  vllm_version=str(case["vllm_version"]))
+                  vllm_version=str(case["vllm_version"]), enforce_eager=bool(case.get("enforce_eager")),
+                  entrypoint=case.get("entrypoint", "serve"))
     return vram.Inputs(**{**fields, **overrides})
 
 

@@ -1221,9 +1221,9 @@ class Target:
 
 
 def find_target(base_url: str, api_key: str | None, model: str | None, timeout: float) -> Target:
-    """Ask /v1/models what is served; the model defaults to the first one listed."""
+    """Ask /v1/models what is served (the model defaults to the first one listed) and the version."""
     with common.client(base_url, api_key, timeout) as http:
-        listing = common.get_json(http, "/v1/models")
+        entry, served = common.pick_model(common.get_json(http, "/v1/models"), model, base_url)
         version = None
         for path in ("/version", "/server_info", "/get_server_info"):
             try:
@@ -1232,19 +1232,10 @@ def find_target(base_url: str, api_key: str | None, model: str | None, timeout: 
                 continue
             if version:
                 break
-    entries = [m for m in (listing.get("data") or []) if isinstance(m, dict) and m.get("id")]
-    if not entries:
-        raise ServerError(f"{base_url}/v1/models lists no model: is the server still loading?")
-    served = [m["id"] for m in entries]
-    chosen = model or served[0]
-    if chosen not in served:
-        raise UsageError(f"model {chosen!r} is not served by {base_url} (it serves: "
-                         f"{', '.join(served)}): set INFER_MODEL or --model to one of them")
-    entry = next(m for m in entries if m["id"] == chosen)
-    info = {"model": chosen, "served": served, "root": entry.get("root"),
+    info = {"model": entry["id"], "served": served, "root": entry.get("root"),
             "max_model_len": entry.get("max_model_len"), "owned_by": entry.get("owned_by"),
             "engine_version": version}
-    return Target(base_url, api_key, chosen, info)
+    return Target(base_url, api_key, entry["id"], info)
 
 
 def metrics_snapshot(target: Target) -> tuple[dict[str, Any] | None, str]:

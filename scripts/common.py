@@ -270,18 +270,25 @@ def find_in_catalog(catalog: Mapping[str, Mapping[str, Any]], name: str, what: s
     raise UsageError(f"unknown {what} {name!r}: {hint}")
 
 
-def served_model(http: httpx.Client, wanted: str | None = None) -> dict[str, Any]:
-    """The /v1/models entry of `wanted` (INFER_MODEL), or of the first model listed.
+def pick_model(listing: dict[str, Any], wanted: str | None, where: str) -> tuple[dict[str, Any], list[str]]:
+    """From a /v1/models document: the entry of `wanted` (INFER_MODEL) or the first one, and all names.
 
-    vLLM entries carry `max_model_len`. An unknown name is a UsageError listing what is served.
+    An unknown name is a UsageError listing what is served; an empty listing is the server's
+    state (still loading), a ServerError.
     """
-    models = get_json(http, "/v1/models").get("data") or []
+    models = [m for m in listing.get("data") or [] if isinstance(m, dict) and m.get("id")]
     if not models:
-        raise UsageError("the server lists no models at /v1/models")
-    names = [m.get("id") for m in models]
+        raise ServerError(f"{where}/v1/models lists no model: is the server still loading?")
+    names = [m["id"] for m in models]
     if wanted and wanted not in names:
-        raise UsageError(f"model {wanted!r} is not served here: INFER_MODEL must be one of {', '.join(names)}")
-    return models[names.index(wanted)] if wanted else models[0]
+        raise UsageError(f"model {wanted!r} is not served by {where}: set INFER_MODEL (or --model) to one of "
+                         f"{', '.join(names)}")
+    return (models[names.index(wanted)] if wanted else models[0]), names
+
+
+def served_model(http: httpx.Client, wanted: str | None = None) -> dict[str, Any]:
+    """The /v1/models entry of `wanted`, or of the first model listed (vLLM's carry max_model_len)."""
+    return pick_model(get_json(http, "/v1/models"), wanted, str(http.base_url).rstrip("/"))[0]
 
 
 def read_json_file(path: str, what: str, hint: str) -> Any:

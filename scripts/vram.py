@@ -532,6 +532,7 @@ class Inputs:
     platform: str = "gpu"
     vllm_version: str = DEFAULT_VLLM_VERSION
     enforce_eager: bool = False
+    entrypoint: str = "serve"
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -550,13 +551,16 @@ def vllm_defaults(inp: Inputs) -> dict[str, Any]:
     else:
         total = inp.gpu.get("memory_gib", 0)
         name = str(inp.gpu.get("name", "")).lower()
-        # EngineArgs.get_batch_defaults (serve): >= 160 GiB from 0.2x on; H100-class >= 70 GiB, not A100.
-        if total >= 160 and version >= (0, 30):
+        # EngineArgs.get_batch_defaults (vllm/engine/arg_utils.py): H100-class >= 70 GiB but not
+        # A100 (PR #17885) 8192 tokens for `vllm serve`, 16384 for the offline LLM class; others
+        # 2048 / 8192. A >= 160 GiB tier (16384 for serve) is new in v0.28.0.
+        offline = inp.entrypoint == "llm"
+        if total >= 160 and version >= (0, 28):
             mnbt, seqs = 16384, 1024
         elif total >= 70 and "a100" not in name:
-            mnbt, seqs = 8192, 1024
+            mnbt, seqs = (16384 if offline else 8192), 1024
         else:
-            mnbt, seqs = 2048, 256
+            mnbt, seqs = (8192 if offline else 2048), 256
         block = 16
     if version < V1_DEFAULT:
         # V0 profiled one batch of max(max_model_len, 2048) tokens; above 32k it turned chunked
@@ -665,6 +669,8 @@ def check_inputs(inp: Inputs) -> None:
         raise UsageError(f"GPU_UTIL must be in (0, 1], got {inp.gpu_util}")
     if inp.engine not in ("vllm", "sglang"):
         raise UsageError(f"unknown ENGINE {inp.engine!r}: use vllm or sglang")
+    if inp.entrypoint not in ("serve", "llm"):
+        raise UsageError(f"unknown entry point {inp.entrypoint!r}: use serve (vllm serve) or llm (offline LLM class)")
 
 
 def estimate(inp: Inputs) -> dict[str, Any]:
@@ -818,6 +824,8 @@ def add_model_args(p) -> None:
     p.add_argument("--platform", default="gpu", choices=["gpu", "cpu"], help="cpu: the CPU build's defaults (block 128, batch 2048)")
     p.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="vLLM release whose accounting to follow (e.g. 0.10, 0.32)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM --enforce-eager)")
+    p.add_argument("--entrypoint", default="serve", choices=["serve", "llm"],
+                   help="serve: vllm serve's batch defaults; llm: the offline LLM class's (larger profile batch)")
     p.add_argument("--env-file", default=None, help="settings file (default ./inference.env)")
 
 
@@ -852,7 +860,8 @@ def inputs_from_args(args, transport: Any = None) -> Inputs:
         max_num_seqs=parse_number("MAX_NUM_SEQS", get("MAX_NUM_SEQS")),
         max_num_batched_tokens=parse_number("MAX_NUM_BATCHED_TOKENS", get("MAX_NUM_BATCHED_TOKENS")),
         kv_cache_bytes=kv_bytes, block_size=parse_number("--block-size", flag(args, "block_size")),
-        platform=args.platform, vllm_version=args.vllm_version, enforce_eager=args.enforce_eager)
+        platform=args.platform, vllm_version=args.vllm_version, enforce_eager=args.enforce_eager,
+        entrypoint=args.entrypoint)
 
 
 def _gib(value: float) -> str:

@@ -94,3 +94,24 @@ def test_find_in_catalog_suggests_close_names():
         common.find_in_catalog(catalog, "h100-sx", "GPU")
     with pytest.raises(common.UsageError, match="known: a100-80, h100-sxm, h200"):
         common.find_in_catalog(catalog, "tpu", "GPU")
+
+
+@pytest.mark.parametrize("listing, wanted, expected", [
+    ({"data": [{"id": "a", "max_model_len": 4096}, {"id": "b"}]}, None, ("a", ["a", "b"])),
+    ({"data": [{"id": "a"}, {"id": "b", "max_model_len": 8}]}, "b", ("b", ["a", "b"])),
+])
+def test_pick_model_chooses_the_wanted_or_first_entry(listing, wanted, expected):
+    entry, names = common.pick_model(listing, wanted, "http://h:8000")
+    assert (entry["id"], names) == expected
+
+
+@pytest.mark.parametrize("listing, wanted, error, message", [
+    ({"data": []}, None, common.ServerError, "http://h:8000/v1/models lists no model: is the server still loading?"),
+    ({"object": "list"}, "a", common.ServerError, "http://h:8000/v1/models lists no model"),
+    ({"data": [{"id": "a"}, {"id": "b"}]}, "c", common.UsageError,
+     "model 'c' is not served by http://h:8000: set INFER_MODEL (or --model) to one of a, b"),
+])
+def test_pick_model_errors_name_the_server_and_the_choices(listing, wanted, error, message):
+    with pytest.raises(error) as caught:
+        common.pick_model(listing, wanted, "http://h:8000")
+    assert str(caught.value).startswith(message)

@@ -154,7 +154,7 @@ def test_baseline_names_regressions_and_model_limitations(capsys, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--cases", "single_auto,nope"], "error: unknown case 'nope': known cases are single_auto, parallel"),
-    (["--model", "other"], "error: model 'other' is not served here: INFER_MODEL must be one of fake-toolcaller"),
+    (["--model", "other"], "error: model 'other' is not served by http://127.0.0.1"),
     (["--baseline", "/nonexistent/base.json"], "error: cannot read baseline /nonexistent/base.json"),
     (["--repeat", "0"], "error: --repeat and --max-tokens must be at least 1"),
 ])

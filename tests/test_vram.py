@@ -349,3 +349,18 @@ def served_log(request, vllm_factory):
 def test_real_vllm_mha_mla_sliding_window(served_log, capsys):
     name, log = served_log
     assert_vram_matches_log(name, log, capsys)
+
+
+@pytest.mark.parametrize("gpu, entrypoint, version, batched, seqs", [
+    ("h100", "serve", "0.11", 8192, 1024),
+    ("h100", "llm", "0.11", 16384, 1024),
+    ("a100-80gb", "serve", "0.11", 2048, 256),   # A100 excluded from the large defaults (vllm PR #17885)
+    ("a100-80gb", "llm", "0.11", 8192, 256),
+    ("l4", "llm", "0.11", 8192, 256),
+    ("b200", "serve", "0.27", 8192, 1024),
+    ("b200", "serve", "0.28", 16384, 1024),      # the >= 160 GiB tier of v0.28.0
+])
+def test_profile_batch_defaults_follow_gpu_entrypoint_and_version(capsys, gpu, entrypoint, version, batched, seqs):
+    code, result = run_json(["--model", "llama-3.1-8b", "--gpu", gpu, "--entrypoint", entrypoint,
+                             "--vllm-version", version], capsys)
+    assert (result["max_num_batched_tokens"], result["max_num_seqs"]) == (batched, seqs)
