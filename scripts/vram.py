@@ -48,7 +48,7 @@ from serve import cache_dir  # noqa: E402
 GIB = 1 << 30
 DEFAULT_VLLM_VERSION = "0.32"
 V1_DEFAULT = (0, 8)       # the V1 engine (new profiler and log lines) is the default from 0.8.0
-TRITON_TOP_K_TOP_P = (0, 16)  # see sampler_bytes_per_logit
+TRITON_TOP_K_TOP_P = (0, 17)  # see default_sampler
 HF_URL = "https://huggingface.co"
 # Bytes per weight of a quantized linear layer, scales included (group 128 for AWQ/GPTQ: an fp16
 # scale and a 4-bit zero per group; MXFP4: an 8-bit scale per 32; NVFP4: an fp8 scale per 16).
@@ -377,8 +377,25 @@ def marlin_expert_padding(m: Model) -> float:
     return up(m.hidden, 256) * up(m.expert_intermediate, 128) / (m.hidden * m.expert_intermediate)
 
 
-def weight_bytes(m: Model, quant: str, tp: int = 1, pp: int = 1, native_fp4: bool = True) -> dict[str, float]:
-    """Checkpoint bytes and the bytes on the busiest GPU (embedding on the first PP stage)."""
+def pp_partition(n_layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage as vLLM splits them (vllm/distributed/utils.py get_pp_indices):
+    equal shares, the remainder going to the stages before the last (which holds the LM head)."""
+    parts = [n_layers // pp] * pp
+    for i in range(2, n_layers % pp + 2):
+        parts[-i] += 1
+    return parts
+
+
+def stage_layers(m: Model, pp: int, stage: int) -> tuple[Layer, ...]:
+    parts = pp_partition(len(m.layers), pp)
+    start = sum(parts[:stage])
+    return m.layers[start:start + parts[stage]]
+
+
+def weight_bytes(m: Model, quant: str, tp: int = 1, pp: int = 1, native_fp4: bool = True,
+                 stage: int = 0) -> dict[str, float]:
+    """Checkpoint bytes and the bytes on one GPU of pipeline stage `stage` (the embedding on the
+    first stage, the LM head on the last, a tied one on both)."""
     p = count_params(m)
     qb = QUANT_BYTES[quant]
     hp = float(min(m.dtype_bytes, 2))
@@ -388,12 +405,17 @@ def weight_bytes(m: Model, quant: str, tp: int = 1, pp: int = 1, native_fp4: boo
     layer_bytes = p.attention * attention_bytes + (p.dense_mlp + p.shared) * mlp_bytes + p.experts * expert_bytes
     head_bytes = (p.embed + p.lm_head + m.extra_params) * hp
     total = layer_bytes + p.replicated * hp + head_bytes
+    scale = 1.0
     if m.checkpoint_bytes and quant == m.quant:
         scale = m.checkpoint_bytes / total       # measured size: trust it, keep the split's proportions
-        layer_bytes, head_bytes, total = layer_bytes * scale, head_bytes * scale, float(m.checkpoint_bytes)
-    stage_layers = math.ceil(len(m.layers) / pp) / len(m.layers)
-    first_stage_head = head_bytes if pp == 1 else max(p.embed, p.lm_head) * hp
-    per_gpu = (layer_bytes * stage_layers + first_stage_head) / tp + p.replicated * hp * stage_layers
+        layer_bytes, total = layer_bytes * scale, float(m.checkpoint_bytes)
+    share = len(stage_layers(m, pp, stage)) / len(m.layers)
+    if pp == 1:
+        head = head_bytes
+    else:
+        head = ((p.embed + m.extra_params) * hp if stage == 0 else 0.0) + \
+               ((p.lm_head or p.embed) * hp if stage == pp - 1 else 0.0)
+    per_gpu = (layer_bytes * share + head * scale) / tp + p.replicated * hp * share
     return {"total": total, "per_gpu": per_gpu}
 
 
@@ -437,10 +459,9 @@ class KVSpec:
 
 
 def layer_specs(m: Model, tp: int, pp: int, kv_bytes: int, block_size: int, kv_dtype: str = "auto",
-                attention_block_alignment: int = 16) -> list[KVSpec]:
-    """The KV spec of each layer on the busiest pipeline stage, pages unified as vLLM does."""
-    n = math.ceil(len(m.layers) / pp)
-    layers = m.layers[:n]
+                attention_block_alignment: int = 16, stage: int = 0) -> list[KVSpec]:
+    """The KV spec of each layer of one pipeline stage, pages unified as vLLM does."""
+    layers = stage_layers(m, pp, stage)
     token = layer_token_bytes(m, tp, kv_bytes, kv_dtype)
     if any(layer.kind == "linear" for layer in layers) and m.linear_state:
         state = linear_state_bytes(m, tp)
@@ -533,6 +554,8 @@ class Inputs:
     vllm_version: str = DEFAULT_VLLM_VERSION
     enforce_eager: bool = False
     entrypoint: str = "serve"
+    sampler: str = "auto"       # top-k/top-p kernel of the profile run: pytorch, triton, flashinfer; auto = by version
+    vllm_engine: str = "auto"   # v0 / v1; auto = by version (0.8-0.10 still ran V0 with VLLM_USE_V1=0 or on GPUs older than Ampere)
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -540,6 +563,14 @@ def version_tuple(version: str) -> tuple[int, ...]:
         return tuple(int(part) for part in version.split(".")[:2])
     except ValueError:
         raise UsageError(f"vLLM version {version!r} is not like 0.11 or 0.32")
+
+
+def runs_v0(inp: Inputs) -> bool:
+    """The V0 engine's profiler: before 0.8, or asked for (vLLM 0.8.x fell back to V0 below compute
+    capability 8.0: "Compute Capability < 8.0 is not supported by the V1 Engine. Falling back to V0.")."""
+    if inp.vllm_engine == "auto":
+        return version_tuple(inp.vllm_version) < V1_DEFAULT
+    return inp.vllm_engine == "v0"
 
 
 def vllm_defaults(inp: Inputs) -> dict[str, Any]:
@@ -562,7 +593,7 @@ def vllm_defaults(inp: Inputs) -> dict[str, Any]:
         else:
             mnbt, seqs = (8192 if offline else 2048), 256
         block = 16
-    if version < V1_DEFAULT:
+    if runs_v0(inp):
         # V0 profiled one batch of max(max_model_len, 2048) tokens; above 32k it turned chunked
         # prefill on, with 512-token chunks (vllm/config.py SchedulerConfig).
         ctx = inp.ctx or inp.model.max_len
@@ -574,51 +605,72 @@ def vllm_defaults(inp: Inputs) -> dict[str, Any]:
             "block_size": inp.block_size or block}
 
 
-def sampler_bytes_per_logit(version: tuple[int, ...]) -> int:
+SAMPLER_BYTES_PER_LOGIT = {"pytorch": 2 + 4 + 32, "triton": 14, "flashinfer": 2 + 4 + 4}
+
+
+def default_sampler(version: tuple[int, ...]) -> str:
+    """The top-k/top-p implementation a vLLM release warms up in its profile run, by default.
+
+    FlashInfer's kernel (vllm PR #11394) was used when FlashInfer was installed until PR #26859
+    turned it off by default (v0.11.1); whether it was installed varied (pip or image), so before
+    0.11.1 this assumes the PyTorch path, the larger peak: a log that says "Using FlashInfer for
+    top-p & top-k sampling" is --sampler flashinfer. The Triton kernel (PR #33538) is the default
+    from 0.17 (the v0.16 -> v0.17 drop in the profile peak of the llm-d-planner logs in
+    benchmarks/vram_accuracy.py), and FlashInfer again from v0.21.0 (PR #40376).
+    """
+    if version >= (0, 21):
+        return "flashinfer"
+    return "triton" if version >= TRITON_TOP_K_TOP_P else "pytorch"
+
+
+def sampler_bytes_per_logit(sampler: str) -> int:
     """Peak bytes per (row x vocab) logit while the V1 profile run warms the sampler.
 
     _dummy_sampler_run (vllm/v1/worker/gpu_model_runner.py) samples every dummy request with
     top_k = vocab - 1 and top_p = 0.9: bf16 logits (2) + their fp32 copy (4) + the top-k/top-p
-    masking. The PyTorch path (vllm/v1/sample/ops/topk_topp_sampler.py) sorts whole rows (fp32
+    work. The PyTorch path (vllm/v1/sample/ops/topk_topp_sampler.py) sorts whole rows (fp32
     values, int64 indices, sort scratch): vllm PR #32558 measured 1.25 GiB, 40 bytes per logit in
-    all, for 256 x 131,072 fp32 logits; taken here as 32 beyond the fp32 logits, which the two
-    gpt-oss-120b H100 logs in benchmarks/vram_accuracy.py bear out (~7.4 GiB at 1024 rows). The
-    Triton kernel that replaced it (vllm PR #33538, merged February 2026, assumed first released
-    in 0.16) needs 12 bytes per logit in PR #32558's table; softmax and the exponential draw follow.
+    all, for 256 x 131,072 fp32 logits, taken here as 32 beyond the fp32 logits. The Triton kernel
+    needs 12 bytes per logit in PR #32558's table (softmax and the draw follow); FlashInfer's keeps
+    one fp32 probability per logit.
     """
-    return 14 if version >= TRITON_TOP_K_TOP_P else 2 + 4 + 32
+    return SAMPLER_BYTES_PER_LOGIT[sampler]
 
 
-def activation_bytes(m: Model, tp: int, tokens: int, seqs: int, quant: str, version: tuple[int, ...]) -> float:
+def activation_bytes(m: Model, tp: int, tokens: int, seqs: int, quant: str, sampler: str,
+                     v0: bool = False, samples: bool = True) -> float:
     """Peak of the profile run: MLP/QKV activations of `tokens` tokens, the sampler over one row per
-    dummy request, and a fixed part for workspaces (first-order; see the benchmark for its error)."""
+    dummy request (on the last pipeline stage only: `samples`), and a fixed part for workspaces
+    (first-order; see the benchmark for its error)."""
     mlp = (m.top_k * m.expert_intermediate + m.shared_intermediate) if m.experts else m.intermediate
     qkv = m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim if not m.mla else m.heads * (m.mla[2] + m.mla[3]) * 2
     forward = tokens * (3 * mlp + qkv) / tp * 2
-    rows = min(seqs, tokens)
-    if version < V1_DEFAULT:
+    rows = min(seqs, tokens) if samples else 0
+    if v0:
         # V0 (one execute_model call): forward + fp32 logits + workspaces (more for quantized
         # kernels and TP), fitted to the V0 logs in the benchmark.
         fixed = (0.3 if tp == 1 and quant in ("bf16", "fp16") else 1.0) * GIB
         return forward + rows * m.vocab * 4 + fixed
     # V1: profile_run runs the forward, frees its activations, then the sampler on the dummy
     # requests' last tokens; every TP rank samples the full vocabulary. The peak is the larger one.
-    sampler = rows * m.vocab * sampler_bytes_per_logit(version)
-    return max(forward, sampler) + 0.3 * GIB
+    return max(forward, rows * m.vocab * sampler_bytes_per_logit(sampler)) + 0.3 * GIB
 
 
-def cudagraph_bytes(m: Model, tp: int) -> float:
-    """vLLM >= 0.21 subtracts its CUDA-graph memory estimate (0.36-0.66 GiB dense, ~2-5 GiB big MoE)."""
-    if m.experts:
-        return (2.0 if tp < 4 else 4.0) * GIB
-    return 0.5 * GIB
+def cudagraph_bytes(m: Model) -> float:
+    """The CUDA-graph memory estimate vLLM >= 0.21 subtracts ("Estimated CUDA graph memory: X GiB").
+
+    Public logs show 0.22-0.78 GiB for dense models and ~1-2 GiB for MoE and hybrid ones (4x L40S
+    Qwen3-Coder-30B at TP4 in benchmarks/vram_accuracy.py leaves ~1); expert-parallel MoE reaches
+    ~5 GiB (vram-anchors research note), which this does not model.
+    """
+    return (1.0 if m.experts or m.linear_state else 0.5) * GIB
 
 
-def budget(inp: Inputs) -> dict[str, Any]:
-    """Per-GPU memory budget and the KV space it leaves, for vLLM or SGLang."""
+def budget(inp: Inputs, stage: int = 0) -> dict[str, Any]:
+    """Memory budget of one GPU of pipeline stage `stage` and the KV space it leaves, vLLM or SGLang."""
     m = inp.model
     quant = weight_quant(m, inp.quant)
-    weights = weight_bytes(m, quant, inp.tp, inp.pp, native_fp4=bool(inp.gpu.get("fp4_dense_tflops")))
+    weights = weight_bytes(m, quant, inp.tp, inp.pp, native_fp4=bool(inp.gpu.get("fp4_dense_tflops")), stage=stage)
     total = float(inp.gpu.get("memory_gib") or 0) * GIB
     out = {"quant": quant, "weights_total_bytes": weights["total"], "weights_bytes": weights["per_gpu"],
            "total_bytes": total, "activation_bytes": 0.0, "non_torch_bytes": 0.0, "cudagraph_bytes": 0.0}
@@ -636,11 +688,12 @@ def budget(inp: Inputs) -> dict[str, Any]:
         requested = total * d["gpu_util"]
         if inp.kv_cache_bytes is None:
             version = version_tuple(inp.vllm_version)
+            sampler = default_sampler(version) if inp.sampler == "auto" else inp.sampler
             out["activation_bytes"] = activation_bytes(m, inp.tp, d["max_num_batched_tokens"], d["max_num_seqs"],
-                                                       quant, version)
+                                                       quant, sampler, runs_v0(inp), samples=stage == inp.pp - 1)
             out["non_torch_bytes"] = (0.25 if inp.tp == 1 else 0.4) * GIB
             if version >= (0, 21) and not inp.enforce_eager and inp.platform == "gpu":
-                out["cudagraph_bytes"] = cudagraph_bytes(m, inp.tp)
+                out["cudagraph_bytes"] = cudagraph_bytes(m)
     out["requested_bytes"] = requested
     if inp.kv_cache_bytes is not None:
         out["kv_space_bytes"] = float(inp.kv_cache_bytes)
@@ -669,19 +722,41 @@ def check_inputs(inp: Inputs) -> None:
         raise UsageError(f"GPU_UTIL must be in (0, 1], got {inp.gpu_util}")
     if inp.engine not in ("vllm", "sglang"):
         raise UsageError(f"unknown ENGINE {inp.engine!r}: use vllm or sglang")
+    if inp.sampler != "auto" and inp.sampler not in SAMPLER_BYTES_PER_LOGIT:
+        raise UsageError(f"unknown sampler {inp.sampler!r}: use auto, {', '.join(SAMPLER_BYTES_PER_LOGIT)}")
+    if inp.vllm_engine not in ("auto", "v0", "v1"):
+        raise UsageError(f"unknown vLLM engine {inp.vllm_engine!r}: use auto, v0 or v1")
     if inp.entrypoint not in ("serve", "llm"):
         raise UsageError(f"unknown entry point {inp.entrypoint!r}: use serve (vllm serve) or llm (offline LLM class)")
 
 
+def _stage_capacity(inp: Inputs, stage: int, ctx: int) -> tuple[dict[str, Any], list[KVSpec], dict[str, Any]]:
+    b = budget(inp, stage)
+    specs = layer_specs(inp.model, inp.tp, inp.pp, kv_dtype_bytes(inp.model, inp.kv_dtype), b["block_size"],
+                        inp.kv_dtype.lower(), stage=stage)
+    report = "derived" if version_tuple(inp.vllm_version) >= (0, 14) else "blocks"
+    return b, specs, kv_capacity(specs, max(0.0, b["kv_space_bytes"]), ctx, b["max_num_batched_tokens"], report)
+
+
 def estimate(inp: Inputs) -> dict[str, Any]:
-    """The whole answer: budget, KV bytes per token, tokens, concurrency, fits."""
+    """The whole answer: budget, KV bytes per token, tokens, concurrency, fits.
+
+    With pipeline parallelism every stage sizes its own pool and vLLM keeps the smallest block
+    count (kv_cache_utils.get_kv_cache_configs): the binding stage is the one reported.
+    """
     check_inputs(inp)
     m = inp.model
     ctx = inp.ctx or m.max_len
-    b = budget(inp)
-    kv_bytes = kv_dtype_bytes(m, inp.kv_dtype)
-    token_bytes = layer_token_bytes(m, inp.tp, kv_bytes, inp.kv_dtype.lower())
-    attention_layers = sum(1 for layer in m.layers[:math.ceil(len(m.layers) / inp.pp)] if layer.kind != "linear")
+    stage = 0
+    if inp.engine == "vllm":
+        stages = [_stage_capacity(inp, s, ctx) for s in range(inp.pp)]
+        stage = min(range(inp.pp), key=lambda s: stages[s][2]["num_blocks"])
+        b, specs, cap = stages[stage]
+    else:
+        b = budget(inp)
+    token_bytes = layer_token_bytes(m, inp.tp, kv_dtype_bytes(m, inp.kv_dtype), inp.kv_dtype.lower())
+    layers = stage_layers(m, inp.pp, stage)
+    attention_layers = sum(1 for layer in layers if layer.kind != "linear")
     result: dict[str, Any] = {
         "model": m.name, "model_source": m.source, "gpu": inp.gpu.get("name"), "engine": inp.engine,
         "tp": inp.tp, "pp": inp.pp, "ctx": ctx, "kv_dtype": inp.kv_dtype, "weights_quant": b["quant"],
@@ -690,22 +765,18 @@ def estimate(inp: Inputs) -> dict[str, Any]:
         "weights_total_gib": b["weights_total_bytes"] / GIB, "weights_gib": b["weights_bytes"] / GIB,
         "activation_gib": b["activation_bytes"] / GIB, "non_torch_gib": b["non_torch_bytes"] / GIB,
         "cudagraph_gib": b["cudagraph_bytes"] / GIB, "kv_cache_gib": b["kv_space_bytes"] / GIB,
-        "kv_space_fixed": inp.kv_cache_bytes is not None,
+        "kv_space_fixed": inp.kv_cache_bytes is not None, "pp_stage": stage,
         "kv_bytes_per_token": token_bytes * attention_layers,
         "attention_layers": attention_layers, "layer_kinds": sorted({layer.kind for layer in m.layers}),
     }
     if m.linear_state:
-        result["linear_state_bytes_per_request"] = linear_state_bytes(m, inp.tp) * (
-            math.ceil(len(m.layers) / inp.pp) - attention_layers)
+        result["linear_state_bytes_per_request"] = linear_state_bytes(m, inp.tp) * (len(layers) - attention_layers)
     space = max(0.0, b["kv_space_bytes"])
     if inp.engine == "sglang":
         per_token = token_bytes * attention_layers
         tokens = int(space // per_token)
         result.update(kv_cache_tokens=tokens, max_concurrency=tokens / ctx, num_blocks=None, block_size=1)
     else:
-        specs = layer_specs(m, inp.tp, inp.pp, kv_bytes, b["block_size"], inp.kv_dtype.lower())
-        report = "derived" if version_tuple(inp.vllm_version) >= (0, 14) else "blocks"
-        cap = kv_capacity(specs, space, ctx, b["max_num_batched_tokens"], report)
         result.update(kv_cache_tokens=cap["kv_cache_tokens"], max_concurrency=cap["max_concurrency"],
                       num_blocks=cap["num_blocks"], block_size=cap["block_size"], kv_cache_groups=cap["groups"])
         result["max_model_len_that_fits"] = max_len_that_fits(specs, space, m.max_len, b["max_num_batched_tokens"])
@@ -824,6 +895,10 @@ def add_model_args(p) -> None:
     p.add_argument("--platform", default="gpu", choices=["gpu", "cpu"], help="cpu: the CPU build's defaults (block 128, batch 2048)")
     p.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="vLLM release whose accounting to follow (e.g. 0.10, 0.32)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM --enforce-eager)")
+    p.add_argument("--vllm-engine", default="auto", choices=["auto", "v0", "v1"],
+                   help="v0: the V0 profiler (VLLM_USE_V1=0, or vLLM 0.8-0.10 on pre-Ampere GPUs); auto: by version")
+    p.add_argument("--sampler", default="auto", choices=["auto", *SAMPLER_BYTES_PER_LOGIT],
+                   help="top-k/top-p kernel vLLM warms up while profiling (its log names it); auto: the release's default")
     p.add_argument("--entrypoint", default="serve", choices=["serve", "llm"],
                    help="serve: vllm serve's batch defaults; llm: the offline LLM class's (larger profile batch)")
     p.add_argument("--env-file", default=None, help="settings file (default ./inference.env)")
@@ -861,7 +936,7 @@ def inputs_from_args(args, transport: Any = None) -> Inputs:
         max_num_batched_tokens=parse_number("MAX_NUM_BATCHED_TOKENS", get("MAX_NUM_BATCHED_TOKENS")),
         kv_cache_bytes=kv_bytes, block_size=parse_number("--block-size", flag(args, "block_size")),
         platform=args.platform, vllm_version=args.vllm_version, enforce_eager=args.enforce_eager,
-        entrypoint=args.entrypoint)
+        entrypoint=args.entrypoint, vllm_engine=args.vllm_engine, sampler=args.sampler)
 
 
 def _gib(value: float) -> str:
