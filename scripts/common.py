@@ -215,9 +215,16 @@ def split_doc(doc: str) -> tuple[str, str]:
     return first, rest.strip()
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the project's error style: one line naming the bad argument, exit 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
     description, epilog = split_doc(doc)
-    return argparse.ArgumentParser(description=description, epilog=epilog, formatter_class=HelpFormatter)
+    return ArgumentParser(description=description, epilog=epilog, formatter_class=HelpFormatter)
 
 
 def run_main(body: Callable[[], int], secret: str | None = None) -> int:

@@ -115,3 +115,19 @@ def test_pick_model_errors_name_the_server_and_the_choices(listing, wanted, erro
     with pytest.raises(error) as caught:
         common.pick_model(listing, wanted, "http://h:8000")
     assert str(caught.value).startswith(message)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--size", "big"], "error: argument --size: invalid int value: 'big' (see prog --help)"),
+    (["--colour", "red"], "error: unrecognized arguments: --colour red (see prog --help)"),
+    (["--kind", "x"], "error: argument --kind: invalid choice: 'x' (choose from 'a', 'b') (see prog --help)"),
+])
+def test_bad_flags_are_one_line_and_exit_2(capsys, argv, message):
+    p = common.parser("Does a thing.\n\nExamples:\n  prog --size 3\n")
+    p.prog = "prog"
+    p.add_argument("--size", type=int)
+    p.add_argument("--kind", choices=["a", "b"])
+    with pytest.raises(SystemExit) as stopped:
+        p.parse_args(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == common.EXIT_USAGE and err == message + "\n"
