@@ -667,6 +667,34 @@ def cudagraph_bytes(m: Model) -> float:
     return (1.0 if m.experts or m.linear_state else 0.5) * GIB
 
 
+def sglang_defaults(gpu_mib: float, tp: int = 1, pp: int = 1) -> dict[str, Any]:
+    """SGLang's own chunked_prefill_size, cuda_graph_max_bs and mem_fraction_static for a GPU.
+
+    ServerArgs._handle_gpu_memory_settings (python/sglang/srt/server_args.py, the heuristic of
+    sglang PR #10975): size buckets by GPU memory, then reserve 512 MiB + 1.5 MiB per prefill
+    token + 2 MiB per CUDA-graph batch + TP x PP / 8 GiB + 8 MiB per piecewise CUDA-graph size
+    (captured up to the chunk size, PR #15700), at least 10 GiB above 60 GB, and keep the rest.
+    On an H100 this gives 0.827; sglang#29092 observed 0.828 (Qwen3-32B, H100).
+    """
+    if gpu_mib < 20 * 1024:
+        chunk, graph_bs = 2048, 8
+    elif gpu_mib < 35 * 1024:
+        chunk, graph_bs = 2048, 24 if tp < 4 else 80
+    elif gpu_mib < 60 * 1024:
+        chunk, graph_bs = 4096, 32 if tp < 4 else 160
+    elif gpu_mib < 160 * 1024:
+        chunk, graph_bs = 8192, 256 if tp < 4 else 512
+    else:
+        chunk, graph_bs = 16384, 512
+    piecewise = [size for size in (*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32),
+                                   *range(640, 4097, 128), *range(4352, chunk + 1, 256)) if size <= chunk]
+    reserved = 512 + max(chunk, 2048) * 1.5 + graph_bs * 2 + tp * pp / 8 * 1024 + len(piecewise) * 8
+    if gpu_mib > 60 * 1024:
+        reserved = max(reserved, 10 * 1024)
+    return {"mem_fraction_static": round((gpu_mib - reserved) / gpu_mib, 3), "chunked_prefill_size": chunk,
+            "cuda_graph_max_bs": graph_bs}
+
+
 def budget(inp: Inputs, stage: int = 0) -> dict[str, Any]:
     """Memory budget of one GPU of pipeline stage `stage` and the KV space it leaves, vLLM or SGLang."""
     m = inp.model
@@ -676,12 +704,13 @@ def budget(inp: Inputs, stage: int = 0) -> dict[str, Any]:
     out = {"quant": quant, "weights_total_bytes": weights["total"], "weights_bytes": weights["per_gpu"],
            "total_bytes": total, "activation_bytes": 0.0, "non_torch_bytes": 0.0, "cudagraph_bytes": 0.0}
     if inp.engine == "sglang":
-        # mem_fraction_static defaults by TP (sglang server_args.py, older heuristic). The CUDA
-        # context and NCCL buffers come out of the fraction: ~0.75 GiB alone, ~2 GiB at TP4
-        # (vllm#21348: 79.19 x 0.93 - 55.2 weights - 16.46 KV on Qwen3-235B-FP8).
-        mfs = inp.gpu_util or {1: 0.88, 2: 0.87, 4: 0.85}.get(inp.tp, 0.81 if inp.tp >= 8 else 0.85)
+        # The CUDA context and NCCL buffers come out of mem_fraction_static: ~0.75 GiB alone, ~2 GiB
+        # at TP4 (vllm#21348: 79.19 x 0.93 - 55.2 weights - 16.46 KV on Qwen3-235B-FP8).
+        d = sglang_defaults(total / GIB * 1024, inp.tp, inp.pp)
+        mfs = inp.gpu_util or d["mem_fraction_static"]
         out.update(gpu_util=mfs, non_torch_bytes=(0.75 if inp.tp == 1 else 2.0) * GIB, block_size=1,
-                   max_num_seqs=inp.max_num_seqs, max_num_batched_tokens=inp.max_num_batched_tokens or 8192)
+                   max_num_seqs=inp.max_num_seqs,
+                   max_num_batched_tokens=inp.max_num_batched_tokens or d["chunked_prefill_size"])
         requested = total * mfs
     else:
         d = vllm_defaults(inp)
