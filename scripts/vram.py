@@ -605,6 +605,14 @@ def vllm_defaults(inp: Inputs) -> dict[str, Any]:
             "block_size": inp.block_size or block}
 
 
+# Peak bytes per (row x vocab) logit while the V1 profile run warms the sampler, by top-k/top-p
+# kernel. _dummy_sampler_run (vllm/v1/worker/gpu_model_runner.py) samples every dummy request with
+# top_k = vocab - 1 and top_p = 0.9: bf16 logits (2) + their fp32 copy (4) + the top-k/top-p work.
+# The PyTorch path (vllm/v1/sample/ops/topk_topp_sampler.py) sorts whole rows (fp32 values, int64
+# indices, sort scratch): vllm PR #32558 measured 1.25 GiB, 40 bytes per logit in all, for 256 x
+# 131,072 fp32 logits, taken here as 32 beyond the fp32 logits. The Triton kernel needs 12 bytes
+# per logit in PR #32558's table (softmax and the draw follow); FlashInfer's keeps one fp32
+# probability per logit.
 SAMPLER_BYTES_PER_LOGIT = {"pytorch": 2 + 4 + 32, "triton": 14, "flashinfer": 2 + 4 + 4}
 
 
@@ -621,20 +629,6 @@ def default_sampler(version: tuple[int, ...]) -> str:
     if version >= (0, 21):
         return "flashinfer"
     return "triton" if version >= TRITON_TOP_K_TOP_P else "pytorch"
-
-
-def sampler_bytes_per_logit(sampler: str) -> int:
-    """Peak bytes per (row x vocab) logit while the V1 profile run warms the sampler.
-
-    _dummy_sampler_run (vllm/v1/worker/gpu_model_runner.py) samples every dummy request with
-    top_k = vocab - 1 and top_p = 0.9: bf16 logits (2) + their fp32 copy (4) + the top-k/top-p
-    work. The PyTorch path (vllm/v1/sample/ops/topk_topp_sampler.py) sorts whole rows (fp32
-    values, int64 indices, sort scratch): vllm PR #32558 measured 1.25 GiB, 40 bytes per logit in
-    all, for 256 x 131,072 fp32 logits, taken here as 32 beyond the fp32 logits. The Triton kernel
-    needs 12 bytes per logit in PR #32558's table (softmax and the draw follow); FlashInfer's keeps
-    one fp32 probability per logit.
-    """
-    return SAMPLER_BYTES_PER_LOGIT[sampler]
 
 
 def activation_bytes(m: Model, tp: int, tokens: int, seqs: int, quant: str, sampler: str,
@@ -654,7 +648,7 @@ def activation_bytes(m: Model, tp: int, tokens: int, seqs: int, quant: str, samp
         return forward + rows * m.vocab * 4 + fixed
     # V1: profile_run runs the forward, frees its activations, then the sampler on the dummy
     # requests' last tokens; every TP rank samples the full vocabulary. The peak is the larger one.
-    return max(forward, rows * m.vocab * sampler_bytes_per_logit(sampler)) + 0.3 * GIB
+    return max(forward, rows * m.vocab * SAMPLER_BYTES_PER_LOGIT[sampler]) + 0.3 * GIB
 
 
 def cudagraph_bytes(m: Model) -> float:
