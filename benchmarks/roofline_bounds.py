@@ -23,20 +23,20 @@ from typing import Any, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import common  # noqa: E402
-import roofline  # noqa: E402
-import vram  # noqa: E402
+import physics  # noqa: E402
+import sizing  # noqa: E402
 import yaml  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "roofline_measurements.yaml"
 
 
 def bound_ms(case: dict[str, Any]) -> float:
-    inp = vram.Inputs(model=vram.resolve_model(case["model"]), gpu=vram.resolve_gpu(case["gpu"], None),
-                      tp=case.get("tp", 1), kv_dtype=case.get("kv_dtype", "auto"), quant=case.get("quant", "auto"))
-    physics = roofline.Physics(inp)
+    inp = sizing.Inputs(model=sizing.resolve_model(case["model"]), gpu=sizing.resolve_gpu(case["gpu"], None),
+                        tp=case.get("tp", 1), kv_dtype=case.get("kv_dtype", "auto"), quant=case.get("quant", "auto"))
+    model = physics.Physics(inp)
     if case["kind"] == "prefill":
-        return physics.prefill(case["context"])["ttft_ms_bound"]
-    return physics.decode(case["batch"], case["context"])["step_ms_bound"]
+        return model.prefill(case["context"])["ttft_ms_bound"]
+    return model.decode(case["batch"], case["context"])["step_ms_bound"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""How close vram.py comes to the KV-cache size real vLLM startups logged on GPUs.
+"""How close sizing.py comes to the KV-cache size real vLLM startups logged on GPUs.
 
 Reads tests/fixtures/vllm_startup_logs.yaml (public issues and PRs, each cited) and, per case,
 predicts the KV tokens from the model, GPU, TP, utilization, max_model_len, KV dtype and vLLM
 version alone, then prints the error against the logged tokens. Where vLLM logged them, the
 error is split: "from logged GiB" starts from the KV GiB vLLM itself logged (block accounting
 only), and the weights and the rest of the budget (activation peak, non-torch, CUDA graphs =
-total x utilization - weights - KV) are set against vram.py's. Cases where vLLM refused to start
-(0 tokens) count as right when vram.py also says "does not fit" for that max_model_len.
-Held-back cases (setup not pinned down by the log, or a vLLM whose profiler vram.py does not
+total x utilization - weights - KV) are set against sizing.py's. Cases where vLLM refused to start
+(0 tokens) count as right when sizing.py also says "does not fit" for that max_model_len.
+Held-back cases (setup not pinned down by the log, or a vLLM whose profiler sizing.py does not
 follow) are printed and not counted; so is a case whose logged KV GiB does not give its own
 logged tokens within 2% (the block math is exact, so its tokens come from a budget the log does
 not show, e.g. another TP rank's).
@@ -34,7 +34,7 @@ from typing import Any, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import common  # noqa: E402
-import vram  # noqa: E402
+import sizing  # noqa: E402
 import yaml  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "vllm_startup_logs.yaml"
@@ -43,12 +43,12 @@ TARGET_SHARE = 0.90
 CONSISTENCY = 0.02   # logged KV GiB -> tokens against logged tokens: rounding and min-over-ranks
 
 
-resolve_model = cache(vram.resolve_model)   # each catalog model once per run, not once per case
+resolve_model = cache(sizing.resolve_model)   # each catalog model once per run, not once per case
 
 
-def case_inputs(case: dict[str, Any], **overrides: Any) -> vram.Inputs:
+def case_inputs(case: dict[str, Any], **overrides: Any) -> sizing.Inputs:
     gpu = ({"id": "logged", "name": f"{case['gpu_gib']} GiB (logged)", "memory_gib": case["gpu_gib"]}
-           if "gpu_gib" in case else vram.resolve_gpu(case["gpu"], None))
+           if "gpu_gib" in case else sizing.resolve_gpu(case["gpu"], None))
     fields = dict(model=resolve_model(case["model"]), gpu=gpu, tp=case.get("tp", 1), pp=case.get("pp", 1), ctx=case["max_model_len"],
                   kv_dtype=case.get("kv_dtype", "auto"), quant=case.get("quant", "auto"), gpu_util=case.get("gpu_util"),
                   max_num_seqs=case.get("max_num_seqs"), max_num_batched_tokens=case.get("max_num_batched_tokens"),
@@ -56,7 +56,7 @@ def case_inputs(case: dict[str, Any], **overrides: Any) -> vram.Inputs:
                   entrypoint=case.get("entrypoint", "serve"), vllm_engine=case.get("vllm_engine", "auto"),
                   sampler=case.get("sampler", "auto"),
                   block_size=case.get("block_size"))
-    return vram.Inputs(**{**fields, **overrides})
+    return sizing.Inputs(**{**fields, **overrides})
 
 
 def source_of(case: dict[str, Any]) -> str:
@@ -76,7 +76,7 @@ def relative_error(predicted: float, logged: float) -> float | None:
 
 def evaluate(case: dict[str, Any]) -> dict[str, Any]:
     inp = case_inputs(case)
-    result = vram.estimate(inp)
+    result = sizing.estimate(inp)
     logged = case["logged_kv_tokens"]
     row = {"id": case["id"], "source": case["source"], "source_name": source_of(case), "logged_kv_tokens": logged,
            "predicted_kv_tokens": result["kv_cache_tokens"], "predicted_kv_gib": round(result["kv_cache_gib"], 2),
@@ -90,7 +90,7 @@ def evaluate(case: dict[str, Any]) -> dict[str, Any]:
         row["error"] = relative_error(result["kv_cache_tokens"], logged)
         row["ok"] = abs(row["error"]) <= TOLERANCE
     if case.get("logged_kv_gib", 0) > 0:
-        given = vram.estimate(case_inputs(case, kv_cache_bytes=int(case["logged_kv_gib"] * vram.GIB)))
+        given = sizing.estimate(case_inputs(case, kv_cache_bytes=int(case["logged_kv_gib"] * sizing.GIB)))
         row["error_given_logged_gib"] = relative_error(given["kv_cache_tokens"], logged)
         if row["held_back"] is None and row["error_given_logged_gib"] is not None \
                 and abs(row["error_given_logged_gib"]) > CONSISTENCY:

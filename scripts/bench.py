@@ -1285,41 +1285,26 @@ def server_side(before: dict[str, Any] | None, after: dict[str, Any] | None, not
 # ---------------------------------------------------------------------------------------------
 # Command line
 
-def _number(settings: common.Settings, env: str, flag: Any, default: Any, kind: type, what: str,
-            low: float, high: float | None) -> Any:
-    raw = settings.get(env, flag, default) if env else (default if flag in (None, "") else flag)
-    if raw is None:
-        return None
-    try:
-        value = kind(raw)
-    except (TypeError, ValueError):
-        raise UsageError(f"{what} must be a {'whole ' if kind is int else ''}number, got {raw!r}")
-    if value < low or (high is not None and value > high) or (kind is float and not math.isfinite(value)):
-        bound = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
-        raise UsageError(f"{what} must be {bound}, got {raw}")
-    return value
-
-
 def make_config(args: Any, settings: common.Settings) -> dict[str, Any]:
     """Validated run settings (flag > environment > inference.env > default)."""
-    n = _number(settings, "BENCH_N", args.num_requests, 32, int, "-n/--num-requests (BENCH_N)", 1, LIMITS["num_requests"])
-    rate = _number(settings, "", args.rate, None, float, "--rate (requests/s)", 1e-6, 1e6)
+    n = common.number("-n/--num-requests (BENCH_N)", settings.get("BENCH_N", args.num_requests), int, 1, LIMITS["num_requests"], default=32)
+    rate = common.number("--rate (requests/s)", args.rate, float, 1e-6, 1e6)
     c_default = None if rate else 8
-    c = _number(settings, "BENCH_C", args.concurrency, c_default, int, "-c/--concurrency (BENCH_C)", 1, LIMITS["concurrency"])
+    c = common.number("-c/--concurrency (BENCH_C)", settings.get("BENCH_C", args.concurrency), int, 1, LIMITS["concurrency"], default=c_default)
     cfg = {
         "num_requests": n, "concurrency": c, "rate": rate,
-        "input_tokens": _number(settings, "BENCH_IN", args.input_tokens, 2048, int, "--input-tokens (BENCH_IN)", 1, LIMITS["input_tokens"]),
-        "output_tokens": _number(settings, "BENCH_OUT", args.output_tokens, 256, int, "--output-tokens (BENCH_OUT)", 1, LIMITS["output_tokens"]),
-        "slo_ttft_p95_ms": _number(settings, "SLO_TTFT_P95_MS", args.slo_ttft_p95_ms, None, float, "--slo-ttft-p95-ms (SLO_TTFT_P95_MS)", 1e-3, None),
-        "slo_tpot_p95_ms": _number(settings, "SLO_TPOT_P95_MS", args.slo_tpot_p95_ms, None, float, "--slo-tpot-p95-ms (SLO_TPOT_P95_MS)", 1e-3, None),
-        "burstiness": _number(settings, "", args.burstiness, 1.0, float, "--burstiness", 1e-3, 1e3),
-        "duration_s": _number(settings, "", args.duration, None, float, "--duration (s)", 1e-3, 7 * 86400),
-        "warmup": _number(settings, "", args.warmup, c or 0, int, "--warmup", 0, LIMITS["num_requests"]),
-        "shared_prefix": _number(settings, "", args.shared_prefix, 0, int, "--shared-prefix", 0, LIMITS["input_tokens"]),
-        "workers": _number(settings, "", args.workers, 1, int, "--workers", 1, 256),
-        "multi_turn": _number(settings, "", args.multi_turn, 1, int, "--multi-turn", 1, 1000),
-        "timeout_s": _number(settings, "", args.timeout, 30.0, float, "--timeout", 1e-3, None),
-        "seed": _number(settings, "", args.seed, 0, int, "--seed", 0, None),
+        "input_tokens": common.number("--input-tokens (BENCH_IN)", settings.get("BENCH_IN", args.input_tokens), int, 1, LIMITS["input_tokens"], default=2048),
+        "output_tokens": common.number("--output-tokens (BENCH_OUT)", settings.get("BENCH_OUT", args.output_tokens), int, 1, LIMITS["output_tokens"], default=256),
+        "slo_ttft_p95_ms": common.number("--slo-ttft-p95-ms (SLO_TTFT_P95_MS)", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float, 1e-3, None),
+        "slo_tpot_p95_ms": common.number("--slo-tpot-p95-ms (SLO_TPOT_P95_MS)", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float, 1e-3, None),
+        "burstiness": common.number("--burstiness", args.burstiness, float, 1e-3, 1e3, default=1.0),
+        "duration_s": common.number("--duration (s)", args.duration, float, 1e-3, 7 * 86400),
+        "warmup": common.number("--warmup", args.warmup, int, 0, LIMITS["num_requests"], default=c or 0),
+        "shared_prefix": common.number("--shared-prefix", args.shared_prefix, int, 0, LIMITS["input_tokens"], default=0),
+        "workers": common.number("--workers", args.workers, int, 1, 256, default=1),
+        "multi_turn": common.number("--multi-turn", args.multi_turn, int, 1, 1000, default=1),
+        "timeout_s": common.number("--timeout", args.timeout, float, 1e-3, None, default=30.0),
+        "seed": common.number("--seed", args.seed, int, 0, None, default=0),
         "endpoint": args.endpoint,
         "log": settings.get("BENCH_LOG", args.log, None),
     }

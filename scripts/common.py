@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -118,6 +119,37 @@ class Settings:
         if self.env_file.get(name):
             return ENV_FILE_NAME
         return "default"
+
+
+def number(what: str, raw: Any, kind: type = int, low: float | None = None, high: float | None = None,
+           default: Any = None) -> Any:
+    """A number from a flag, the environment or inference.env; `default` when not given (None or "").
+
+    Every script validates its numbers here, so all say the same thing about a bad one. `low`
+    is inclusive; without it a whole number must be at least 1 and a float above 0. Floats must
+    be finite; whole numbers may be written `32_768`.
+    """
+    if raw in (None, ""):
+        return default
+    if low is None and kind is int:
+        low = 1
+    try:
+        value = kind(str(raw).replace("_", "")) if kind is int else kind(raw)
+    except (TypeError, ValueError):
+        raise UsageError(f"{what} must be a {'whole ' if kind is int else ''}number, got {raw!r}")
+    if kind is float and not math.isfinite(value):
+        raise UsageError(f"{what} must be a finite number, got {raw!r}")
+    too_low = value <= 0 if low is None else value < low
+    if too_low or (high is not None and value > high):
+        bound = (f"between {low or 0:g} and {high:g}" if high is not None
+                 else "above 0" if low is None else f"at least {low:g}")
+        raise UsageError(f"{what} must be {bound}, got {raw!r}")
+    return value
+
+
+def cache_dir() -> Path:
+    """The project's cache: the CPU vLLM venv, the tiny models, fetched model configs."""
+    return Path(os.environ.get("ROOFLINE_CACHE_DIR") or Path.home() / ".cache" / "roofline")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

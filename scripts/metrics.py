@@ -1076,18 +1076,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _positive(name: str, text: Any) -> float | None:
-    if text in (None, ""):
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or math.isinf(value):
-        raise UsageError(f"{name} must be a positive number of seconds/ms, got {text!r}")
-    return value
-
-
 @dataclass
 class Options:
     urls: list[str]
@@ -1125,14 +1113,14 @@ def options(args: argparse.Namespace) -> Options:
         raise UsageError("--window with --file needs two files, the scrapes before and after the window")
     gpu_name = settings.get("GPU", args.gpu, "")
     gpu = common.find_in_catalog(common.load_catalog("gpus"), gpu_name, "GPU")[1] if gpu_name else None
-    watch = _positive("--watch", args.watch)
+    watch = common.number("--watch", args.watch, float)
     if watch and (files or prometheus):
         raise UsageError("--watch reads live servers: use it with --url")
     return Options(
         urls=urls, api_key=api_key, files=files, prometheus=prometheus, match=args.match,
-        window=_positive("--window", args.window), watch=watch, count=max(0, args.count), gpu=gpu,
-        slo=Targets(_positive("SLO_TTFT_P95_MS", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms)),
-                    _positive("SLO_TPOT_P95_MS", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms))),
+        window=common.number("--window", args.window, float), watch=watch, count=max(0, args.count), gpu=gpu,
+        slo=Targets(common.number("SLO_TTFT_P95_MS", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float),
+                    common.number("SLO_TPOT_P95_MS", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float)),
         timeout=args.timeout, as_json=args.json)
 
 

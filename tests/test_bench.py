@@ -212,6 +212,14 @@ def _counter(two_token_words=("information", "community")) -> bench.TokenCounter
     return bench.TokenCounter("test", count, exact=True)
 
 
+@pytest.mark.parametrize("start", [0, 5, 50, 500])
+def test_fit_words_reaches_the_target_from_any_first_guess(start):
+    # A first guess above the target (no count below it yet) once ended in max() of nothing.
+    counter = _counter()
+    text, _ = bench.fit_words(counter.count, "information community", ["problem", "kid"] * 40, 20, start)
+    assert counter.count(text) == 20
+
+
 def test_prompts_are_exact_and_unique():
     counter = _counter()
     prompts = bench.build_prompts(counter, 50, 100, 0, seed=1)

@@ -366,7 +366,7 @@ def test_bad_scrapes_fail_in_one_line(tmp_path, capsys, content, code, message):
 @pytest.mark.parametrize("argv, message", [
     (["--file", "/nonexistent/scrape.txt"], "does not exist"),
     (["--file", "a", "--file", "b", "--file", "c"], "not more"),
-    (["--url", "http://127.0.0.1:9", "--window", "soon"], "--window must be a positive number"),
+    (["--url", "http://127.0.0.1:9", "--window", "soon"], "--window must be a number"),
     (["--file", "x", "--watch", "5"], "--watch reads live servers"),
     (["--file", "x", "--window", "5"], "needs two files"),
     (["--url", "ftp://x"], "is not http(s)"),

@@ -13,7 +13,7 @@ import common
 import ppl
 import setup_cpu_vllm
 from fake_ppl_server import BOS, exact_nll, fake_ppl_server, token_ids
-from serve import cache_dir
+from common import cache_dir
 
 SAMPLE = ppl.SAMPLE_TEXT.read_text(encoding="utf-8")
 

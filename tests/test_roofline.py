@@ -6,12 +6,13 @@ import json
 import pytest
 
 import common
+import physics as phys
 import roofline
-import vram
+import sizing
 
 
-def physics(model: str, gpu: str = "h100", tp: int = 1, **kw) -> roofline.Physics:
-    return roofline.Physics(vram.Inputs(model=vram.resolve_model(model), gpu=vram.resolve_gpu(gpu, None), tp=tp, **kw))
+def physics(model: str, gpu: str = "h100", tp: int = 1, **kw) -> phys.Physics:
+    return phys.Physics(sizing.Inputs(model=sizing.resolve_model(model), gpu=sizing.resolve_gpu(gpu, None), tp=tp, **kw))
 
 
 def test_llama8b_h100_batch1_is_the_weight_read():
@@ -37,8 +38,8 @@ def test_sliding_window_layers_read_only_the_window():
 
 
 def test_moe_reads_the_experts_a_batch_touches():
-    assert roofline.expected_experts(128, 8, 1) == pytest.approx(8)
-    assert roofline.expected_experts(128, 8, 4096) == pytest.approx(128)
+    assert phys.expected_experts(128, 8, 1) == pytest.approx(8)
+    assert phys.expected_experts(128, 8, 4096) == pytest.approx(128)
     p = physics("qwen3-30b-a3b")
     assert p.decode(1, 1)["weight_bytes_per_gpu"] < p.decode(64, 1)["weight_bytes_per_gpu"] / 5
 

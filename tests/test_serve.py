@@ -13,10 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+import common
 import serve
 from vllm_server import REPO, TOOLBOX, task_exe
 
-CACHE = serve.cache_dir()
+CACHE = common.cache_dir()
 
 # Every shipped profile and the exact command it must render to.
 EXPECTED = {

@@ -1,4 +1,4 @@
-"""vram.py: KV-cache accounting against the real CPU vLLM, the catalogs, the levers, bad input."""
+"""sizing.py: KV-cache accounting against the real CPU vLLM, the catalogs, the levers, bad input."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,9 @@ import httpx
 import pytest
 
 import common
+import sizing
 import vram
-from serve import cache_dir
+from common import cache_dir
 from vllm_server import REPO, TOOLBOX, task_exe
 
 GIB = 1 << 30
@@ -44,8 +45,8 @@ def run_error(argv, capsys) -> tuple[int, str]:
 
 
 def cpu_estimate(config: dict, ctx: int, kv_bytes: int = GIB) -> dict:
-    model = vram.model_from_config(config, "tiny", "test")
-    return vram.estimate(vram.Inputs(model=model, gpu={"name": "CPU", "memory_gib": 0}, ctx=ctx,
+    model = sizing.model_from_config(config, "tiny", "test")
+    return sizing.estimate(sizing.Inputs(model=model, gpu={"name": "CPU", "memory_gib": 0}, ctx=ctx,
                                      kv_cache_bytes=kv_bytes, platform="cpu"))
 
 
@@ -77,9 +78,9 @@ def test_sliding_window_layers_cost_the_window_not_the_context():
 
 def test_logged_available_memory_gives_logged_tokens():
     """LMCache/LMCache#1739 (vLLM ~0.11, one GPU): Qwen3-14B, 6.51 GiB -> 42,656 tokens at 32,768."""
-    inp = vram.Inputs(model=vram.resolve_model("Qwen/Qwen3-14B"), gpu={"name": "GPU", "memory_gib": 80},
+    inp = sizing.Inputs(model=sizing.resolve_model("Qwen/Qwen3-14B"), gpu={"name": "GPU", "memory_gib": 80},
                       ctx=32768, kv_cache_bytes=int(6.51 * GIB), vllm_version="0.11")
-    result = vram.estimate(inp)
+    result = sizing.estimate(inp)
     assert result["kv_bytes_per_token"] == 40 * 2 * 8 * 128 * 2
     assert result["kv_cache_tokens"] == 42_656
     assert f"{result['max_concurrency']:.2f}" == "1.30"
@@ -89,37 +90,37 @@ def test_logged_available_memory_gives_logged_tokens():
 
 
 def test_kv_bytes_per_token_for_known_models():
-    assert vram.estimate(_inp("llama-3.1-8b", "h100"))["kv_bytes_per_token"] == 131_072
-    assert vram.estimate(_inp("deepseek-r1", "h200", tp=8))["kv_bytes_per_token"] == 70_272
-    assert vram.estimate(_inp("llama-3.1-8b", "h100", kv_dtype="fp8"))["kv_bytes_per_token"] == 65_536
+    assert sizing.estimate(_inp("llama-3.1-8b", "h100"))["kv_bytes_per_token"] == 131_072
+    assert sizing.estimate(_inp("deepseek-r1", "h200", tp=8))["kv_bytes_per_token"] == 70_272
+    assert sizing.estimate(_inp("llama-3.1-8b", "h100", kv_dtype="fp8"))["kv_bytes_per_token"] == 65_536
 
 
 def test_mla_is_replicated_across_tp_and_gqa_heads_are_not_split_below_one():
-    assert vram.estimate(_inp("deepseek-r1", "h200", tp=8))["kv_bytes_per_token"] == \
-        vram.estimate(_inp("deepseek-r1", "h200", tp=4, ctx=4096))["kv_bytes_per_token"]
+    assert sizing.estimate(_inp("deepseek-r1", "h200", tp=8))["kv_bytes_per_token"] == \
+        sizing.estimate(_inp("deepseek-r1", "h200", tp=4, ctx=4096))["kv_bytes_per_token"]
     # Qwen3-235B has 4 KV heads: at TP8 each GPU still holds one head (a replica).
-    tp4 = vram.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=4, ctx=8192))["kv_bytes_per_token"]
-    tp8 = vram.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=8, ctx=8192))["kv_bytes_per_token"]
+    tp4 = sizing.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=4, ctx=8192))["kv_bytes_per_token"]
+    tp8 = sizing.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=8, ctx=8192))["kv_bytes_per_token"]
     assert tp4 == tp8 == 94 * 2 * 1 * 128 * 2
 
 
 def test_gpt_oss_groups_like_vllm():
-    result = vram.estimate(_inp("gpt-oss-120b", "h100", ctx=8192))
+    result = sizing.estimate(_inp("gpt-oss-120b", "h100", ctx=8192))
     assert result["kv_cache_groups"] == 2   # 18 sliding + 18 full layers: two groups of 18
-    specs = vram.layer_specs(vram.resolve_model("gpt-oss-120b"), 1, 1, 2, 16)
+    specs = sizing.layer_specs(sizing.resolve_model("gpt-oss-120b"), 1, 1, 2, 16)
     # A request of 8192 tokens: 512 blocks for the full group, window 127 + 8192 batched -> 8192 -> 513 for sliding.
-    assert vram.kv_capacity(specs, 1e12, 8192, 8192)["blocks_per_request"] == 512 + 513
+    assert sizing.kv_capacity(specs, 1e12, 8192, 8192)["blocks_per_request"] == 512 + 513
 
 
 def test_weights_follow_the_checkpoint_quantization():
-    bf16 = vram.estimate(_inp("qwen3-32b", "h100", ctx=8192))
-    fp8 = vram.estimate(_inp("qwen3-32b-fp8", "h100", ctx=8192))
+    bf16 = sizing.estimate(_inp("qwen3-32b", "h100", ctx=8192))
+    fp8 = sizing.estimate(_inp("qwen3-32b-fp8", "h100", ctx=8192))
     assert 60 < bf16["weights_gib"] < 62          # 32.8 B x 2 bytes
     assert 31 < fp8["weights_gib"] < 33
     # MXFP4 experts, padded for the Marlin kernel where the GPU has no FP4: vllm#23278 logged
     # "Model loading took 65.9651 GiB" on an H100.
-    assert vram.estimate(_inp("gpt-oss-120b", "h100", ctx=8192))["weights_gib"] == pytest.approx(65.97, abs=0.5)
-    assert vram.estimate(_inp("gpt-oss-120b", "b200", ctx=8192))["weights_gib"] == pytest.approx(60.7, abs=0.5)
+    assert sizing.estimate(_inp("gpt-oss-120b", "h100", ctx=8192))["weights_gib"] == pytest.approx(65.97, abs=0.5)
+    assert sizing.estimate(_inp("gpt-oss-120b", "b200", ctx=8192))["weights_gib"] == pytest.approx(60.7, abs=0.5)
 
 
 @pytest.mark.parametrize("version, util, batched, logged_kv_gib", [
@@ -129,22 +130,22 @@ def test_weights_follow_the_checkpoint_quantization():
 def test_gpt_oss_120b_on_h100_matches_the_logged_budget(version, util, batched, logged_kv_gib):
     """The sampler warm-up over 1024 rows x 201,088 vocab, not the MoE forward, sets the profile
     peak: the same ~7.5 GiB whether the batch is 8192 or 1024 tokens."""
-    result = vram.estimate(_inp("gpt-oss-120b", "h100", ctx=131072, gpu_util=util, vllm_version=version,
+    result = sizing.estimate(_inp("gpt-oss-120b", "h100", ctx=131072, gpu_util=util, vllm_version=version,
                                 max_num_batched_tokens=batched))
     assert result["kv_cache_gib"] == pytest.approx(logged_kv_gib, abs=0.5)
     assert not result["fits"]
 
 
 def test_v1_profile_peak_is_the_larger_of_forward_and_sampler():
-    model = vram.resolve_model("gpt-oss-120b")
-    small, large = (vram.activation_bytes(model, 1, tokens, 1024, "mxfp4", "pytorch") for tokens in (1024, 8192))
+    model = sizing.resolve_model("gpt-oss-120b")
+    small, large = (sizing.activation_bytes(model, 1, tokens, 1024, "mxfp4", "pytorch") for tokens in (1024, 8192))
     assert small == large                               # the sampler dominates both
-    one_row = vram.activation_bytes(model, 1, 8192, 1, "mxfp4", "pytorch")
+    one_row = sizing.activation_bytes(model, 1, 8192, 1, "mxfp4", "pytorch")
     assert one_row < small / 5                          # --max-num-seqs 1: the forward is what is left
-    sort, triton, flashinfer = (vram.activation_bytes(model, 1, 8192, 1024, "mxfp4", kind)
+    sort, triton, flashinfer = (sizing.activation_bytes(model, 1, 8192, 1024, "mxfp4", kind)
                                 for kind in ("pytorch", "triton", "flashinfer"))
     assert flashinfer < triton < sort / 2
-    not_last_stage = vram.activation_bytes(model, 1, 8192, 1024, "mxfp4", "pytorch", samples=False)
+    not_last_stage = sizing.activation_bytes(model, 1, 8192, 1024, "mxfp4", "pytorch", samples=False)
     assert not_last_stage == one_row < small            # a stage that does not sample: the forward alone
 
 
@@ -154,14 +155,14 @@ def test_v1_profile_peak_is_the_larger_of_forward_and_sampler():
     ("0.21", "flashinfer"), ("0.32", "flashinfer"),                    # PR #40376
 ])
 def test_default_sampler_follows_the_release(version, sampler):
-    assert vram.default_sampler(vram.version_tuple(version)) == sampler
+    assert sizing.default_sampler(sizing.version_tuple(version)) == sampler
 
 
 @pytest.mark.parametrize("layers, pp, parts", [
     (27, 2, [14, 13]), (32, 4, [8, 8, 8, 8]), (61, 4, [15, 15, 16, 15]), (94, 8, [11, 12, 12, 12, 12, 12, 12, 11]),
 ])
 def test_pipeline_split_follows_vllm(layers, pp, parts):
-    assert vram.pp_partition(layers, pp) == parts and sum(parts) == layers
+    assert sizing.pp_partition(layers, pp) == parts and sum(parts) == layers
 
 
 def test_pipeline_stages_size_their_own_pools_and_the_smallest_binds():
@@ -169,22 +170,22 @@ def test_pipeline_stages_size_their_own_pools_and_the_smallest_binds():
     layers, the embedding, no sampler) logged 12.13 GiB; the last (13 layers, LM head, sampler)
     11.33 GiB; the engine keeps the first stage's block count: 807,792 tokens."""
     inp = _inp("deepseek-v2-lite", "l4", tp=2, pp=2, ctx=1024, vllm_version="0.9", enforce_eager=True)
-    first, last = (vram.budget(inp, stage) for stage in (0, 1))
+    first, last = (sizing.budget(inp, stage) for stage in (0, 1))
     assert first["activation_bytes"] < last["activation_bytes"]          # only the last stage samples
-    result = vram.estimate(inp)
+    result = sizing.estimate(inp)
     assert result["pp_stage"] == 0 and result["attention_layers"] == 14
     # 5.2% short: the first stage logged less fixed overhead than the 0.7 GiB assumed (benchmark case).
     assert result["kv_cache_tokens"] == pytest.approx(807_792, rel=0.06)
 
 
 def test_tp_splits_weights():
-    one = vram.estimate(_inp("llama-3.3-70b", "h100", tp=2, ctx=8192))
-    two = vram.estimate(_inp("llama-3.3-70b", "h100", tp=4, ctx=8192))
+    one = sizing.estimate(_inp("llama-3.3-70b", "h100", tp=2, ctx=8192))
+    two = sizing.estimate(_inp("llama-3.3-70b", "h100", tp=4, ctx=8192))
     assert two["weights_gib"] == pytest.approx(one["weights_gib"] / 2, rel=0.01)
 
 
-def _inp(model, gpu, tp=1, ctx=None, kv_dtype="auto", **kw) -> vram.Inputs:
-    return vram.Inputs(model=vram.resolve_model(model), gpu=vram.resolve_gpu(gpu, None), tp=tp, ctx=ctx,
+def _inp(model, gpu, tp=1, ctx=None, kv_dtype="auto", **kw) -> sizing.Inputs:
+    return sizing.Inputs(model=sizing.resolve_model(model), gpu=sizing.resolve_gpu(gpu, None), tp=tp, ctx=ctx,
                        kv_dtype=kv_dtype, **kw)
 
 
@@ -194,8 +195,8 @@ def _inp(model, gpu, tp=1, ctx=None, kv_dtype="auto", **kw) -> vram.Inputs:
 @pytest.mark.parametrize("key", sorted(common.load_catalog("models")))
 def test_catalog_model_parameters_match_the_model_card(key):
     entry = common.load_catalog("models")[key]
-    model = vram.resolve_model(key)
-    counted = vram.count_params(model).total + model.extra_params
+    model = sizing.resolve_model(key)
+    counted = sizing.count_params(model).total + model.extra_params
     assert entry["source"].startswith("https://")
     assert counted / 1e9 == pytest.approx(entry["params_b"], rel=0.03)
 
@@ -212,13 +213,13 @@ def test_catalog_gpus_are_complete():
                                        ("QWEN3 32B", "qwen3-32b"), ("deepseek-ai/DeepSeek-R1", "deepseek-v3"),
                                        ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b")])
 def test_friendly_model_names(name, key):
-    assert vram.resolve_model(name).name == key
+    assert sizing.resolve_model(name).name == key
 
 
 @pytest.mark.parametrize("name, key", [("H100", "h100-sxm"), ("h100-sxm", "h100-sxm"), ("H100 SXM", "h100-sxm"),
                                        ("a100", "a100-80gb"), ("MI300X", "mi300x"), ("4090", "rtx-4090")])
 def test_friendly_gpu_names(name, key):
-    assert vram.resolve_gpu(name, None)["id"] == key
+    assert sizing.resolve_gpu(name, None)["id"] == key
 
 
 # ---- the command
@@ -262,7 +263,7 @@ def test_does_not_fit_names_the_smallest_fix(capsys):
 
 def test_sglang_matches_its_logged_pool():
     """vllm#21348: SGLang, Qwen3-235B-A22B-FP8, 4x H100, --mem-fraction-static 0.93: #tokens 367,404."""
-    result = vram.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=4, ctx=40960, engine="sglang", gpu_util=0.93))
+    result = sizing.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=4, ctx=40960, engine="sglang", gpu_util=0.93))
     assert result["kv_cache_tokens"] == pytest.approx(367_404, rel=0.02)
 
 
@@ -277,9 +278,9 @@ def test_engine_sglang_has_no_blocks(capsys):
     (["--model", "qwen3-32b", "--gpu", "b9000"], "(known: a100-40gb, a100-80gb, "),
     (["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "100000"], "CTX=100000 is beyond qwen3-32b's limit of 40960"),
     (["--model", "qwen3-32b", "--gpu", "h100", "--tp", "3"], "TP=3 does not divide the 64 attention heads"),
-    (["--model", "qwen3-32b", "--gpu", "h100", "--tp", "0"], "TP must be >= 1, got '0'"),
-    (["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "-5"], "CTX must be >= 1, got '-5'"),
-    (["--model", "qwen3-32b", "--gpu-gb", "0"], "GPU_GB must be > 0"),
+    (["--model", "qwen3-32b", "--gpu", "h100", "--tp", "0"], "TP must be at least 1, got '0'"),
+    (["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "-5"], "CTX must be at least 1, got '-5'"),
+    (["--model", "qwen3-32b", "--gpu-gb", "0"], "GPU_GB must be above 0"),
     (["--model", "qwen3-32b", "--gpu", "h100", "--gpu-util", "1.5"], "GPU_UTIL must be in (0, 1]"),
     (["--model", "qwen3-32b", "--gpu", "h100", "--kv-dtype", "int3"], "unknown KV_DTYPE 'int3'"),
     (["--model", "qwen3-32b"], "no GPU given"),
@@ -316,10 +317,10 @@ def test_hf_config_is_fetched_with_token_and_cached(tmp_path, monkeypatch):
             return httpx.Response(200, json=TINY_CONFIGS["tiny-qwen3"])
         return httpx.Response(200, json={"metadata": {"total_size": 9_000_000}})
 
-    model = vram.resolve_model("someorg/tiny-model", transport=httpx.MockTransport(handler))
+    model = sizing.resolve_model("someorg/tiny-model", transport=httpx.MockTransport(handler))
     assert model.name == "someorg/tiny-model" and model.checkpoint_bytes == 9_000_000
     assert seen[0] == ("/someorg/tiny-model/resolve/main/config.json", "Bearer hf_secret")
-    again = vram.resolve_model("someorg/tiny-model", transport=httpx.MockTransport(lambda r: httpx.Response(500)))
+    again = sizing.resolve_model("someorg/tiny-model", transport=httpx.MockTransport(lambda r: httpx.Response(500)))
     assert again.layers == model.layers      # from the cache, no second request
 
 
@@ -328,7 +329,7 @@ def test_hf_config_is_fetched_with_token_and_cached(tmp_path, monkeypatch):
 def test_hf_errors_are_clear(status, error, text, tmp_path, monkeypatch):
     monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path))
     with pytest.raises(error, match=text):
-        vram.resolve_model("someorg/gated", transport=httpx.MockTransport(lambda r: httpx.Response(status)))
+        sizing.resolve_model("someorg/gated", transport=httpx.MockTransport(lambda r: httpx.Response(status)))
 
 
 def test_offline_hub_id_says_what_to_do(tmp_path, monkeypatch):
@@ -338,10 +339,10 @@ def test_offline_hub_id_says_what_to_do(tmp_path, monkeypatch):
         raise httpx.ConnectError("no route", request=request)
 
     with pytest.raises(common.ServerError, match="offline, pass a catalog name or a local folder"):
-        vram.resolve_model("someorg/other", transport=httpx.MockTransport(offline))
+        sizing.resolve_model("someorg/other", transport=httpx.MockTransport(offline))
 
 
-# ---- the real engine: vLLM's own log against vram.py, to the token
+# ---- the real engine: vLLM's own log against sizing.py, to the token
 
 
 def logged_capacity(log: str) -> tuple[int, int, str]:
@@ -406,7 +407,7 @@ def test_profile_batch_defaults_follow_gpu_entrypoint_and_version(capsys, gpu, e
     ("b200", 1, 0.852, 16384),
 ])
 def test_sglang_defaults_follow_its_memory_heuristic(gpu, tp, fraction, chunk):
-    d = vram.sglang_defaults(vram.resolve_gpu(gpu, None)["memory_gib"] * 1024, tp)
+    d = sizing.sglang_defaults(sizing.resolve_gpu(gpu, None)["memory_gib"] * 1024, tp)
     assert (d["mem_fraction_static"], d["chunked_prefill_size"]) == (fraction, chunk)
-    result = vram.estimate(_inp("llama-3.1-8b", gpu, tp=tp, ctx=8192, engine="sglang"))
+    result = sizing.estimate(_inp("llama-3.1-8b", gpu, tp=tp, ctx=8192, engine="sglang"))
     assert result["gpu_util"] == fraction and result["max_num_batched_tokens"] == chunk

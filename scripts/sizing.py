@@ -1,0 +1,930 @@
+"""The sizing model behind `task vram` and `task roofline`: model shape, memory budget, KV capacity.
+
+Both CLIs (vram.py, roofline.py) import this module and physics.py; neither imports the other.
+
+The model is a catalog name (scripts/catalog/models.yaml, works offline), a Hugging Face repo id
+(config.json is fetched once with httpx, HF_TOKEN if set, and cached), or a local folder /
+config.json. The GPU is a catalog name (scripts/catalog/gpus.yaml) or a memory size.
+
+vLLM's accounting (vllm/v1/worker/gpu_worker.py, vllm/v1/core/kv_cache_utils.py): the budget is
+gpu_memory_utilization x TOTAL memory; weights, the activation peak of the profile batch
+(max_num_batched_tokens, max_num_seqs x vocab logits), non-torch memory and (vLLM >= 0.21) the
+CUDA-graph estimate come out of it; what is left is split into blocks of `block_size` tokens per
+KV-cache group (sliding-window, Mamba/linear-attention and full-attention layers are grouped as
+vLLM groups them), and "Maximum concurrency" counts the blocks one request of max_model_len needs.
+SGLang: KV = total x mem_fraction_static - weights - context overhead, no blocks (from its
+documented formula; SGLang is not run here).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import UsageError  # noqa: E402
+
+GIB = 1 << 30
+DEFAULT_VLLM_VERSION = "0.32"
+V1_DEFAULT = (0, 8)       # the V1 engine (new profiler and log lines) is the default from 0.8.0
+TRITON_TOP_K_TOP_P = (0, 17)  # see default_sampler
+HF_URL = "https://huggingface.co"
+# Bytes per weight of a quantized linear layer, scales included (group 128 for AWQ/GPTQ: an fp16
+# scale and a 4-bit zero per group; MXFP4: an 8-bit scale per 32; NVFP4: an fp8 scale per 16).
+QUANT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0, "int8": 1.0,
+               "int4": 0.5 + 2.5 / 128, "mxfp4": 4.25 / 8, "nvfp4": 4.5 / 8}
+QUANT_ALIASES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
+                 "half": "fp16", "fp32": "fp32", "float32": "fp32", "fp8": "fp8", "int8": "int8",
+                 "w8a8": "int8", "awq": "int4", "gptq": "int4", "int4": "int4", "awq_marlin": "int4",
+                 "gptq_marlin": "int4", "bitsandbytes": "int4", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
+KV_DTYPES = {"auto": None, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp32": 4,
+             "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_ds_mla": 1}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+# ---------------------------------------------------------------------------------------------
+# Model: config.json -> shape
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer's cache: `full`, `sliding` (window), `linear` (fixed state per request)."""
+    kind: str
+    window: int = 0
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    source: str
+    layers: tuple[Layer, ...]
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int
+    max_len: int
+    dtype_bytes: int
+    tie_embeddings: bool
+    quant: str                      # the checkpoint's own: bf16, fp16, fp8, int4, mxfp4, ...
+    attention_unquantized: bool = False  # modules_to_not_convert keeps attention in bf16/fp16
+    mla: tuple[int, int, int, int, int] | None = None  # q_lora, kv_lora, qk_nope, qk_rope, v_head
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    moe_layers: tuple[bool, ...] = ()
+    dense_intermediate: int = 0     # MLP width of the non-MoE layers of a MoE model
+    linear_state: tuple[int, int, int, int, int] | None = None  # conv kernel, k heads, k dim, v heads, v dim
+    extra_params: float = 0.0       # vision tower and the like, counted in the weights only
+    checkpoint_bytes: int | None = None  # measured (local safetensors / Hub index) when known
+    params_b: float | None = None   # the model card's figure, for the catalog check
+
+
+def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    text = dict(config)
+    text.update(config.get("text_config") or {})
+    return text
+
+
+def _layer_kinds(cfg: Mapping[str, Any], n_layers: int) -> tuple[Layer, ...]:
+    window = cfg.get("sliding_window") or 0
+    types = cfg.get("layer_types")
+    model_type = cfg.get("model_type", "")
+    if isinstance(types, list) and len(types) == n_layers:
+        kinds = ["sliding" if "sliding" in t else "linear" if ("linear" in t or "mamba" in t) else "full"
+                 for t in types]
+    elif cfg.get("full_attention_interval"):
+        step = cfg["full_attention_interval"]
+        kinds = ["full" if (i + 1) % step == 0 else "linear" for i in range(n_layers)]
+    elif model_type in ("gemma2", "gpt_oss"):
+        kinds = ["sliding" if i % 2 == 0 else "full" for i in range(n_layers)]
+    elif model_type.startswith("gemma3"):
+        pattern = cfg.get("sliding_window_pattern") or 6
+        kinds = ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers)]
+    elif window and cfg.get("use_sliding_window", True):  # Qwen2/3 carry a window they do not use
+        kinds = ["sliding"] * n_layers
+    else:
+        kinds = ["full"] * n_layers
+    return tuple(Layer(k, window if k == "sliding" else 0) for k in kinds)
+
+
+def checkpoint_quant(config: Mapping[str, Any]) -> str:
+    """The weight format a checkpoint's own quantization_config declares."""
+    qc = config.get("quantization_config") or {}
+    method = str(qc.get("quant_method", "")).lower()
+    if not method:
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+        return {"float16": "fp16", "float32": "fp32"}.get(dtype, "bf16")
+    if method in ("awq", "gptq", "awq_marlin", "gptq_marlin", "bitsandbytes"):
+        return "int8" if qc.get("bits") == 8 else "int4"
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        bits = [g.get("weights", {}).get("num_bits") for g in groups.values() if isinstance(g, dict)]
+        return "int4" if 4 in bits else "fp8"
+    if method == "modelopt":
+        algo = str(qc.get("quant_algo", "")).lower()
+        return "nvfp4" if "fp4" in algo else "fp8"
+    if method in QUANT_BYTES:
+        return method
+    if method in ("fbgemm_fp8", "ptpc_fp8", "fp8"):
+        return "fp8"
+    return "bf16"
+
+
+def model_from_config(config: Mapping[str, Any], name: str, source: str,
+                      checkpoint_bytes: int | None = None, params_b: float | None = None,
+                      extra_params_b: float = 0.0) -> Model:
+    cfg = _text_config(config)
+    try:
+        n_layers = int(cfg["num_hidden_layers"])
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+    except (KeyError, TypeError, ValueError):
+        raise UsageError(f"{source} is not a decoder config.json (num_hidden_layers, hidden_size, "
+                         "num_attention_heads missing): pass a causal LM's config")
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    mla = None
+    if cfg.get("kv_lora_rank"):
+        mla = (int(cfg.get("q_lora_rank") or 0), int(cfg["kv_lora_rank"]), int(cfg.get("qk_nope_head_dim") or 128),
+               int(cfg.get("qk_rope_head_dim") or 64), int(cfg.get("v_head_dim") or 128))
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    intermediate = int(cfg.get("intermediate_size") or 4 * hidden)
+    moe_layers: tuple[bool, ...] = ()
+    shared = 0
+    dense_intermediate = intermediate
+    if experts:
+        first_dense = int(cfg.get("first_k_dense_replace") or 0)
+        step = int(cfg.get("interleave_moe_layer_step") or cfg.get("decoder_sparse_step") or 1)
+        dense_only = set(cfg.get("mlp_only_layers") or [])
+        moe_layers = tuple(i >= first_dense and (i + 1) % step == 0 and i not in dense_only for i in range(n_layers))
+        expert_intermediate = int(cfg.get("moe_intermediate_size") or intermediate)
+        if cfg.get("shared_expert_intermediate_size"):
+            shared = int(cfg["shared_expert_intermediate_size"])
+        elif cfg.get("n_shared_experts"):
+            shared = int(cfg["n_shared_experts"]) * expert_intermediate
+        elif cfg.get("model_type") == "llama4":
+            shared = expert_intermediate
+        dense_intermediate = int(cfg.get("intermediate_size_mlp") or intermediate)
+    else:
+        expert_intermediate = 0
+    linear_state = None
+    if cfg.get("linear_num_value_heads"):
+        linear_state = (int(cfg.get("linear_conv_kernel_dim") or 4), int(cfg["linear_num_key_heads"]),
+                        int(cfg["linear_key_head_dim"]), int(cfg["linear_num_value_heads"]),
+                        int(cfg["linear_value_head_dim"]))
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+    return Model(
+        name=name, source=source, layers=_layer_kinds(cfg, n_layers), hidden=hidden, heads=heads,
+        kv_heads=kv_heads, head_dim=head_dim, vocab=int(cfg.get("vocab_size") or 32000),
+        intermediate=intermediate, max_len=int(cfg.get("max_position_embeddings") or 4096),
+        dtype_bytes=DTYPE_BYTES.get(dtype, 2),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
+        quant=checkpoint_quant({**cfg, **config}), mla=mla, experts=experts,
+        attention_unquantized=any("attn" in str(name) for name in
+                                  (config.get("quantization_config") or {}).get("modules_to_not_convert") or []),
+        top_k=int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0),
+        expert_intermediate=expert_intermediate, shared_intermediate=shared, moe_layers=moe_layers,
+        dense_intermediate=dense_intermediate, linear_state=linear_state,
+        extra_params=extra_params_b * 1e9, checkpoint_bytes=checkpoint_bytes, params_b=params_b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding a model: local path, catalog, Hugging Face
+
+
+def catalog_config(catalog: Mapping[str, Mapping[str, Any]], key: str) -> dict[str, Any]:
+    """An entry's config with its `base` entry's config underneath (nested dicts merged)."""
+    entry = catalog[key]
+    merged = catalog_config(catalog, entry["base"]) if entry.get("base") else {}
+    for name, value in (entry.get("config") or {}).items():
+        if isinstance(value, dict) and isinstance(merged.get(name), dict):
+            merged[name] = {**merged[name], **value}
+        else:
+            merged[name] = value
+    return merged
+
+
+def _safetensors_bytes(folder: Path) -> int | None:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        return int(total) if total else None
+    files = list(folder.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files) if files else None
+
+
+def fetch_hf_config(repo_id: str, transport: Any = None) -> tuple[dict[str, Any], int | None]:
+    """config.json (and the safetensors index's total size) of a Hub repo, cached on disk."""
+    import httpx
+
+    cache = common.cache_dir() / "hf-configs" / (repo_id.replace("/", "--") + ".json")
+    if cache.exists():
+        cached = json.loads(cache.read_text())
+        return cached["config"], cached.get("checkpoint_bytes")
+    token = os.environ.get("HF_TOKEN")
+    with common.client(HF_URL, api_key=token, timeout=20.0, transport=transport) as http:
+        try:
+            response = http.get(f"/{repo_id}/resolve/main/config.json", follow_redirects=True)
+        except httpx.HTTPError as exc:
+            raise common.ServerError(f"cannot fetch {repo_id}/config.json from {HF_URL} ({type(exc).__name__}); "
+                                     "offline, pass a catalog name or a local folder / config.json")
+        if response.status_code in (401, 403):
+            raise common.ServerError(f"{HF_URL}/{repo_id} is gated (HTTP {response.status_code}): "
+                                     "set HF_TOKEN to a token that has access, or pass a local config.json")
+        if response.status_code == 404:
+            raise UsageError(f"no config.json at {HF_URL}/{repo_id}: check the repo id")
+        if response.status_code >= 400:
+            raise common.ServerError(f"{HF_URL}/{repo_id}/config.json answered HTTP {response.status_code}")
+        config = response.json()
+        checkpoint_bytes = None
+        try:
+            index = http.get(f"/{repo_id}/resolve/main/model.safetensors.index.json", follow_redirects=True)
+            if index.status_code == 200:
+                checkpoint_bytes = index.json().get("metadata", {}).get("total_size")
+        except (httpx.HTTPError, ValueError):
+            checkpoint_bytes = None
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"config": config, "checkpoint_bytes": checkpoint_bytes}))
+    return config, checkpoint_bytes
+
+
+def resolve_model(name: str, transport: Any = None) -> Model:
+    """A local folder / config.json, else a catalog name, else a Hugging Face repo id."""
+    if not name:
+        raise UsageError("no model given: set MODEL (a catalog name such as qwen3-32b, a Hugging Face "
+                         "repo id, or a local folder with config.json)")
+    path = Path(name).expanduser()
+    if path.exists():
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise UsageError(f"{path} has no config.json: point MODEL at a model folder or its config.json")
+        try:
+            config = json.loads(file.read_text())
+        except ValueError:
+            raise UsageError(f"{file} is not valid JSON")
+        return model_from_config(config, path.name if path.is_dir() else path.parent.name, str(file),
+                                 checkpoint_bytes=_safetensors_bytes(file.parent))
+    catalog = common.load_catalog("models")
+    try:
+        key, entry = common.find_in_catalog(catalog, name, "model")
+    except UsageError:
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+            config, checkpoint_bytes = fetch_hf_config(name, transport)
+            return model_from_config(config, name, f"{HF_URL}/{name}", checkpoint_bytes=checkpoint_bytes)
+        raise
+    return model_from_config(catalog_config(catalog, key), key, entry["source"], params_b=entry.get("params_b"),
+                             extra_params_b=entry.get("vision_params_b") or 0.0)
+
+
+def resolve_gpu(name: str | None, gpu_gb: float | None) -> dict[str, Any]:
+    """A catalog GPU, or a bare memory size (GiB as the GPU reports its total) when GPU_GB is set."""
+    if gpu_gb is not None:
+        base = dict(common.find_in_catalog(common.load_catalog("gpus"), name, "GPU")[1]) if name else {}
+        return {**base, "id": base.get("id", "custom"), "name": base.get("name", f"{gpu_gb:g} GiB GPU"),
+                "memory_gib": gpu_gb}
+    if not name:
+        raise UsageError("no GPU given: set GPU (e.g. h100, a100-80gb, l40s; see scripts/catalog/gpus.yaml) "
+                         "or GPU_GB")
+    catalog = common.load_catalog("gpus")
+    try:
+        key, entry = common.find_in_catalog(catalog, name, "GPU")
+    except UsageError as exc:
+        known = ", ".join(sorted(catalog))
+        raise UsageError(str(exc) if "known:" in str(exc) else f"{exc} (known: {known}; or set GPU_GB)")
+    return {**entry, "id": key}
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+
+
+@dataclass(frozen=True)
+class Params:
+    embed: float
+    lm_head: float
+    attention: float      # split by TP
+    replicated: float     # on every TP rank (MLA's down-projections)
+    dense_mlp: float
+    experts: float        # routed experts, all of them
+    expert_each: float    # one routed expert of one layer
+    shared: float
+
+    @property
+    def total(self) -> float:
+        return self.embed + self.lm_head + self.attention + self.replicated + self.dense_mlp + self.experts + self.shared
+
+
+def count_params(m: Model) -> Params:
+    attention = replicated = 0.0
+    for layer in m.layers:
+        if layer.kind == "linear" and m.linear_state:
+            kernel, kh, kd, vh, vd = m.linear_state
+            attention += m.hidden * (2 * kh * kd + 2 * vh * vd + 2 * vh) + (2 * kh * kd + vh * vd) * kernel + vh * vd * m.hidden
+        elif m.mla:
+            q_lora, kv_lora, nope, rope, v = m.mla
+            q = m.hidden * q_lora + q_lora * m.heads * (nope + rope) if q_lora else m.hidden * m.heads * (nope + rope)
+            replicated += (m.hidden * q_lora if q_lora else 0) + m.hidden * (kv_lora + rope)
+            attention += q - (m.hidden * q_lora if q_lora else 0) + kv_lora * m.heads * (nope + v) + m.heads * v * m.hidden
+        else:
+            attention += m.hidden * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
+    moe = sum(m.moe_layers)
+    expert_each = 3 * m.hidden * m.expert_intermediate
+    dense_layers = len(m.layers) - moe
+    mlp_width = m.dense_intermediate if m.experts else m.intermediate
+    embed = float(m.vocab * m.hidden)
+    return Params(embed=embed, lm_head=0.0 if m.tie_embeddings else embed, attention=attention,
+                  replicated=replicated + moe * m.hidden * m.experts, dense_mlp=3.0 * m.hidden * mlp_width * dense_layers,
+                  experts=float(moe * m.experts * expert_each), expert_each=float(expert_each),
+                  shared=3.0 * m.hidden * m.shared_intermediate * moe)
+
+
+def weight_quant(m: Model, quant: str) -> str:
+    wanted = QUANT_ALIASES.get((quant or "auto").lower())
+    if wanted is None:
+        raise UsageError(f"unknown QUANT {quant!r}: use one of auto, bf16, fp16, fp8, int8, awq, gptq, mxfp4, nvfp4")
+    return m.quant if wanted == "auto" else wanted
+
+
+def marlin_expert_padding(m: Model) -> float:
+    """Growth of MXFP4 experts on GPUs without FP4 (the Marlin path): hidden rounded up to 256 and
+    intermediate to 128 (vllm/model_executor/layers/fused_moe/oracle/mxfp4.py); gpt-oss: +9%."""
+    def up(value: int, step: int) -> int:
+        return -(-value // step) * step
+    return up(m.hidden, 256) * up(m.expert_intermediate, 128) / (m.hidden * m.expert_intermediate)
+
+
+def pp_partition(n_layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage as vLLM splits them (vllm/distributed/utils.py get_pp_indices):
+    equal shares, the remainder going to the stages before the last (which holds the LM head)."""
+    parts = [n_layers // pp] * pp
+    for i in range(2, n_layers % pp + 2):
+        parts[-i] += 1
+    return parts
+
+
+def stage_layers(m: Model, pp: int, stage: int) -> tuple[Layer, ...]:
+    parts = pp_partition(len(m.layers), pp)
+    start = sum(parts[:stage])
+    return m.layers[start:start + parts[stage]]
+
+
+def weight_bytes(m: Model, quant: str, tp: int = 1, pp: int = 1, native_fp4: bool = True,
+                 stage: int = 0) -> dict[str, float]:
+    """Checkpoint bytes and the bytes on one GPU of pipeline stage `stage` (the embedding on the
+    first stage, the LM head on the last, a tied one on both)."""
+    p = count_params(m)
+    qb = QUANT_BYTES[quant]
+    hp = float(min(m.dtype_bytes, 2))
+    attention_bytes = hp if quant == m.quant and m.attention_unquantized else qb
+    mlp_bytes = hp if quant == "mxfp4" else qb     # gpt-oss: MXFP4 experts, the rest bf16
+    expert_bytes = qb * (marlin_expert_padding(m) if quant == "mxfp4" and not native_fp4 and m.experts else 1.0)
+    layer_bytes = p.attention * attention_bytes + (p.dense_mlp + p.shared) * mlp_bytes + p.experts * expert_bytes
+    head_bytes = (p.embed + p.lm_head + m.extra_params) * hp
+    total = layer_bytes + p.replicated * hp + head_bytes
+    scale = 1.0
+    if m.checkpoint_bytes and quant == m.quant:
+        scale = m.checkpoint_bytes / total       # measured size: trust it, keep the split's proportions
+        layer_bytes, total = layer_bytes * scale, float(m.checkpoint_bytes)
+    share = len(stage_layers(m, pp, stage)) / len(m.layers)
+    if pp == 1:
+        head = head_bytes
+    else:
+        head = ((p.embed + m.extra_params) * hp if stage == 0 else 0.0) + \
+               ((p.lm_head or p.embed) * hp if stage == pp - 1 else 0.0)
+    per_gpu = (layer_bytes * share + head * scale) / tp + p.replicated * hp * share
+    return {"total": total, "per_gpu": per_gpu}
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache: per-layer specs and vLLM's grouping
+
+
+def kv_heads_per_rank(m: Model, tp: int) -> int:
+    return 1 if m.mla else max(1, m.kv_heads // tp)
+
+
+def kv_dtype_bytes(m: Model, kv_dtype: str) -> int:
+    key = (kv_dtype or "auto").lower()
+    if key not in KV_DTYPES:
+        raise UsageError(f"unknown KV_DTYPE {kv_dtype!r}: use auto, bf16, fp16 or fp8")
+    return KV_DTYPES[key] or (m.dtype_bytes if m.dtype_bytes <= 2 else 2)
+
+
+def layer_token_bytes(m: Model, tp: int, kv_bytes: int, kv_dtype: str = "auto") -> int:
+    """KV bytes one token costs in one attention layer on one GPU."""
+    if m.mla:
+        # fp8_ds_mla: 512 fp8 + 4 scales x 4 bytes + 64 bf16 rope = 656 bytes (vllm kv_cache_interface).
+        return 656 if kv_dtype == "fp8_ds_mla" else (m.mla[1] + m.mla[3]) * kv_bytes
+    return 2 * kv_heads_per_rank(m, tp) * m.head_dim * kv_bytes
+
+
+def linear_state_bytes(m: Model, tp: int, state_bytes: int = 2) -> int:
+    """Conv + recurrent state one request holds in one linear-attention (GDN) layer on one GPU."""
+    kernel, kh, kd, vh, vd = m.linear_state
+    conv = (kernel - 1) * (2 * kh * kd + vh * vd) // tp
+    ssm = vh // tp * kd * vd
+    return (conv + ssm) * state_bytes
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    kind: str            # full | sliding | linear
+    window: int
+    page_bytes: int      # one block of block_size tokens (linear: the request's whole state)
+    block_size: int
+
+
+def layer_specs(m: Model, tp: int, pp: int, kv_bytes: int, block_size: int, kv_dtype: str = "auto",
+                attention_block_alignment: int = 16, stage: int = 0) -> list[KVSpec]:
+    """The KV spec of each layer of one pipeline stage, pages unified as vLLM does."""
+    layers = stage_layers(m, pp, stage)
+    token = layer_token_bytes(m, tp, kv_bytes, kv_dtype)
+    if any(layer.kind == "linear" for layer in layers) and m.linear_state:
+        state = linear_state_bytes(m, tp)
+        # vLLM raises the attention block size until an attention page holds a Mamba state,
+        # then pads the state to that page (platforms' _align_hybrid_block_size).
+        block_size = attention_block_alignment * math.ceil(state / (attention_block_alignment * token))
+    page = token * block_size
+    return [KVSpec(layer.kind, layer.window, page, block_size) for layer in layers]
+
+
+def _blocks_per_request(spec: KVSpec, max_len: int, max_num_batched_tokens: int) -> int:
+    if spec.kind == "linear":
+        return 1
+    if spec.kind == "sliding":
+        return -(-min(spec.window - 1 + max_num_batched_tokens, max_len) // spec.block_size) + 1
+    return -(-max_len // spec.block_size)
+
+
+def kv_groups(specs: Sequence[KVSpec]) -> list[tuple[KVSpec, int]]:
+    """vLLM's KV-cache groups as (spec, layers in the group, padding included).
+
+    One spec for every layer: one group. Otherwise layers of one kind are split into groups of
+    `group_size` layers (the smallest kind's count, or the largest when that is < 1.5x the
+    smallest), the last one padded (kv_cache_utils._get_kv_cache_groups_uniform_page_size).
+    """
+    buckets: dict[tuple[str, int], list[KVSpec]] = {}
+    for spec in specs:
+        buckets.setdefault((spec.kind, spec.window), []).append(spec)
+    if len(buckets) == 1:
+        return [(specs[0], len(specs))]
+    counts = [len(b) for b in buckets.values()]
+    group_size = max(counts) if max(counts) < 1.5 * min(counts) else min(counts)
+    groups = []
+    for bucket in buckets.values():
+        groups += [(bucket[0], group_size)] * -(-len(bucket) // group_size)
+    return groups
+
+
+def kv_capacity(specs: Sequence[KVSpec], kv_space: float, max_len: int, max_num_batched_tokens: int,
+                token_report: str = "derived") -> dict[str, Any]:
+    """Blocks, tokens and max concurrency from the KV space, as vLLM's startup log reports them.
+
+    token_report "derived" (vLLM >= 0.14): tokens = int(concurrency x max_model_len);
+    "blocks" (older): num_blocks // groups x block_size.
+    """
+    groups = kv_groups(specs)
+    bytes_per_block = groups[0][1] * specs[0].page_bytes
+    num_blocks = max(0, int(kv_space // bytes_per_block))
+    per_request = sum(_blocks_per_request(spec, max_len, max_num_batched_tokens) for spec, _ in groups)
+    concurrency = num_blocks / per_request
+    min_block = min(spec.block_size for spec, _ in groups)
+    tokens = int(concurrency * max_len) if token_report == "derived" else num_blocks // len(groups) * min_block
+    return {"num_blocks": num_blocks, "kv_cache_tokens": tokens, "max_concurrency": concurrency,
+            "groups": len(groups), "block_size": min_block, "blocks_per_request": per_request,
+            "bytes_per_block": bytes_per_block}
+
+
+def max_len_that_fits(specs: Sequence[KVSpec], kv_space: float, limit: int, max_num_batched_tokens: int) -> int:
+    """The largest max_model_len with concurrency >= 1 (vLLM's estimate_max_model_len)."""
+    low, high, best = 1, limit, 0
+    while low <= high:
+        mid = (low + high) // 2
+        if kv_capacity(specs, kv_space, mid, max_num_batched_tokens)["max_concurrency"] >= 1:
+            best, low = mid, mid + 1
+        else:
+            high = mid - 1
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory budget
+
+
+@dataclass(frozen=True)
+class Inputs:
+    model: Model
+    gpu: dict[str, Any]
+    tp: int = 1
+    pp: int = 1
+    ctx: int | None = None
+    kv_dtype: str = "auto"
+    quant: str = "auto"
+    gpu_util: float | None = None
+    engine: str = "vllm"
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+    block_size: int | None = None
+    platform: str = "gpu"
+    vllm_version: str = DEFAULT_VLLM_VERSION
+    enforce_eager: bool = False
+    entrypoint: str = "serve"
+    sampler: str = "auto"       # top-k/top-p kernel of the profile run: pytorch, triton, flashinfer; auto = by version
+    vllm_engine: str = "auto"   # v0 / v1; auto = by version (0.8-0.10 still ran V0 with VLLM_USE_V1=0 or on GPUs older than Ampere)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        raise UsageError(f"vLLM version {version!r} is not like 0.11 or 0.32")
+
+
+def runs_v0(inp: Inputs) -> bool:
+    """The V0 engine's profiler: before 0.8, or asked for (vLLM 0.8.x fell back to V0 below compute
+    capability 8.0: "Compute Capability < 8.0 is not supported by the V1 Engine. Falling back to V0.")."""
+    if inp.vllm_engine == "auto":
+        return version_tuple(inp.vllm_version) < V1_DEFAULT
+    return inp.vllm_engine == "v0"
+
+
+def vllm_defaults(inp: Inputs) -> dict[str, Any]:
+    """gpu_memory_utilization, max_num_seqs, max_num_batched_tokens and block size vLLM would pick."""
+    version = version_tuple(inp.vllm_version)
+    world = inp.tp * inp.pp
+    if inp.platform == "cpu":
+        mnbt, seqs, block = 2048 * world, 128 * world, 128
+    else:
+        total = inp.gpu.get("memory_gib", 0)
+        name = str(inp.gpu.get("name", "")).lower()
+        # EngineArgs.get_batch_defaults (vllm/engine/arg_utils.py): H100-class >= 70 GiB but not
+        # A100 (PR #17885) 8192 tokens for `vllm serve`, 16384 for the offline LLM class; others
+        # 2048 / 8192. A >= 160 GiB tier (16384 for serve) is new in v0.28.0.
+        offline = inp.entrypoint == "llm"
+        if total >= 160 and version >= (0, 28):
+            mnbt, seqs = 16384, 1024
+        elif total >= 70 and "a100" not in name:
+            mnbt, seqs = (16384 if offline else 8192), 1024
+        else:
+            mnbt, seqs = (8192 if offline else 2048), 256
+        block = 16
+    if runs_v0(inp):
+        # V0 profiled one batch of max(max_model_len, 2048) tokens; above 32k it turned chunked
+        # prefill on, with 512-token chunks (vllm/config.py SchedulerConfig).
+        ctx = inp.ctx or inp.model.max_len
+        mnbt, seqs = (512 if ctx > 32768 else max(ctx, 2048)), 256
+    util = 0.92 if version >= (0, 30) else 0.9
+    return {"gpu_util": inp.gpu_util if inp.gpu_util is not None else util,
+            "max_num_seqs": inp.max_num_seqs or seqs,
+            "max_num_batched_tokens": inp.max_num_batched_tokens or mnbt,
+            "block_size": inp.block_size or block}
+
+
+# Peak bytes per (row x vocab) logit while the V1 profile run warms the sampler, by top-k/top-p
+# kernel. _dummy_sampler_run (vllm/v1/worker/gpu_model_runner.py) samples every dummy request with
+# top_k = vocab - 1 and top_p = 0.9: bf16 logits (2) + their fp32 copy (4) + the top-k/top-p work.
+# The PyTorch path (vllm/v1/sample/ops/topk_topp_sampler.py) sorts whole rows (fp32 values, int64
+# indices, sort scratch): vllm PR #32558 measured 1.25 GiB, 40 bytes per logit in all, for 256 x
+# 131,072 fp32 logits, taken here as 32 beyond the fp32 logits. The Triton kernel needs 12 bytes
+# per logit in PR #32558's table (softmax and the draw follow); FlashInfer's keeps one fp32
+# probability per logit.
+SAMPLER_BYTES_PER_LOGIT = {"pytorch": 2 + 4 + 32, "triton": 14, "flashinfer": 2 + 4 + 4}
+
+
+def default_sampler(version: tuple[int, ...]) -> str:
+    """The top-k/top-p implementation a vLLM release warms up in its profile run, by default.
+
+    FlashInfer's kernel (vllm PR #11394) was used when FlashInfer was installed until PR #26859
+    turned it off by default (v0.11.1); whether it was installed varied (pip or image), so before
+    0.11.1 this assumes the PyTorch path, the larger peak: a log that says "Using FlashInfer for
+    top-p & top-k sampling" is --sampler flashinfer. The Triton kernel (PR #33538) is the default
+    from 0.17 (the v0.16 -> v0.17 drop in the profile peak of the llm-d-planner logs in
+    benchmarks/vram_accuracy.py), and FlashInfer again from v0.21.0 (PR #40376).
+    """
+    if version >= (0, 21):
+        return "flashinfer"
+    return "triton" if version >= TRITON_TOP_K_TOP_P else "pytorch"
+
+
+def activation_bytes(m: Model, tp: int, tokens: int, seqs: int, quant: str, sampler: str,
+                     v0: bool = False, samples: bool = True) -> float:
+    """Peak of the profile run: MLP/QKV activations of `tokens` tokens, the sampler over one row per
+    dummy request (on the last pipeline stage only: `samples`), and a fixed part for workspaces
+    (first-order; see the benchmark for its error)."""
+    mlp = (m.top_k * m.expert_intermediate + m.shared_intermediate) if m.experts else m.intermediate
+    qkv = m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim if not m.mla else m.heads * (m.mla[2] + m.mla[3]) * 2
+    forward = tokens * (3 * mlp + qkv) / tp * 2
+    rows = min(seqs, tokens) if samples else 0
+    if v0:
+        # V0 (one execute_model call): forward + fp32 logits + workspaces, fitted to the V0 logs in
+        # the benchmark: ~0.3 GiB unquantized on one GPU, 0.6-0.8 with AWQ/GPTQ (Marlin) kernels
+        # (RTX 4060 AWQ, Phi-4 GPTQ), 1.1-1.4 on TP rank 0 (the four 2080 Ti TP=4 logs).
+        fixed = (1.0 if tp > 1 else 0.3 if quant in ("bf16", "fp16") else 0.7) * GIB
+        return forward + rows * m.vocab * 4 + fixed
+    # V1: profile_run runs the forward, frees its activations, then the sampler on the dummy
+    # requests' last tokens; every TP rank samples the full vocabulary. The peak is the larger one.
+    return max(forward, rows * m.vocab * SAMPLER_BYTES_PER_LOGIT[sampler]) + 0.3 * GIB
+
+
+def cudagraph_bytes(m: Model) -> float:
+    """The CUDA-graph memory estimate vLLM >= 0.21 subtracts ("Estimated CUDA graph memory: X GiB").
+
+    Public logs show 0.22-0.78 GiB for dense models and ~1-2 GiB for MoE and hybrid ones (4x L40S
+    Qwen3-Coder-30B at TP4 in benchmarks/vram_accuracy.py leaves ~1); expert-parallel MoE reaches
+    ~5 GiB (vram-anchors research note), which this does not model.
+    """
+    return (1.0 if m.experts or m.linear_state else 0.5) * GIB
+
+
+def sglang_defaults(gpu_mib: float, tp: int = 1, pp: int = 1) -> dict[str, Any]:
+    """SGLang's own chunked_prefill_size, cuda_graph_max_bs and mem_fraction_static for a GPU.
+
+    ServerArgs._handle_gpu_memory_settings (python/sglang/srt/server_args.py, the heuristic of
+    sglang PR #10975): size buckets by GPU memory, then reserve 512 MiB + 1.5 MiB per prefill
+    token + 2 MiB per CUDA-graph batch + TP x PP / 8 GiB + 8 MiB per piecewise CUDA-graph size
+    (captured up to the chunk size, PR #15700), at least 10 GiB above 60 GB, and keep the rest.
+    On an H100 this gives 0.827; sglang#29092 observed 0.828 (Qwen3-32B, H100).
+    """
+    if gpu_mib < 20 * 1024:
+        chunk, graph_bs = 2048, 8
+    elif gpu_mib < 35 * 1024:
+        chunk, graph_bs = 2048, 24 if tp < 4 else 80
+    elif gpu_mib < 60 * 1024:
+        chunk, graph_bs = 4096, 32 if tp < 4 else 160
+    elif gpu_mib < 160 * 1024:
+        chunk, graph_bs = 8192, 256 if tp < 4 else 512
+    else:
+        chunk, graph_bs = 16384, 512
+    piecewise = [size for size in (*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32),
+                                   *range(640, 4097, 128), *range(4352, chunk + 1, 256)) if size <= chunk]
+    reserved = 512 + max(chunk, 2048) * 1.5 + graph_bs * 2 + tp * pp / 8 * 1024 + len(piecewise) * 8
+    if gpu_mib > 60 * 1024:
+        reserved = max(reserved, 10 * 1024)
+    return {"mem_fraction_static": round((gpu_mib - reserved) / gpu_mib, 3), "chunked_prefill_size": chunk,
+            "cuda_graph_max_bs": graph_bs}
+
+
+def budget(inp: Inputs, stage: int = 0) -> dict[str, Any]:
+    """Memory budget of one GPU of pipeline stage `stage` and the KV space it leaves, vLLM or SGLang."""
+    m = inp.model
+    quant = weight_quant(m, inp.quant)
+    weights = weight_bytes(m, quant, inp.tp, inp.pp, native_fp4=bool(inp.gpu.get("fp4_dense_tflops")), stage=stage)
+    total = float(inp.gpu.get("memory_gib") or 0) * GIB
+    out = {"quant": quant, "weights_total_bytes": weights["total"], "weights_bytes": weights["per_gpu"],
+           "total_bytes": total, "activation_bytes": 0.0, "non_torch_bytes": 0.0, "cudagraph_bytes": 0.0}
+    if inp.engine == "sglang":
+        # The CUDA context and NCCL buffers come out of mem_fraction_static: ~0.75 GiB alone, ~2 GiB
+        # at TP4 (vllm#21348: 79.19 x 0.93 - 55.2 weights - 16.46 KV on Qwen3-235B-FP8).
+        d = sglang_defaults(total / GIB * 1024, inp.tp, inp.pp)
+        mfs = inp.gpu_util or d["mem_fraction_static"]
+        out.update(gpu_util=mfs, non_torch_bytes=(0.75 if inp.tp == 1 else 2.0) * GIB, block_size=1,
+                   max_num_seqs=inp.max_num_seqs,
+                   max_num_batched_tokens=inp.max_num_batched_tokens or d["chunked_prefill_size"])
+        requested = total * mfs
+    else:
+        d = vllm_defaults(inp)
+        out.update(d)
+        requested = total * d["gpu_util"]
+        if inp.kv_cache_bytes is None:
+            version = version_tuple(inp.vllm_version)
+            sampler = default_sampler(version) if inp.sampler == "auto" else inp.sampler
+            out["activation_bytes"] = activation_bytes(m, inp.tp, d["max_num_batched_tokens"], d["max_num_seqs"],
+                                                       quant, sampler, runs_v0(inp), samples=stage == inp.pp - 1)
+            out["non_torch_bytes"] = (0.25 if inp.tp == 1 else 0.4) * GIB
+            if version >= (0, 21) and not inp.enforce_eager and inp.platform == "gpu":
+                out["cudagraph_bytes"] = cudagraph_bytes(m)
+    out["requested_bytes"] = requested
+    if inp.kv_cache_bytes is not None:
+        out["kv_space_bytes"] = float(inp.kv_cache_bytes)
+    else:
+        out["kv_space_bytes"] = requested - weights["per_gpu"] - out["activation_bytes"] - out["non_torch_bytes"] - out["cudagraph_bytes"]
+    return out
+
+
+def check_inputs(inp: Inputs) -> None:
+    m = inp.model
+    for name, value in (("TP", inp.tp), ("PP", inp.pp)):
+        if value < 1:
+            raise UsageError(f"{name} must be >= 1, got {value}")
+    if m.heads % inp.tp:
+        raise UsageError(f"TP={inp.tp} does not divide the {m.heads} attention heads of {m.name}: "
+                         f"use a TP that divides {m.heads} (e.g. {', '.join(str(t) for t in (1, 2, 4, 8) if m.heads % t == 0)})")
+    if not m.mla and m.kv_heads % inp.tp and inp.tp % m.kv_heads:
+        raise UsageError(f"TP={inp.tp} and the {m.kv_heads} KV heads of {m.name} do not divide each other: "
+                         "vLLM needs one to divide the other")
+    if inp.pp > len(m.layers):
+        raise UsageError(f"PP={inp.pp} is more than the {len(m.layers)} layers of {m.name}")
+    if inp.ctx is not None and inp.ctx > m.max_len:
+        raise UsageError(f"CTX={inp.ctx} is beyond {m.name}'s limit of {m.max_len} tokens "
+                         "(max_position_embeddings): lower CTX")
+    if inp.gpu_util is not None and not 0 < inp.gpu_util <= 1:
+        raise UsageError(f"GPU_UTIL must be in (0, 1], got {inp.gpu_util}")
+    if inp.engine not in ("vllm", "sglang"):
+        raise UsageError(f"unknown ENGINE {inp.engine!r}: use vllm or sglang")
+    if inp.sampler != "auto" and inp.sampler not in SAMPLER_BYTES_PER_LOGIT:
+        raise UsageError(f"unknown sampler {inp.sampler!r}: use auto, {', '.join(SAMPLER_BYTES_PER_LOGIT)}")
+    if inp.vllm_engine not in ("auto", "v0", "v1"):
+        raise UsageError(f"unknown vLLM engine {inp.vllm_engine!r}: use auto, v0 or v1")
+    if inp.entrypoint not in ("serve", "llm"):
+        raise UsageError(f"unknown entry point {inp.entrypoint!r}: use serve (vllm serve) or llm (offline LLM class)")
+
+
+def _stage_capacity(inp: Inputs, stage: int, ctx: int) -> tuple[dict[str, Any], list[KVSpec], dict[str, Any]]:
+    b = budget(inp, stage)
+    specs = layer_specs(inp.model, inp.tp, inp.pp, kv_dtype_bytes(inp.model, inp.kv_dtype), b["block_size"],
+                        inp.kv_dtype.lower(), stage=stage)
+    report = "derived" if version_tuple(inp.vllm_version) >= (0, 14) else "blocks"
+    return b, specs, kv_capacity(specs, max(0.0, b["kv_space_bytes"]), ctx, b["max_num_batched_tokens"], report)
+
+
+def estimate(inp: Inputs) -> dict[str, Any]:
+    """The whole answer: budget, KV bytes per token, tokens, concurrency, fits.
+
+    With pipeline parallelism every stage sizes its own pool and vLLM keeps the smallest block
+    count (kv_cache_utils.get_kv_cache_configs): the binding stage is the one reported.
+    """
+    check_inputs(inp)
+    m = inp.model
+    ctx = inp.ctx or m.max_len
+    stage = 0
+    if inp.engine == "vllm":
+        stages = [_stage_capacity(inp, s, ctx) for s in range(inp.pp)]
+        stage = min(range(inp.pp), key=lambda s: stages[s][2]["num_blocks"])
+        b, specs, cap = stages[stage]
+    else:
+        b = budget(inp)
+    token_bytes = layer_token_bytes(m, inp.tp, kv_dtype_bytes(m, inp.kv_dtype), inp.kv_dtype.lower())
+    layers = stage_layers(m, inp.pp, stage)
+    attention_layers = sum(1 for layer in layers if layer.kind != "linear")
+    result: dict[str, Any] = {
+        "model": m.name, "model_source": m.source, "gpu": inp.gpu.get("name"), "engine": inp.engine,
+        "tp": inp.tp, "pp": inp.pp, "ctx": ctx, "kv_dtype": inp.kv_dtype, "weights_quant": b["quant"],
+        "gpu_memory_gib": b["total_bytes"] / GIB, "gpu_util": b.get("gpu_util"),
+        "max_num_seqs": b.get("max_num_seqs"), "max_num_batched_tokens": b.get("max_num_batched_tokens"),
+        "weights_total_gib": b["weights_total_bytes"] / GIB, "weights_gib": b["weights_bytes"] / GIB,
+        "activation_gib": b["activation_bytes"] / GIB, "non_torch_gib": b["non_torch_bytes"] / GIB,
+        "cudagraph_gib": b["cudagraph_bytes"] / GIB, "kv_cache_gib": b["kv_space_bytes"] / GIB,
+        "kv_space_fixed": inp.kv_cache_bytes is not None, "pp_stage": stage,
+        "kv_bytes_per_token": token_bytes * attention_layers,
+        "attention_layers": attention_layers, "layer_kinds": sorted({layer.kind for layer in m.layers}),
+    }
+    if m.linear_state:
+        result["linear_state_bytes_per_request"] = linear_state_bytes(m, inp.tp) * (len(layers) - attention_layers)
+    space = max(0.0, b["kv_space_bytes"])
+    if inp.engine == "sglang":
+        per_token = token_bytes * attention_layers
+        tokens = int(space // per_token)
+        result.update(kv_cache_tokens=tokens, max_concurrency=tokens / ctx, num_blocks=None, block_size=1)
+    else:
+        result.update(kv_cache_tokens=cap["kv_cache_tokens"], max_concurrency=cap["max_concurrency"],
+                      num_blocks=cap["num_blocks"], block_size=cap["block_size"], kv_cache_groups=cap["groups"])
+        result["max_model_len_that_fits"] = max_len_that_fits(specs, space, m.max_len, b["max_num_batched_tokens"])
+    result["fits"] = b["kv_space_bytes"] > 0 and result["max_concurrency"] >= 1
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Levers
+
+
+def _gpu_has_fp8(gpu: Mapping[str, Any]) -> bool:
+    return gpu.get("fp8_dense_tflops") is not None
+
+
+def lever_inputs(inp: Inputs, base: Mapping[str, Any]) -> list[tuple[str, str, Inputs]]:
+    """Candidate changes in the skill's order: max-model-len, fp8 KV, FP8 weights, TP, max-num-seqs."""
+    m = inp.model
+    ctx = base["ctx"]
+    out = []
+    if not base["fits"] and base.get("max_model_len_that_fits"):
+        fit = base["max_model_len_that_fits"]
+        out.append(("max-model-len", f"--max-model-len {fit}", replace(inp, ctx=fit)))
+    elif ctx >= 2:
+        out.append(("max-model-len", f"--max-model-len {ctx // 2}", replace(inp, ctx=ctx // 2)))
+    if kv_dtype_bytes(m, inp.kv_dtype) > 1:
+        out.append(("kv-cache-dtype", "--kv-cache-dtype fp8", replace(inp, kv_dtype="fp8")))
+    quant = weight_quant(m, inp.quant)
+    if QUANT_BYTES[quant] > 1 and _gpu_has_fp8(inp.gpu):
+        out.append(("fp8-weights", "FP8 checkpoint (or --quantization fp8)", replace(inp, quant="fp8")))
+    bigger_tp = inp.tp * 2
+    if m.heads % bigger_tp == 0 and (m.mla or m.kv_heads % bigger_tp == 0 or bigger_tp % m.kv_heads == 0):
+        out.append(("tensor-parallel-size", f"--tensor-parallel-size {bigger_tp}", replace(inp, tp=bigger_tp)))
+    seqs = base.get("max_num_seqs")
+    if inp.engine == "vllm" and inp.kv_cache_bytes is None and seqs and seqs > 64:
+        out.append(("max-num-seqs", f"--max-num-seqs {seqs // 4}", replace(inp, max_num_seqs=seqs // 4)))
+    return out
+
+
+def levers(inp: Inputs, base: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Each lever's computed effect on KV tokens and concurrency (per GPU), in the skill's order."""
+    rows = []
+    for lever, change, variant in lever_inputs(inp, base):
+        r = estimate(variant)
+        rows.append({"lever": lever, "change": change, "kv_cache_tokens": r["kv_cache_tokens"],
+                     "kv_cache_tokens_delta": r["kv_cache_tokens"] - base["kv_cache_tokens"],
+                     "ctx": r["ctx"], "max_concurrency": r["max_concurrency"], "fits": r["fits"],
+                     "gpus": variant.tp * variant.pp})
+    return rows
+
+
+def smallest_fix(inp: Inputs, base: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The first lever (in order) that makes it fit alone, else the first that fit combined."""
+    candidates = lever_inputs(inp, base)
+    for lever, change, variant in candidates:
+        if lever != "max-model-len" and estimate(variant)["fits"]:
+            return {"levers": [lever], "change": change}
+    combined, changes, names = inp, [], []
+    for lever, change, variant in candidates:
+        if lever == "max-model-len":
+            continue
+        combined = _apply(combined, lever, variant)
+        changes.append(change)
+        names.append(lever)
+        if estimate(combined)["fits"]:
+            return {"levers": names, "change": " ".join(changes)}
+    if base.get("max_model_len_that_fits"):
+        return {"levers": ["max-model-len"], "change": f"--max-model-len {base['max_model_len_that_fits']}"}
+    return None
+
+
+def _apply(inp: Inputs, lever: str, variant: Inputs) -> Inputs:
+    attribute = {"kv-cache-dtype": "kv_dtype", "fp8-weights": "quant", "tensor-parallel-size": "tp",
+                 "max-num-seqs": "max_num_seqs"}[lever]
+    return replace(inp, **{attribute: getattr(variant, attribute)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags shared by vram.py and roofline.py
+
+
+def add_model_args(p) -> None:
+    """The flags vram and roofline share (task variables MODEL, GPU, GPU_GB, TP, ...).
+
+    Not given and given empty (the Taskfile passes every variable) both mean "not set", as for
+    every script (common.Settings); the defaults are in the help texts.
+    """
+    p.add_argument("--model", help="catalog name, Hugging Face repo id, or local folder / config.json (MODEL)")
+    p.add_argument("--gpu", help="catalog GPU name, e.g. h100, a100-80gb, l40s, mi300x (GPU)")
+    p.add_argument("--gpu-gb", help="GPU memory in GiB as the GPU reports its total, instead of a catalog GPU (GPU_GB)")
+    p.add_argument("--tp", help="tensor-parallel size (TP, default 1)")
+    p.add_argument("--pp", help="pipeline-parallel size (PP, default 1)")
+    p.add_argument("--ctx", help="tokens per request = max_model_len (CTX, default the model's limit)")
+    p.add_argument("--kv-dtype", help="KV-cache dtype: auto, bf16, fp16, fp8 (KV_DTYPE, default auto)")
+    p.add_argument("--quant", help="weights: auto (the checkpoint's), bf16, fp8, awq, gptq, mxfp4, nvfp4 (QUANT)")
+    p.add_argument("--gpu-util", help="vLLM gpu_memory_utilization / SGLang mem_fraction_static (GPU_UTIL)")
+    p.add_argument("--engine", help="vllm or sglang (ENGINE, default vllm)")
+    p.add_argument("--max-num-seqs", help="vLLM max_num_seqs (MAX_NUM_SEQS, default by GPU)")
+    p.add_argument("--max-num-batched-tokens", help="vLLM max_num_batched_tokens (MAX_NUM_BATCHED_TOKENS, default by GPU)")
+    p.add_argument("--kv-cache-bytes", help="fixed KV space per GPU in bytes (vLLM --kv-cache-memory-bytes); skips the budget")
+    p.add_argument("--kv-cache-gib", help="the same in GiB (e.g. VLLM_CPU_KVCACHE_SPACE=1 is 1)")
+    p.add_argument("--block-size", help="KV block size in tokens (default 16 on GPU, 128 on CPU)")
+    p.add_argument("--platform", default="gpu", choices=["gpu", "cpu"], help="cpu: the CPU build's defaults (block 128, batch 2048)")
+    p.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="vLLM release whose accounting to follow (e.g. 0.10, 0.32)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM --enforce-eager)")
+    p.add_argument("--vllm-engine", default="auto", choices=["auto", "v0", "v1"],
+                   help="v0: the V0 profiler (VLLM_USE_V1=0, or vLLM 0.8-0.10 on pre-Ampere GPUs); auto: by version")
+    p.add_argument("--sampler", default="auto", choices=["auto", *SAMPLER_BYTES_PER_LOGIT],
+                   help="top-k/top-p kernel vLLM warms up while profiling (its log names it); auto: the release's default")
+    p.add_argument("--entrypoint", default="serve", choices=["serve", "llm"],
+                   help="serve: vllm serve's batch defaults; llm: the offline LLM class's (larger profile batch)")
+    p.add_argument("--env-file", default=None, help="settings file (default ./inference.env)")
+
+
+def inputs_from_args(args, transport: Any = None) -> Inputs:
+    s = common.settings_from_args(args)
+
+    def get(name: str) -> str:
+        return s.get(name, getattr(args, name.lower()))
+
+    gpu_gb = common.number("GPU_GB", get("GPU_GB"), float)
+    kv_gib = common.number("--kv-cache-gib", args.kv_cache_gib, float)
+    kv_bytes = common.number("--kv-cache-bytes", args.kv_cache_bytes, int)
+    if kv_gib is not None:
+        kv_bytes = int(kv_gib * GIB)
+    gpu_name = get("GPU")
+    if args.platform == "cpu" and not gpu_name and gpu_gb is None:
+        gpu = {"id": "cpu", "name": "CPU", "memory_gib": 0}
+        if kv_bytes is None:
+            raise UsageError("--platform cpu needs the KV space: --kv-cache-gib (VLLM_CPU_KVCACHE_SPACE) or --kv-cache-bytes")
+    else:
+        gpu = resolve_gpu(gpu_name, gpu_gb)
+    return Inputs(
+        model=resolve_model(get("MODEL"), transport), gpu=gpu,
+        tp=common.number("TP", get("TP")) or 1, pp=common.number("PP", get("PP")) or 1,
+        ctx=common.number("CTX", get("CTX")), kv_dtype=get("KV_DTYPE") or "auto", quant=get("QUANT") or "auto",
+        gpu_util=common.number("GPU_UTIL", get("GPU_UTIL"), float), engine=(get("ENGINE") or "vllm").lower(),
+        max_num_seqs=common.number("MAX_NUM_SEQS", get("MAX_NUM_SEQS")),
+        max_num_batched_tokens=common.number("MAX_NUM_BATCHED_TOKENS", get("MAX_NUM_BATCHED_TOKENS")),
+        kv_cache_bytes=kv_bytes, block_size=common.number("--block-size", args.block_size),
+        platform=args.platform, vllm_version=args.vllm_version, enforce_eager=args.enforce_eager,
+        entrypoint=args.entrypoint, vllm_engine=args.vllm_engine, sampler=args.sampler)
