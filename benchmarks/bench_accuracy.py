@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How far bench.py's TTFT/ITL/e2e are from the truth, against the calibration server.
 
-Starts scripts/calibration_server.py (first token after --ttft-ms, then a chunk every --itl-ms;
+Starts benchmarks/calibration_server.py (first token after --ttft-ms, then a chunk every --itl-ms;
 it records when each request arrived and when each chunk was written), runs bench.py against it
 with server and client each pinned to one core (taskset, when there are two cores), and compares
 bench.py's percentiles with the server-side truth of the same requests (matched by request id).
@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> int:
-        server_cmd = pinned(0) + [sys.executable, str(SCRIPTS / "calibration_server.py"), "--port", "0",
+        server_cmd = pinned(0) + [sys.executable, str(Path(__file__).resolve().parent / "calibration_server.py"), "--port", "0",
                                   "--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms)]
         server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, text=True)
         try:

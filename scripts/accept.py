@@ -41,7 +41,6 @@ import common  # noqa: E402
 import ppl  # noqa: E402
 import serve  # noqa: E402
 import smoke_toolcall  # noqa: E402
-from bench import append_log, render_log_entry  # noqa: E402
 from common import ServerError, UsageError  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -307,10 +306,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "base": summary(base), "candidate": summary(cand),
         }
         result["rows"] = result_rows(base, cand, ppl_result)
-        entry = render_log_entry(result, TEMPLATE)
+        entry = common.render_log_entry(result, TEMPLATE)
         log = settings.get("BENCH_LOG", args.log)
         if log:
-            append_log(log, entry)
+            common.append_log(log, entry)
             common.progress(f"accept: log entry appended to {log}")
         common.emit(result | {"log_entry": entry}, entry, args.json)
         if interrupted:

@@ -1137,14 +1137,6 @@ def exit_code(result: dict[str, Any]) -> int:
             "FAIL": common.EXIT_CHECK_FAILED}.get(result["verdict"], common.EXIT_OK)
 
 
-def _fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
 def human_report(result: dict[str, Any]) -> str:
     """The console table (vLLM `bench serve` layout for easy comparison)."""
     cfg, req, thr, client = result["config"], result["requests"], result["throughput"], result["client"]
@@ -1155,27 +1147,27 @@ def human_report(result: dict[str, Any]) -> str:
              f"({cfg['endpoint']}, prompts by {cfg['prompt_tokenizer']})",
              f"{'Requests completed / failed:':<34}{req['completed']} / {req['failed']}"
              + (f"  ({', '.join(f'{k} {v}' for k, v in req['errors'].items())})" if req["errors"] else ""),
-             f"{'Duration (s):':<34}{_fmt(thr['duration_s'])}",
-             f"{'Request throughput (req/s):':<34}{_fmt(thr['req_s'])}",
-             f"{'Output token throughput (tok/s):':<34}{_fmt(thr['output_tok_s'])}",
-             f"{'Total token throughput (tok/s):':<34}{_fmt(thr['total_tok_s'])}",
+             f"{'Duration (s):':<34}{common.fmt_number(thr['duration_s'])}",
+             f"{'Request throughput (req/s):':<34}{common.fmt_number(thr['req_s'])}",
+             f"{'Output token throughput (tok/s):':<34}{common.fmt_number(thr['output_tok_s'])}",
+             f"{'Total token throughput (tok/s):':<34}{common.fmt_number(thr['total_tok_s'])}",
              f"{'Output tokens (total, short):':<34}{req['output_tokens']['total']}, {req['output_tokens']['short']}",
              f"{'':-<72}",
              f"{'ms':<16}{'p50':>9}{'p95':>9}{'p99':>9}{'mean':>9}{'min':>9}{'max':>9}{'n':>7}"]
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL (chunk)"),
                        ("itl_token_ms", "ITL (token)"), ("e2e_ms", "E2E")):
         s = result[key]
-        lines.append(f"{label:<16}" + "".join(f"{_fmt(s[k]):>9}" for k in ("p50", "p95", "p99", "mean", "min", "max"))
+        lines.append(f"{label:<16}" + "".join(f"{common.fmt_number(s[k]):>9}" for k in ("p50", "p95", "p99", "mean", "min", "max"))
                      + f"{s['n']:>7}")
     lines.append(f"{'':-<72}")
     lag = client["loop_lag_ms"]
-    lines.append(f"{'Client loop lag p50/p99/max (ms):':<34}{_fmt(lag['p50'])} / {_fmt(lag['p99'])} / "
-                 f"{_fmt(lag['max'])}  (limit {client['lag_threshold_ms']:.2f}, CPU {_fmt((client['cpu_util'] or 0) * 100, 0)}%)")
+    lines.append(f"{'Client loop lag p50/p99/max (ms):':<34}{common.fmt_number(lag['p50'])} / {common.fmt_number(lag['p99'])} / "
+                 f"{common.fmt_number(lag['max'])}  (limit {client['lag_threshold_ms']:.2f}, CPU {common.fmt_number((client['cpu_util'] or 0) * 100, 0)}%)")
     server = result.get("server") or {}
     for line in server.get("summary", []):
         lines.append(f"{'Server:':<34}{line}")
     for name, check in result["slo"].items():
-        lines.append(f"{'SLO ' + name + ':':<34}{_fmt(check['measured'], 1)} <= {check['target']:g}: "
+        lines.append(f"{'SLO ' + name + ':':<34}{common.fmt_number(check['measured'], 1)} <= {check['target']:g}: "
                      f"{'met' if check['met'] else 'MISSED'}")
     for warning in result["warnings"]:
         lines.append(f"warning: {warning}")
@@ -1186,27 +1178,6 @@ def human_report(result: dict[str, Any]) -> str:
     if result["interrupted"]:
         lines.append("interrupted: partial results")
     return "\n".join(lines)
-
-
-def render_log_entry(result: dict[str, Any], template: Path = TEMPLATE) -> str:
-    import jinja2
-
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template.parent)),
-                             autoescape=False, keep_trailing_newline=True,
-                             trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-    env.filters["num"] = _fmt
-    return env.get_template(template.name).render(r=result)
-
-
-def append_log(path: str, entry: str) -> None:
-    """Append (never overwrite) an entry to the bench log."""
-    file = Path(path)
-    if file.parent and not file.parent.exists():
-        file.parent.mkdir(parents=True, exist_ok=True)
-    with open(file, "a", encoding="utf-8") as handle:
-        if handle.tell() > 0:
-            handle.write("\n")
-        handle.write(entry)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1268,16 +1239,16 @@ def server_side(before: dict[str, Any] | None, after: dict[str, Any] | None, not
     figures["generation_tokens"] = generated
 
     def p(row: dict[str, Any], name: str) -> str:
-        return _fmt(row.get(name), 1)
+        return common.fmt_number(row.get(name), 1)
     # Means come from exact sums; quantiles of coarse buckets would not add up.
     lines = [f"TTFT mean {p(report['ttft_ms'], 'mean')} ms = queue {p(report['queue_ms'], 'mean')} + prefill "
              f"{p(report['prefill_ms'], 'mean')} ms; TTFT p50/p95 {p(report['ttft_ms'], 'p50')}/"
              f"{p(report['ttft_ms'], 'p95')} ms, e2e mean {p(report['e2e_ms'], 'mean')} ms ({report['e2e_ms']['n']} requests)",
-             f"generation tokens +{_fmt(generated, 0)} (bench counted {completed_tokens}), "
-             f"preemptions +{_fmt(report['preemptions'], 0)}, prefix-cache hit rate "
-             f"{_fmt(None if report['prefix_cache_hit_rate'] is None else 100 * report['prefix_cache_hit_rate'], 1)}%",
-             f"peak running {_fmt(report['running_peak'], 0)}, waiting {_fmt(report['waiting_peak'], 0)}, "
-             f"KV cache max {_fmt(None if report['kv_cache_usage_max'] is None else 100 * report['kv_cache_usage_max'], 1)}%"]
+             f"generation tokens +{common.fmt_number(generated, 0)} (bench counted {completed_tokens}), "
+             f"preemptions +{common.fmt_number(report['preemptions'], 0)}, prefix-cache hit rate "
+             f"{common.fmt_number(None if report['prefix_cache_hit_rate'] is None else 100 * report['prefix_cache_hit_rate'], 1)}%",
+             f"peak running {common.fmt_number(report['running_peak'], 0)}, waiting {common.fmt_number(report['waiting_peak'], 0)}, "
+             f"KV cache max {common.fmt_number(None if report['kv_cache_usage_max'] is None else 100 * report['kv_cache_usage_max'], 1)}%"]
     lines += [f"{f['bottleneck']}: {f['evidence']}" for f in report["diagnosis"]]
     return {"metrics": {**figures, "lines": lines}, "metrics_note": "", "summary": lines[:2]}
 
@@ -1422,7 +1393,7 @@ def run(args: Any) -> int:
             for record in records:
                 handle.write(json.dumps(record) + "\n")
     if cfg["log"]:
-        append_log(cfg["log"], render_log_entry(result))
+        common.append_log(cfg["log"], common.render_log_entry(result, TEMPLATE))
         common.progress(f"bench: log entry appended to {cfg['log']}")
     common.emit(result, human_report(result), args.json)
     return exit_code(result)

@@ -231,6 +231,37 @@ def emit(result: Any, human: str, as_json: bool) -> None:
     sys.stdout.flush()
 
 
+def fmt_number(value: Any, digits: int = 2) -> str:
+    """A figure for a human line or a log entry: "-" for a missing one."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def render_log_entry(result: Mapping[str, Any], template: Path) -> str:
+    """A bench or accept result as a Markdown log entry (scripts/templates/*.md.j2)."""
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template.parent)),
+                             autoescape=False, keep_trailing_newline=True,
+                             trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    env.filters["num"] = fmt_number
+    return env.get_template(template.name).render(r=result)
+
+
+def append_log(path: str, entry: str) -> None:
+    """Append (never overwrite) an entry to a bench log."""
+    file = Path(path)
+    if file.parent and not file.parent.exists():
+        file.parent.mkdir(parents=True, exist_ok=True)
+    with open(file, "a", encoding="utf-8") as handle:
+        if handle.tell() > 0:
+            handle.write("\n")
+        handle.write(entry)
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keep the examples in the epilog as written and show defaults, where there is one."""
 

@@ -2,7 +2,8 @@
 """Install the Roofline skills into a skills folder (Claude Code's ~/.claude/skills by default).
 
 Copies roofline-perf and roofline-perf-ru (each with its references) and, beside them,
-roofline-toolbox with its Taskfile, profiles and the scripts, so that the command the skills
+roofline-toolbox with its Taskfile, profiles and the scripts its tasks run (with the modules they
+import and their catalog, templates and data; nothing else), so that the command the skills
 document, `task -t ${CLAUDE_SKILL_DIR}/../roofline-toolbox/Taskfile.yml <task>`, works from the
 installed copy. An earlier install is replaced; a folder of the same name that is not Roofline's
 is left alone (exit 2). The tasks need python3 with httpx, tiktoken, jinja2, pyyaml and go-task
@@ -17,7 +18,9 @@ Exit codes: 0 installed, 2 bad target (a file, or a folder that is not a Rooflin
 """
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -34,6 +37,33 @@ DEFAULT_TARGET = "~/.claude/skills"
 # What an earlier install of each folder contains; anything else under that name is not ours.
 SIGNATURE = {**{name: f"SKILL.md:name: {name}" for name in SKILLS}, TOOLBOX: "Taskfile.yml:Roofline toolbox"}
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
+# What the scripts read besides their own code.
+SCRIPT_DATA = ("catalog", "templates", "data")
+
+
+def shipped_scripts(source: Path = REPO) -> list[str]:
+    """The scripts the toolbox's tasks run and the project scripts they import or run, by file name.
+
+    Test instruments (the calibration server, under benchmarks/) and the project's own tools
+    (this installer) are not among them, so an install does not carry them.
+    """
+    scripts = source / "scripts"
+    taskfile = (source / TOOLBOX / "Taskfile.yml").read_text(encoding="utf-8")
+    todo = re.findall(r"\{\{\.SCRIPTS \| q\}\}/([A-Za-z0-9_]+\.py)", taskfile)
+    shipped: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in shipped:
+            continue
+        shipped.add(name)
+        tree = ast.parse((scripts / name).read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                       [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            # A script another one runs by path ("tiny_model.py") ships like an import.
+            run = [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else []
+            todo += [f for f in [*(f"{m}.py" for m in modules), *run] if f.endswith(".py") and (scripts / f).is_file()]
+    return sorted(shipped)
 
 
 def is_roofline_install(folder: Path, name: str) -> bool:
@@ -59,7 +89,11 @@ def stage(name: str, staging: Path, source: Path = REPO) -> None:
     staging.mkdir()
     shutil.copy2(source / TOOLBOX / "Taskfile.yml", staging / "Taskfile.yml")
     shutil.copytree(source / TOOLBOX / "profiles", staging / "profiles", ignore=_IGNORE)
-    shutil.copytree(source / "scripts", staging / "scripts", ignore=_IGNORE)
+    (staging / "scripts").mkdir()
+    for name in shipped_scripts(source):
+        shutil.copy2(source / "scripts" / name, staging / "scripts" / name)
+    for folder in SCRIPT_DATA:
+        shutil.copytree(source / "scripts" / folder, staging / "scripts" / folder, ignore=_IGNORE)
 
 
 def install(target: Path, source: Path = REPO) -> list[str]:

@@ -260,8 +260,8 @@ def _prepared(buckets: Iterable[tuple[float, float]]) -> tuple[list[float], list
 # What each engine generation calls each figure. Candidates in order; the first one present is
 # used and the others are ignored, so a metric exposed under an old and a new name (vLLM
 # 0.9.2-0.10, or 0.11 with --show-hidden-metrics-for-version) is never counted twice.
-# Sources: /work/shared/research/metrics-anchors.md section 1 (vllm/v1/metrics/loggers.py,
-# vllm/engine/metrics.py, sglang python/sglang/srt/metrics/collector.py, PRs cited there).
+# Sources: vllm/v1/metrics/loggers.py, vllm/engine/metrics.py and SGLang's
+# python/sglang/srt/metrics/collector.py, with the PRs cited beside each name below.
 
 HISTOGRAMS: dict[str, dict[str, tuple[str, ...]]] = {
     "ttft": {"vllm": ("vllm:time_to_first_token_seconds",),

@@ -46,7 +46,7 @@ SAMPLE_TEXT = Path(__file__).resolve().parent / "data" / "sample.txt"
 APIS = ("vllm", "vllm-echo", "sglang")
 RECHECK_TOLERANCE = 1e-3  # nats per token: a re-scored window that moves more is not deterministic
 BOOTSTRAP_SAMPLES = 2000
-DEFAULT_WINDOW = 2048  # research note §5.3 step 3: L = 2048, S = 512
+DEFAULT_WINDOW = 2048  # strided windows of 2048 scored 512 at a time, as in Hugging Face's perplexity guide
 
 
 # ---------------------------------------------------------------- text and windows
@@ -244,7 +244,7 @@ def paired_change(base: Sequence[float], cand: Sequence[float], block: int,
                   samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> tuple[float, float, float]:
     """Perplexity change in % with a 95% paired bootstrap interval over blocks of tokens.
 
-    change = (exp(mean per-token NLL difference) - 1) * 100, the research note's §5.3 step 6.
+    change = (exp(mean per-token NLL difference) - 1) * 100: the ratio of the two perplexities.
     """
     diffs = block_sums([c - b for b, c in zip(base, cand)], block)
     counts = block_sums([1.0] * len(base), block)

@@ -54,6 +54,7 @@ PROFILE_KEYS: dict[str, tuple[tuple[type, ...], tuple[str, ...]]] = {
     "max_num_seqs": ((int,), ("vllm", "sglang")),
     "max_num_batched_tokens": ((int,), ("vllm", "sglang")),
     "enable_prefix_caching": ((bool,), ("vllm", "sglang")),
+    "enforce_eager": ((bool,), ("vllm", "sglang")),
     "speculative_config": ((dict,), ("vllm", "sglang")),
     "tool_call_parser": ((str,), ("vllm", "sglang")),
     "reasoning_parser": ((str,), ("vllm", "sglang")),
@@ -196,6 +197,8 @@ def render_vllm(p: dict[str, Any], port: int) -> list[str]:
     _flag(args, "--max-num-batched-tokens", p.get("max_num_batched_tokens"))
     if "enable_prefix_caching" in p:
         args.append("--enable-prefix-caching" if p["enable_prefix_caching"] else "--no-enable-prefix-caching")
+    if p.get("enforce_eager"):
+        args.append("--enforce-eager")
     if p.get("speculative_config"):
         args += ["--speculative-config", json.dumps(p["speculative_config"], separators=(",", ":"))]
     if p.get("tool_call_parser"):
@@ -231,6 +234,8 @@ def render_sglang(p: dict[str, Any], port: int) -> list[str]:
     _flag(args, "--chunked-prefill-size", p.get("max_num_batched_tokens"))
     if p.get("enable_prefix_caching") is False:
         args.append("--disable-radix-cache")  # SGLang's radix (prefix) cache is on by default
+    if p.get("enforce_eager"):
+        args.append("--disable-cuda-graph")
     spec = p.get("speculative_config")
     if spec:
         method = spec["method"]

@@ -641,7 +641,7 @@ def cudagraph_bytes(m: Model) -> float:
 
     Public logs show 0.22-0.78 GiB for dense models and ~1-2 GiB for MoE and hybrid ones (4x L40S
     Qwen3-Coder-30B at TP4 in benchmarks/vram_accuracy.py leaves ~1); expert-parallel MoE reaches
-    ~5 GiB (vram-anchors research note), which this does not model.
+    ~5 GiB in expert-parallel logs, which this does not model.
     """
     return (1.0 if m.experts or m.linear_state else 0.5) * GIB
 

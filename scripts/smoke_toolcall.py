@@ -43,7 +43,7 @@ from common import ServerError, UsageError  # noqa: E402
 
 PASS, WARN, FAIL, SKIP, ERROR = "PASS", "WARN", "FAIL", "SKIP", "ERROR"
 SEVERITY = {PASS: 0, SKIP: 0, WARN: 1, FAIL: 2, ERROR: 2}
-PASS_SHARE = 0.8  # a case passes when at least this share of its repeats pass (research note §4.2)
+PASS_SHARE = 0.8  # a case passes when at least this share of its repeats pass (one flaky repeat in 5 is tolerated)
 # vLLM 0.32.0 vllm/renderers/online_renderer.py: the 400 answers when no tool parser is configured:
 #   '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 #   'tool_choice="required" requires --tool-call-parser to be set' (the same for a named tool)

@@ -64,14 +64,14 @@ def human(report: dict[str, Any]) -> str:
     lines = [f"{'C':>5}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}{'TTFT p50':>10}{'p95':>9}"
              f"{'TPOT p50':>10}{'p95':>8}  verdict"]
     for p in report["points"]:
-        lines.append(f"{p['concurrency']:>5}{bench._fmt(p['req_s']):>9}{bench._fmt(p['output_tok_s'], 1):>11}"
-                     f"{bench._fmt(p['total_tok_s'], 1):>13}{bench._fmt(p['ttft_ms']['p50'], 1):>10}"
-                     f"{bench._fmt(p['ttft_ms']['p95'], 1):>9}{bench._fmt(p['tpot_ms']['p50'], 1):>10}"
-                     f"{bench._fmt(p['tpot_ms']['p95'], 1):>8}  {p['verdict']}")
+        lines.append(f"{p['concurrency']:>5}{common.fmt_number(p['req_s']):>9}{common.fmt_number(p['output_tok_s'], 1):>11}"
+                     f"{common.fmt_number(p['total_tok_s'], 1):>13}{common.fmt_number(p['ttft_ms']['p50'], 1):>10}"
+                     f"{common.fmt_number(p['ttft_ms']['p95'], 1):>9}{common.fmt_number(p['tpot_ms']['p50'], 1):>10}"
+                     f"{common.fmt_number(p['tpot_ms']['p95'], 1):>8}  {p['verdict']}")
     k = report["knee"]
     if k:
-        lines.append(f"Knee: C = {k['concurrency']}: {bench._fmt(k['total_tok_s'], 1)} total tok/s at TPOT p95 "
-                     f"{bench._fmt(k['tpot_ms']['p95'], 1)} ms, TTFT p95 {bench._fmt(k['ttft_ms']['p95'], 1)} ms")
+        lines.append(f"Knee: C = {k['concurrency']}: {common.fmt_number(k['total_tok_s'], 1)} total tok/s at TPOT p95 "
+                     f"{common.fmt_number(k['tpot_ms']['p95'], 1)} ms, TTFT p95 {common.fmt_number(k['ttft_ms']['p95'], 1)} ms")
     elif report["slo_set"]:
         lines.append("Knee: none: no concurrency met the SLO")
     else:
@@ -117,7 +117,7 @@ def run(args: Any) -> int:
         result = bench.execute(target, cfg)
         result.pop("records")
         if cfg["log"]:
-            bench.append_log(cfg["log"], bench.render_log_entry(result))
+            common.append_log(cfg["log"], common.render_log_entry(result, bench.TEMPLATE))
         points.append(point_summary(concurrency, result))
         if result["interrupted"]:
             interrupted = True

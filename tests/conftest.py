@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+# The calibration server, a test instrument, lives with the benchmarks (it is not installed).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_server import ServerUnavailable, running_vllm  # noqa: E402

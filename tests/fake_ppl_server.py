@@ -2,7 +2,7 @@
 
 The toy model is a bigram: log p(t | previous) depends on the previous token only, so its exact
 perplexity on any text is easy to compute here, and windowing must not change it. Its
-"tokenizer" maps each character to one id. Shapes follow the research note §5.1:
+"tokenizer" maps each character to one id. Shapes follow vLLM 0.32's and SGLang's documented responses:
   vLLM   /tokenize -> {"count", "max_model_len", "tokens"}; /v1/completions with prompt_logprobs ->
          choices[0].prompt_logprobs = [null, {"<id>": {"logprob", "rank", "decoded_token"}}, ...];
          with echo + logprobs -> choices[0].logprobs.token_logprobs (null first, generated token last)

@@ -1,6 +1,6 @@
 """A fake vLLM chat server whose "model" calls tools correctly, plain and streamed.
 
-It answers /v1/models and /v1/chat/completions in vLLM's shapes (research note §1.3: tool call
+It answers /v1/models and /v1/chat/completions in vLLM's shapes (OpenAI Chat Completions as vLLM implements them: tool call
 ids `chatcmpl-tool-<hex>`, `arguments` a JSON string, streamed deltas one per chunk keyed by
 `index`, name first then argument fragments, one finish_reason, a usage chunk, `[DONE]`).
 Its answers are written here by hand from the prompts, not read from the smoke test's case file,

