@@ -41,6 +41,8 @@ def roofline(*args: str) -> dict:
 
 QWEN_H100 = ("--model", "qwen3-32b", "--gpu", "h100", "--ctx", "32768")
 LLAMA_ROOFLINE = ("--model", "llama-3.1-8b", "--gpu", "h100", "--batch", "1", "--prompt-tokens", "2048")
+# The skill's worked example of "users" at a typical length: a 1,024-token prompt and 256 output tokens.
+TYPICAL_REQUEST_TOKENS = 1024 + 256
 PPL_GATES = yaml.safe_load((REPO / "scripts" / "catalog" / "ppl_gates.yaml").read_text())
 
 # (claim, the number as the docs write it (normalized), where it is written, what the tool says)
@@ -61,6 +63,11 @@ CLAIMS = [
      lambda: vram(*QWEN_H100, "--kv-dtype", "fp8")["kv_cache_tokens"]),
     ("Qwen3-32B on one H100 at 32768, FP8 KV: max concurrency", "2.33", [SKILL],
      lambda: round(vram(*QWEN_H100, "--kv-dtype", "fp8")["max_concurrency"], 2)),
+    ("Qwen3-32B on one H100 at 32768 with GPU_UTIL=0.9: max concurrency (the marginal fit flips)", "0.97", [SKILL],
+     lambda: round(vram(*QWEN_H100, "--gpu-util", "0.9")["max_concurrency"], 2)),
+    ("Qwen3-32B on one H100 at 32768: requests of 1,280 tokens (1,024 in, 256 out) in its KV cache", "29", [SKILL],
+     lambda: vram(*QWEN_H100)["kv_cache_tokens"] // TYPICAL_REQUEST_TOKENS),
+    ("the typical request of that example, tokens", "1280", [SKILL], lambda: TYPICAL_REQUEST_TOKENS),
     ("vLLM 0.32 default gpu_memory_utilization", "0.92", [SKILL, FLAGS],
      lambda: vram(*QWEN_H100)["gpu_util"]),
     ("vLLM serve max_num_seqs on 70 GiB or more", "1024", [SKILL, FLAGS],
