@@ -6,14 +6,8 @@ The model is a catalog name (scripts/catalog/models.yaml, works offline), a Hugg
 (config.json is fetched once with httpx, HF_TOKEN if set, and cached), or a local folder /
 config.json. The GPU is a catalog name (scripts/catalog/gpus.yaml) or a memory size.
 
-vLLM's accounting (vllm/v1/worker/gpu_worker.py, vllm/v1/core/kv_cache_utils.py): the budget is
-gpu_memory_utilization x TOTAL memory; weights, the activation peak of the profile batch
-(max_num_batched_tokens, max_num_seqs x vocab logits), non-torch memory and (vLLM >= 0.21) the
-CUDA-graph estimate come out of it; what is left is split into blocks of `block_size` tokens per
-KV-cache group (sliding-window, Mamba/linear-attention and full-attention layers are grouped as
-vLLM groups them), and "Maximum concurrency" counts the blocks one request of max_model_len needs.
-SGLang: KV = total x mem_fraction_static - weights - context overhead, no blocks (from its
-documented formula; SGLang is not run here).
+The accounting it follows, vLLM's and SGLang's, is stated for users in vram.py's --help; each
+function below cites the engine source it reproduces.
 """
 from __future__ import annotations
 
