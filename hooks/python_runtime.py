@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""SessionStart hook of the roofline plugin: the Python runtime the skills' `task` commands need.
+
+Claude Code installs a plugin's files but no Python packages, so on the first session (and again
+when requirements.txt changes with a plugin update) this creates a venv in the plugin's persistent
+data folder ($CLAUDE_PLUGIN_DATA/venv) with the packages in requirements.txt, go-task among them.
+Every session it appends to $CLAUDE_ENV_FILE the lines that put that venv's bin/ first on PATH
+and set PYTHON to its python, so `task -t ".../Taskfile.yml" ...` runs the venv's task and scripts.
+When the venv cannot be made (offline, no venv module), it says so in one line, naming what to
+install by hand, and the session starts anyway; the next session tries again.
+
+Standard library only: it runs before any dependency exists.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REQUIREMENTS = Path(__file__).resolve().with_name("requirements.txt")
+# Written after a complete install: a copy of the requirements the venv was made from.
+STAMP = "roofline-requirements.txt"
+
+
+def by_hand() -> str:
+    packages = " ".join(shlex.quote(r) for r in REQUIREMENTS.read_text().split())
+    return f"install by hand: python3 -m pip install {packages} (the `task` command must end up on PATH)"
+
+
+def run(cmd: list[str]) -> None:
+    """Run one install step; on failure raise with the last line it printed."""
+    result = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        lines = (result.stderr + result.stdout).strip().splitlines() or [f"exit {result.returncode}"]
+        raise RuntimeError(f"`{Path(cmd[0]).name} {' '.join(cmd[1:3])}` failed: {lines[-1].strip()}")
+
+
+def ensure_venv(venv: Path) -> bool:
+    """Make the venv unless an install of these very requirements is complete; True if it made one."""
+    wanted = REQUIREMENTS.read_text()
+    stamp = venv / STAMP
+    if stamp.is_file() and stamp.read_text() == wanted and (venv / "bin" / "task").exists():
+        return False
+    shutil.rmtree(venv, ignore_errors=True)
+    run([sys.executable, "-m", "venv", str(venv)])
+    run([str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "--no-input",
+         "--quiet", "--retries", "1", "--timeout", "30", "-r", str(REQUIREMENTS)])
+    stamp.write_text(wanted)
+    return True
+
+
+def say(line: str) -> None:
+    """One line for the user (systemMessage) and for Claude (additionalContext)."""
+    print(json.dumps({"systemMessage": line,
+                      "hookSpecificOutput": {"hookEventName": "SessionStart", "additionalContext": line}}))
+
+
+def main() -> int:
+    data = os.environ.get("CLAUDE_PLUGIN_DATA")
+    env_file = os.environ.get("CLAUDE_ENV_FILE")
+    if not data or not env_file:
+        say(f"roofline: this Claude Code gave the plugin's hook no CLAUDE_PLUGIN_DATA/CLAUDE_ENV_FILE; {by_hand()}")
+        return 0
+    venv = Path(data) / "venv"
+    try:
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        # Two sessions starting at once must not build the same venv together.
+        with open(venv.parent / "venv.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            made = ensure_venv(venv)
+    except (OSError, RuntimeError) as exc:
+        say(f"roofline: could not set up its Python runtime in {venv} ({exc}); {by_hand()}")
+        return 0
+    bin_dir = venv / "bin"
+    with open(env_file, "a") as out:
+        out.write(f'export PATH={shlex.quote(str(bin_dir))}:"$PATH"\n'
+                  f"export PYTHON={shlex.quote(str(bin_dir / 'python'))}\n")
+    if made:
+        say(f"roofline: installed its Python runtime (task, httpx, tiktoken, jinja2, pyyaml) in {venv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
