@@ -34,3 +34,10 @@ def test_main_job_runs_offline_on_the_embedded_default(tmp_path):
                             env=env, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("FITS: qwen3-32b on NVIDIA H100 SXM 80GB (TP=1)")
+
+
+def install_commands() -> list[str]:
+    """The shell commands of the README's "Installing the skills" section, in order."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Installing the skills", 1)[1].split("\n## ", 1)[0]
+    return [line for block in re.findall(r"```bash\n(.+?)\n```", section, re.S) for line in block.splitlines()]
