@@ -9,11 +9,11 @@ and set PYTHON to its python, so `task -t ".../Taskfile.yml" ...` runs the venv'
 When the venv cannot be made (offline, no venv module), it says so in one line, naming what to
 install by hand, and the session starts anyway; the next session tries again.
 
-Standard library only: it runs before any dependency exists.
+Standard library only: it runs before any dependency exists. Linux and macOS (a venv's bin/,
+fcntl); on Windows it only names the packages to install by hand.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shlex
@@ -66,6 +66,11 @@ def main() -> int:
     if not data or not env_file:
         say(f"roofline: this Claude Code gave the plugin's hook no CLAUDE_PLUGIN_DATA/CLAUDE_ENV_FILE; {by_hand()}")
         return 0
+    if os.name == "nt":
+        say(f"roofline: the plugin's runtime hook does not support Windows yet; {by_hand()}")
+        return 0
+    import fcntl  # POSIX only, hence here
+
     venv = Path(data) / "venv"
     try:
         venv.parent.mkdir(parents=True, exist_ok=True)
