@@ -39,7 +39,7 @@ VRAM_ARGS = "vram MODEL=qwen3-32b GPU=h100 CTX=32768 -- --json"
 @pytest.fixture(scope="module")
 def claude() -> Path:
     try:
-        return claude_code.ensure()
+        return claude_code.ensure(install_npm_if_missing=IN_CI)
     except claude_code.ClaudeCodeUnavailable as exc:
         if IN_CI:
             pytest.fail(f"Claude Code CLI unavailable in CI: {exc}", pytrace=False)
