@@ -4,8 +4,10 @@
 Claude Code installs a plugin's files but no Python packages, so on the first session (and again
 when requirements.txt changes with a plugin update) this creates a venv in the plugin's persistent
 data folder ($CLAUDE_PLUGIN_DATA/venv) with the packages in requirements.txt, go-task among them.
-Every session it appends to $CLAUDE_ENV_FILE the lines that put that venv's bin/ first on PATH
-and set PYTHON to its python, so `task -t ".../Taskfile.yml" ...` runs the venv's task and scripts.
+Every session it appends to $CLAUDE_ENV_FILE the line that puts $CLAUDE_PLUGIN_DATA/bin first on
+PATH. That folder holds one command, `task`: the venv's go-task with PYTHON set to the venv's
+python, so `task -t ".../Taskfile.yml" ...` runs the scripts with their packages, while the
+session's own `python3`, `pip` and PYTHON stay the user's.
 When the venv cannot be made (offline, no venv module), it says so in one line, naming what to
 install by hand, and the session starts anyway; the next session tries again.
 
@@ -54,6 +56,14 @@ def ensure_venv(venv: Path) -> bool:
     return True
 
 
+def write_task_command(path: Path, venv_bin: Path) -> None:
+    path.write_text("#!/bin/sh\n"
+                    "# roofline plugin: go-task from the plugin's venv, with that venv's python for the scripts\n"
+                    f"export PYTHON={shlex.quote(str(venv_bin / 'python'))}\n"
+                    f'exec {shlex.quote(str(venv_bin / "task"))} "$@"\n')
+    path.chmod(0o755)
+
+
 def say(line: str) -> None:
     """One line for the user (systemMessage) and for Claude (additionalContext)."""
     print(json.dumps({"systemMessage": line,
@@ -71,20 +81,19 @@ def main() -> int:
         return 0
     import fcntl  # POSIX only, hence here
 
-    venv = Path(data) / "venv"
+    venv, commands = Path(data) / "venv", Path(data) / "bin"
     try:
-        venv.parent.mkdir(parents=True, exist_ok=True)
+        commands.mkdir(parents=True, exist_ok=True)
         # Two sessions starting at once must not build the same venv together.
-        with open(venv.parent / "venv.lock", "w") as lock:
+        with open(Path(data) / "venv.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             made = ensure_venv(venv)
+            write_task_command(commands / "task", venv / "bin")
     except (OSError, RuntimeError) as exc:
         say(f"roofline: could not set up its Python runtime in {venv} ({exc}); {by_hand()}")
         return 0
-    bin_dir = venv / "bin"
     with open(env_file, "a") as out:
-        out.write(f'export PATH={shlex.quote(str(bin_dir))}:"$PATH"\n'
-                  f"export PYTHON={shlex.quote(str(bin_dir / 'python'))}\n")
+        out.write(f'export PATH={shlex.quote(str(commands))}:"$PATH"\n')
     if made:
         say(f"roofline: installed its Python runtime (task, httpx, tiktoken, jinja2, pyyaml) in {venv}")
     return 0
