@@ -194,14 +194,14 @@ class Machine:
                               timeout=600)
 
 
-@pytest.fixture(scope="module")
-def machine(tmp_path_factory, claude) -> Iterator[Machine]:
-    root = tmp_path_factory.mktemp("clean machine")
+@contextmanager
+def clean_machine(root: Path, claude: Path, **env: str) -> Iterator[Machine]:
+    """A HOME with a space under `root`; on PATH only `claude`, git and python3, the interpreter this
+    venv was made from (a Python with no project packages); `env` added to the environment."""
     home = root / "user home"
     tools = root / "bin"
     home.mkdir()
     tools.mkdir()
-    # python3 is the interpreter this venv was made from: a Python with no project packages.
     for name, exe in (("claude", claude), ("git", shutil.which("git")),
                       ("python3", Path(sys.base_prefix) / "bin" / "python3")):
         (tools / name).symlink_to(exe)
@@ -209,20 +209,40 @@ def machine(tmp_path_factory, claude) -> Iterator[Machine]:
     assert shutil.which("task", path=path) is None, "the clean machine must not have task"
     model = FakeModel()
     with serving(model.handle) as api:
-        env = {"HOME": str(home), "PATH": path, "LANG": "C.UTF-8", "CLAUDE_CONFIG_DIR": str(home / ".claude"),
-               "ANTHROPIC_BASE_URL": api, "ANTHROPIC_API_KEY": "sk-ant-fake-for-tests",
-               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
-        yield Machine(home, env, model)
+        yield Machine(home, {"HOME": str(home), "PATH": path, "LANG": "C.UTF-8",
+                             "CLAUDE_CONFIG_DIR": str(home / ".claude"), "ANTHROPIC_BASE_URL": api,
+                             "ANTHROPIC_API_KEY": "sk-ant-fake-for-tests",
+                             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", **env},
+                      model)
 
 
-@pytest.fixture(scope="module")
-def installed(machine, repo_url) -> Machine:
-    """The plugin added and installed with the README's commands, <repo> being the git URL."""
+def install_plugin(machine: Machine, repo_url: str) -> None:
+    """The README's commands, <repo> being the git URL."""
     commands = [line for line in install_commands() if line.startswith("claude ")]
     assert commands == ["claude plugin marketplace add <repo>", "claude plugin install roofline@roofline-skills"]
     for line in commands:
         result = machine.run(*shlex.split(line.replace("<repo>", repo_url)))
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def ask_skill(machine: Machine, cwd: Path) -> dict:
+    """Invoke the English skill with `claude -p` (no prompt can be answered) and return its result."""
+    machine.model.requests.clear()
+    result = machine.run("claude", "-p", "/roofline:roofline-perf does qwen3-32b with a 32k context fit on an H100?",
+                         "--output-format", "json", cwd=cwd)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def machine(tmp_path_factory, claude) -> Iterator[Machine]:
+    with clean_machine(tmp_path_factory.mktemp("clean machine"), claude) as machine:
+        yield machine
+
+
+@pytest.fixture(scope="module")
+def installed(machine, repo_url) -> Machine:
+    install_plugin(machine, repo_url)
     return machine
 
 
@@ -248,11 +268,7 @@ def test_skill_runs_its_tasks_preapproved_on_a_clean_machine(installed, folder):
     """`task ... --list` then `task ... vram`, with task and the packages from the hook's venv only."""
     work = installed.home / folder
     work.mkdir()
-    installed.model.requests.clear()
-    result = installed.run("claude", "-p", "/roofline:roofline-perf does qwen3-32b with a 32k context fit on an H100?",
-                           "--output-format", "json", cwd=work)
-    assert result.returncode == 0, result.stdout + result.stderr
-    answer = json.loads(result.stdout)
+    answer = ask_skill(installed, work)
     assert answer["is_error"] is False and answer["permission_denials"] == []
     catalog = json.dumps(installed.model.requests[0])
     assert "roofline:roofline-perf-ru" in catalog and "roofline:roofline-perf" in catalog
@@ -262,6 +278,16 @@ def test_skill_runs_its_tasks_preapproved_on_a_clean_machine(installed, folder):
     assert json.loads(vram[0])["kv_bytes_per_token"] == 262144
     [venv_task] = (installed.home / ".claude" / "plugins" / "data").glob("*/venv/bin/task")
     assert " " in str(venv_task)  # the skill dir and the venv are under a HOME with a space
+
+
+def test_offline_the_session_starts_and_claude_is_told_what_to_install(tmp_path, claude, repo_url):
+    with clean_machine(tmp_path, claude, PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_CONFIG_FILE=os.devnull,
+                       PIP_NO_CACHE_DIR="1") as offline:  # nothing listens on port 9
+        install_plugin(offline, repo_url)
+        ask_skill(offline, offline.home)
+        context = texts(offline.model.requests[0])
+    assert "roofline: could not set up its Python runtime in " in context
+    assert "install by hand: python3 -m pip install 'httpx>=0.27'" in context
 
 
 def test_hook_offline_says_in_one_line_what_to_install(tmp_path):
