@@ -46,28 +46,26 @@ def claude() -> Path:
         pytest.skip(f"Claude Code CLI unavailable: {exc}")
 
 
-def texts(body: dict) -> str:
-    """The text of every message block, tool results included, one block per line."""
-    found = []
+def blocks(body: dict) -> Iterator[dict]:
+    """Every content block of a Messages API request, in order (a plain string is one text block)."""
     for message in body["messages"]:
-        blocks = message["content"] if isinstance(message["content"], list) else [{"text": message["content"]}]
-        for block in blocks:
-            inner = block.get("content")
-            found += [block.get("text", "")] + ([c.get("text", "") for c in inner] if isinstance(inner, list) else
-                                               [inner or ""])
-    return "\n".join(found)
+        content = message["content"]
+        yield from content if isinstance(content, list) else [{"type": "text", "text": content}]
+
+
+def block_text(block: dict) -> str:
+    """A text block's text, or a tool result's output."""
+    content = block.get("content", block.get("text", ""))
+    return content if isinstance(content, str) else "\n".join(c.get("text", "") for c in content)
+
+
+def texts(body: dict) -> str:
+    return "\n".join(block_text(b) for b in blocks(body))
 
 
 def tool_results(body: dict) -> list[tuple[str, bool]]:
     """(output, is_error) of each tool result in the conversation, in order."""
-    results = []
-    for message in body["messages"]:
-        for block in message["content"] if isinstance(message["content"], list) else []:
-            if block.get("type") == "tool_result":
-                content = block["content"]
-                text = content if isinstance(content, str) else "\n".join(c.get("text", "") for c in content)
-                results.append((text, bool(block.get("is_error"))))
-    return results
+    return [(block_text(b), bool(b.get("is_error"))) for b in blocks(body) if b.get("type") == "tool_result"]
 
 
 @dataclass
@@ -127,8 +125,8 @@ def git_http(root: Path) -> Iterator[str]:
                    "HTTP_CONTENT_ENCODING": self.headers.get("Content-Encoding", ""),
                    "GIT_PROTOCOL": self.headers.get("Git-Protocol", "")}
             out = subprocess.run(["git", "http-backend"], input=body, env=env, capture_output=True).stdout
-            head, _, payload = re.split(rb"(\r?\n\r?\n)", out, maxsplit=1) if b"\n\n" in out.replace(b"\r", b"") \
-                else (out, b"", b"")
+            end_of_head = re.search(rb"\r?\n\r?\n", out)  # CGI: headers, a blank line, the body
+            head, payload = (out[:end_of_head.start()], out[end_of_head.end():]) if end_of_head else (out, b"")
             headers = [line.split(": ", 1) for line in head.decode().splitlines() if ": " in line]
             status = next((int(v.split()[0]) for k, v in headers if k.lower() == "status"), 200)
             self.send_response(status)
