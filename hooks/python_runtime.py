@@ -46,7 +46,9 @@ def ensure_venv(venv: Path) -> bool:
     """Make the venv unless an install of these very requirements is complete; True if it made one."""
     wanted = REQUIREMENTS.read_text()
     stamp = venv / STAMP
-    if stamp.is_file() and stamp.read_text() == wanted and (venv / "bin" / "task").exists():
+    # exists() follows links: a venv whose base Python went away (an upgrade) is made again.
+    if stamp.is_file() and stamp.read_text() == wanted and all((venv / "bin" / name).exists()
+                                                               for name in ("python", "task")):
         return False
     shutil.rmtree(venv, ignore_errors=True)
     run([sys.executable, "-m", "venv", str(venv)])
@@ -75,6 +77,10 @@ def main() -> int:
     env_file = os.environ.get("CLAUDE_ENV_FILE")
     if not data or not env_file:
         say(f"roofline: this Claude Code gave the plugin's hook no CLAUDE_PLUGIN_DATA/CLAUDE_ENV_FILE; {by_hand()}")
+        return 0
+    if sys.version_info < (3, 10):
+        say(f"roofline: the skills need Python 3.10 or later and python3 is {sys.version.split()[0]}; "
+            "install a newer Python 3 as python3")
         return 0
     if os.name == "nt":
         say(f"roofline: the plugin's runtime hook does not support Windows yet; {by_hand()}")
