@@ -28,7 +28,9 @@ try:
     import httpx
     import yaml  # noqa: F401  (imported here so that a missing dependency fails the same way everywhere)
 except ImportError as exc:
-    print(f"error: Python package {exc.name!r} is missing: run `pip install -e .` in the Roofline checkout",
+    print(f"error: Python package {exc.name!r} is missing: Claude Code plugin: start a new session (its hook "
+          "installs the runtime; if it could not, it printed the command to run); skills folder: "
+          "`python3 -m pip install httpx tiktoken jinja2 pyyaml go-task-bin==3.54.0`; clone: `pip install -e .`",
           file=sys.stderr)
     sys.exit(2)
 

@@ -4,10 +4,11 @@
 Copies roofline-perf and roofline-perf-ru (each with its references) and, beside them,
 roofline-toolbox with its Taskfile, profiles and the scripts its tasks run (with the modules they
 import and their catalog, templates and data; nothing else), so that the command the skills
-document, `task -t ${CLAUDE_SKILL_DIR}/../roofline-toolbox/Taskfile.yml <task>`, works from the
+document, `task -t "${CLAUDE_SKILL_DIR}/../roofline-toolbox/Taskfile.yml" <task>`, works from the
 installed copy. An earlier install is replaced; a folder of the same name that is not Roofline's
 is left alone (exit 2). The tasks need python3 with httpx, tiktoken, jinja2, pyyaml and go-task
-(`pip install httpx tiktoken jinja2 pyyaml go-task-bin`).
+(`python3 -m pip install httpx tiktoken jinja2 pyyaml go-task-bin==3.54.0`); unlike the Claude
+Code plugin, whose hook installs them, a skills folder has no way to do it itself.
 
 Examples:
   install_skills.py
@@ -21,6 +22,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -33,6 +35,7 @@ from common import UsageError  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 SKILLS = ("roofline-perf", "roofline-perf-ru")
 TOOLBOX = "roofline-toolbox"
+RUNTIME = "httpx tiktoken jinja2 pyyaml go-task-bin==3.54.0"
 DEFAULT_TARGET = "~/.claude/skills"
 # What an earlier install of each folder contains; anything else under that name is not ours.
 SIGNATURE = {**{name: f"SKILL.md:name: {name}" for name in SKILLS}, TOOLBOX: "Taskfile.yml:Roofline toolbox"}
@@ -48,7 +51,7 @@ def shipped_scripts(source: Path = REPO) -> list[str]:
     (this installer) are not among them, so an install does not carry them.
     """
     scripts = source / "scripts"
-    taskfile = (source / TOOLBOX / "Taskfile.yml").read_text(encoding="utf-8")
+    taskfile = (source / "skills" / TOOLBOX / "Taskfile.yml").read_text(encoding="utf-8")
     todo = re.findall(r"\{\{\.SCRIPTS \| q\}\}/([A-Za-z0-9_]+\.py)", taskfile)
     shipped: set[str] = set()
     while todo:
@@ -87,8 +90,8 @@ def stage(name: str, staging: Path, source: Path = REPO) -> None:
         shutil.copytree(source / "skills" / name, staging, ignore=_IGNORE)
         return
     staging.mkdir()
-    shutil.copy2(source / TOOLBOX / "Taskfile.yml", staging / "Taskfile.yml")
-    shutil.copytree(source / TOOLBOX / "profiles", staging / "profiles", ignore=_IGNORE)
+    shutil.copy2(source / "skills" / TOOLBOX / "Taskfile.yml", staging / "Taskfile.yml")
+    shutil.copytree(source / "skills" / TOOLBOX / "profiles", staging / "profiles", ignore=_IGNORE)
     (staging / "scripts").mkdir()
     for name in shipped_scripts(source):
         shutil.copy2(source / "scripts" / name, staging / "scripts" / name)
@@ -129,10 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = Path(os.path.expanduser(args.target or DEFAULT_TARGET)).absolute()
         installed = install(target)
         taskfile = target / TOOLBOX / "Taskfile.yml"
-        result = {"target": str(target), "installed": installed, "try": f"task -t {taskfile} --list"}
+        result = {"target": str(target), "installed": installed,
+                  "try": f"task -t {shlex.quote(str(taskfile))} --list"}
         human = (f"Installed {', '.join(Path(p).name for p in installed)} into {target}\n"
                  f"Try: {result['try']}\n"
-                 "The tasks need: pip install httpx tiktoken jinja2 pyyaml go-task-bin")
+                 f"The tasks need, once: python3 -m pip install {RUNTIME}")
         common.emit(result, human, args.json)
         return common.EXIT_OK
 

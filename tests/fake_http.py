@@ -2,7 +2,8 @@
 
 `serving(handle)` runs a threaded server on a free loopback port and yields its base URL.
 `handle(method, path, body)` returns (status, payload): a dict is sent as JSON, a list of dicts
-as a server-sent-event stream (`data: {...}` lines, then `data: [DONE]`), like vLLM streams.
+as a server-sent-event stream (`data: {...}` lines, then `data: [DONE]`), like vLLM streams;
+an `Events` list as named events (`event: <type>` before each `data:`), like Anthropic's Messages API.
 """
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from typing import Any, Callable, Iterator
 Handler = Callable[[str, str, Any], tuple[int, Any]]
 
 
+class Events(list):
+    """Server-sent events named by their "type", with no [DONE] at the end."""
+
+
 @contextmanager
 def serving(handle: Handler) -> Iterator[str]:
     class RequestHandler(BaseHTTPRequestHandler):
@@ -22,7 +27,10 @@ def serving(handle: Handler) -> Iterator[str]:
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length)) if length else None
             status, payload = handle(method, self.path, body)
-            if isinstance(payload, list):
+            if isinstance(payload, Events):
+                data = "".join(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n" for event in payload)
+                content_type = "text/event-stream"
+            elif isinstance(payload, list):
                 data = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in payload) + "data: [DONE]\n\n"
                 content_type = "text/event-stream"
             else:

@@ -34,7 +34,7 @@ def markdown_files(root: Path = REPO) -> list[Path]:
         relative = path.relative_to(root)
         if SKIPPED_DIRS.intersection(relative.parts) or any(p.endswith(".egg-info") for p in relative.parts):
             continue
-        # skills/roofline-toolbox links to ../roofline-toolbox: read each file once, by its real path.
+        # roofline-toolbox links to skills/roofline-toolbox: read each file once, by its real path.
         if path.resolve() != path.absolute() and path.resolve().is_relative_to(root):
             continue
         found.append(path)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,19 @@ def test_plugin_marketplace_lists_the_repository_as_one_plugin():
     assert marketplace["owner"]["name"]
     skills = {p.parent.name for p in (REPO / "skills").glob("*/SKILL.md")}
     assert skills == {"roofline-perf", "roofline-perf-ru"}
-    # The link the skills go through stays inside the plugin, so an install copies what it points to.
-    toolbox = (REPO / "skills" / "roofline-perf" / ".." / "roofline-toolbox").resolve()
-    assert toolbox == (REPO / "roofline-toolbox").resolve() and (toolbox / "Taskfile.yml").is_file()
+    # The toolbox the skills go through is a real folder beside them: `claude plugin validate` reads
+    # no symlink in skills/ (and warns about one), and an install copies it as it is.
+    toolbox = REPO / "skills" / "roofline-perf" / ".." / "roofline-toolbox"
+    assert (toolbox / "Taskfile.yml").is_file() and not toolbox.is_symlink()
+    assert not [p for p in (REPO / "skills").rglob("*") if p.is_symlink()]
+
+
+def test_documented_commands_quote_the_skill_dir():
+    """${CLAUDE_SKILL_DIR} holds the user's home folder, which may have a space: every command and
+    the allowed-tools rule keep it inside double quotes."""
+    docs = [*REPO.glob("skills/*/SKILL.md"), *REPO.glob("skills/*/references/*.md"), REPO / "README.md"]
+    uses = [(path.name, line) for path in docs for line in path.read_text().splitlines() if "${CLAUDE_SKILL_DIR}" in line]
+    assert len(uses) > 20
+    for name, line in uses:
+        for use in re.finditer(r"\S*\$\{CLAUDE_SKILL_DIR\}\S*", line):
+            assert use.group(0).startswith(('"${CLAUDE_SKILL_DIR}', '`"${CLAUDE_SKILL_DIR}')), f"{name}: {line}"
