@@ -22,7 +22,7 @@ import math
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import httpx
 
@@ -409,12 +409,10 @@ def format_findings(found: Sequence[Mapping[str, Any]], indent: str = "  ") -> l
     return lines
 
 
-def each_value(prom: Prometheus, exprs: Mapping[str, str], on_instance: Callable[[str], bool] = lambda _: True
-               ) -> dict[str, dict[str, float]]:
+def each_value(prom: Prometheus, exprs: Mapping[str, str]) -> dict[str, dict[str, float]]:
     """{instance: {key: value}} of queries grouped by instance."""
     result: dict[str, dict[str, float]] = {}
     for key, expr in exprs.items():
         for instance, value in prom.values(expr).items():
-            if on_instance(instance):
-                result.setdefault(instance, {})[key] = value
+            result.setdefault(instance, {})[key] = value
     return result
