@@ -258,9 +258,11 @@ SGLANG_NAMES = ["sglang:time_to_first_token_seconds_bucket", "sglang:e2e_request
                 "sglang:cached_tokens_total", "sglang:max_total_num_tokens", "sglang:max_running_requests"]
 
 
-def fake_sglang_prometheus(labels: dict[str, str], asked: list[str]):
+def fake_sglang_prometheus(labels: dict[str, str], asked: list[str], up: dict[str, int] | None = None):
     """A Prometheus API holding two SGLang replicas (labels as SGLang 0.5 sets them, see
-    tests/fixtures/metrics/sglang-0.5-tp2.txt): r1 queues and r2 idles; their KV sizes differ."""
+    tests/fixtures/metrics/sglang-0.5-tp2.txt): r1 queues and r2 idles; their KV sizes differ.
+    `up` is what the targets' up series say (both 1 unless given)."""
+    up = {"r1:30000": 1, "r2:30000": 1} if up is None else up
     per_instance = {"r1:30000": {"e2e": 40, "queue": 3.0, "waiting": 9, "tokens": 500000},
                     "r2:30000": {"e2e": 2, "queue": 0.0, "waiting": 0, "tokens": 250000}}
 
@@ -278,7 +280,7 @@ def fake_sglang_prometheus(labels: dict[str, str], asked: list[str]):
         elif query.startswith("count by (job, instance"):
             result = rows(lambda f: 1)
         elif query.startswith("up{"):
-            result = [{"metric": {"job": "sglang", "instance": n}, "value": [0, "1"]} for n in per_instance]
+            result = [{"metric": {"job": "sglang", "instance": n}, "value": [0, str(v)]} for n, v in up.items()]
         elif "by (instance)" in query or "le, instance" in query:
             if "e2e_request_latency_seconds_count" in query and "increase" in query and "/" not in query:
                 result = rows(lambda f: f["e2e"])
@@ -311,6 +313,25 @@ def test_sglang_label_set_through_prometheus():
     assert [f["bottleneck"] for f in found] == ["config_mismatch", "imbalance"]
     assert found[1]["replicas"] == ["r1:30000", "r2:30000"]
     assert "--mem-fraction-static" in found[0]["evidence"]
+
+
+def test_lost_and_long_dead_targets_are_named_down():
+    up = {"r1:30000": 1, "r3:30000": 0}  # r2 served in the window but is no longer a target
+    transport = httpx.MockTransport(fake_sglang_prometheus({"job": "sglang", "model_name": "qwen"}, [], up))
+    snap = metrics.prometheus_snapshot("http://prom:9090", 60, transport=transport)
+    states = {r["fleet"]["instance"]: r["fleet"]["state"] for r in snap["replicas"]}
+    assert states == {"r1:30000": "up", "r2:30000": "not_scraped", "r3:30000": "down"}
+    reports = [{**metrics.report(r), **r["fleet"]} for r in snap["replicas"]]
+    found = metrics.fleet.findings(reports, metrics.FLAGS["sglang"], metrics.QUEUE_SHARE, metrics.PREFIX_LONG_PROMPT)
+    down = [f for f in found if f["bottleneck"] == "replica_down"]
+    assert [f["replicas"] for f in down] == [["r2:30000"], ["r3:30000"]]
+    assert "no longer a scrape target" in down[0]["evidence"] and "up == 0" in down[1]["evidence"]
+
+
+def test_credentials_in_the_url_are_refused_unprinted(capsys):
+    code = metrics.main(["--prometheus", "http://ops:hunter2@prom:9090", "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and "PROMETHEUS_PASSWORD" in err and "hunter2" not in err
 
 
 def test_series_without_model_name_fail_in_one_line(capsys, monkeypatch):
