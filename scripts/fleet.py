@@ -105,16 +105,16 @@ class Prometheus:
             response = self.http.get("/api/v1/query", params={"query": expr, "time": f"{self.at:.3f}"})
         except httpx.HTTPError as exc:
             raise self._fail(ServerError, f"cannot reach {where}: {type(exc).__name__}: {exc}".rstrip(": "))
-        body = response.text.lstrip()
-        if body.startswith("<") or "html" in response.headers.get("content-type", ""):
-            raise self._fail(UnusableAnswer, f"{where} answered an HTML page, not its API (a login page or "
-                                             "the web UI?): give the URL that serves /api/v1/query")
         if response.status_code in (401, 403):
             raise self._fail(ServerError, f"{where} answered HTTP {response.status_code}: set PROMETHEUS_USER "
                                           "and PROMETHEUS_PASSWORD (basic auth)")
         if response.status_code == 404:
             raise self._fail(ServerError, f"{where} has no /api/v1/query (HTTP 404): behind a path prefix "
                                           "(--web.route-prefix)? give the URL with it, e.g. http://host:9090/prometheus")
+        body = response.text.lstrip()
+        if body.startswith("<") or "html" in response.headers.get("content-type", ""):
+            raise self._fail(UnusableAnswer, f"{where} answered an HTML page, not its API (a login page or "
+                                             "the web UI?): give the URL that serves /api/v1/query")
         try:
             data = response.json()
         except ValueError:
@@ -128,9 +128,10 @@ class Prometheus:
                 raise self._fail(UsageError, f"Prometheus rejected the query ({error}): check --match, "
                                              "label matchers like model_name=\"qwen3-8b\",job=\"vllm\"")
             raise self._fail(ServerError, f"{where} failed the query: {data.get('errorType')}: {error}")
-        if response.status_code >= 400 or data.get("data", {}).get("resultType") != "vector":
+        result = data.get("data")
+        if response.status_code >= 400 or not isinstance(result, dict) or result.get("resultType") != "vector":
             raise self._fail(ServerError, f"{where} answered HTTP {response.status_code} without a result")
-        return data["data"]["result"]
+        return result["result"]
 
     def values(self, expr: str, by: str = "instance") -> dict[str, float]:
         """{label value: number} of a query grouped by `by` (NaN and infinities left out)."""
@@ -279,7 +280,7 @@ LEVERS = {
         "check its pool and weights: every healthy replica in it, weights matching capacity",
         "with session routing, hash many sessions over the replicas so no hot session pins one"],
     "add_replica": [
-        "add one replica (N to N+1) and measure again",
+        "add one replica ({replicas} to {more}) and measure again",
         "first read each replica's own findings: raising {seqs} where the KV cache has room adds capacity without a GPU",
         "shed or rate-limit load the fleet cannot serve in time"],
     "prefix_split": [
@@ -292,9 +293,10 @@ LEVERS = {
 
 def _finding(kind: str, cause: str, evidence: str, named: Sequence[str], per_replica: dict[str, Any],
              flags: Mapping[str, str]) -> dict[str, Any]:
+    words = {**flags, "replicas": len(named), "more": len(named) + 1}
     return {"bottleneck": kind, "scope": "fleet", "cause": cause, "evidence": evidence,
             "replicas": list(named), "per_replica": per_replica,
-            "levers": [lever.format(**flags) for lever in LEVERS[kind]]}
+            "levers": [lever.format(**words) for lever in LEVERS[kind]]}
 
 
 def queued(r: Mapping[str, Any], queue_share: float) -> bool:
@@ -362,15 +364,16 @@ def _load_findings(group: Sequence[Mapping[str, Any]], flags: Mapping[str, str],
     if not group:
         return []
     waiting = [r for r in group if queued(r, queue_share)]
+    free = [r for r in group if not queued(r, queue_share)]
     figures = {r["instance"]: load_figures(r) for r in group}
-    if waiting and len(waiting) == len(group):
+    if waiting and not free:
         return [_finding("add_replica", "every replica queues: the fleet serves less than the load",
                          "; ".join(_load_text(r["instance"], r) for r in group),
                          [r["instance"] for r in group], figures, flags)]
     if not waiting:
         return []
     busiest = max(r["requests"] for r in waiting)
-    idle = [r for r in group if r not in waiting and r["requests"] * IMBALANCE_RATIO <= busiest]
+    idle = [r for r in free if r["requests"] * IMBALANCE_RATIO <= busiest]
     if not idle:
         return []
     return [_finding("imbalance", "the load balancer sends more requests to some replicas than they can "

@@ -167,6 +167,7 @@ class TestRealFleet:
         assert code == 0, err
         finding = named(r, "add_replica")
         assert sorted(finding["replicas"]) == sorted(instance(s.url) for s in servers)
+        assert finding["levers"][0] == "add one replica (2 to 3) and measure again"
         assert "imbalance" not in [f["bottleneck"] for f in r["diagnosis"]]
         replicas = by_instance(r)
         for name, report in direct.items():
