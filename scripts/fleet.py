@@ -47,6 +47,9 @@ CONFIG_FLAGS = {
                "sglang:max_running_requests": "--max-running-requests",
                "sglang:context_len": "--context-length", "sglang:max_prefill_tokens": "--max-prefill-tokens"},
 }
+# SGLang repeats scheduler series once per TP rank of one DP group: only rank 0 (or series without
+# the label, as the tokenizer's histograms) is counted, as metrics.py does for a single scrape.
+RANK_ZERO = {"vllm": "", "sglang": 'tp_rank=~"0|", attn_tp_rank=~"0|"'}
 # Labels that differ between replicas by nature, not by configuration.
 NOT_CONFIG = {"__name__", "instance", "job", "engine", "model_name", "pid"}
 

@@ -912,11 +912,12 @@ def prometheus_snapshot(base_url: str, seconds: float, match: str = "",
         engine, names = fleet.engine_names(prom, match)
         chosen = choose_metrics(engine, names)
         kinds = {concept: how for concept, (_, how) in GAUGES.items()}
+        scope = ", ".join(part for part in (match, fleet.RANK_ZERO[engine]) if part)
         total = {key: prom.values(expr).get("") for key, expr in
-                 fleet.queries(chosen, kinds, QUANTILES, seconds, match).items()}
-        each = fleet.each_value(prom, fleet.queries(chosen, kinds, QUANTILES, seconds, match, per_instance=True))
-        members = fleet.replicas(prom, _presence_metric(chosen), match, seconds)
-        configs = fleet.configs(prom, engine, names, match, seconds)
+                 fleet.queries(chosen, kinds, QUANTILES, seconds, scope).items()}
+        each = fleet.each_value(prom, fleet.queries(chosen, kinds, QUANTILES, seconds, scope, per_instance=True))
+        members = fleet.replicas(prom, _presence_metric(chosen), scope, seconds)
+        configs = fleet.configs(prom, engine, names, scope, seconds)
     models = sorted({m.model for m in members if m.model})
     snap = _prometheus_figures(engine, prom.url, seconds, chosen, total, models)
     snap["replicas"] = []

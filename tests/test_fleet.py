@@ -307,7 +307,9 @@ def test_sglang_label_set_through_prometheus():
                                        transport=httpx.MockTransport(fake_sglang_prometheus(labels, asked)))
     assert snap["engine"] == "sglang" and [r["fleet"]["instance"] for r in snap["replicas"]] == ["r1:30000", "r2:30000"]
     assert snap["replicas"][1]["fleet"]["config"]["sglang:max_total_num_tokens"] == "250000"
-    assert 'histogram_quantile(0.95, sum by (le, instance) (rate(sglang:time_to_first_token_seconds_bucket[60s])))' in asked
+    ranks = '{tp_rank=~"0|", attn_tp_rank=~"0|"}'  # TP ranks repeat the scheduler's series: rank 0 only
+    assert f'histogram_quantile(0.95, sum by (le, instance) (rate(sglang:time_to_first_token_seconds_bucket{ranks}[60s])))' in asked
+    assert f'sum by (instance) (sglang:num_queue_reqs{ranks})' in asked
     assert asked[0].startswith("count by (__name__)") and not any("vllm:" in q for q in asked[1:])
     reports = [{**metrics.report(r), **r["fleet"]} for r in snap["replicas"]]
     found = metrics.fleet.findings(reports, metrics.FLAGS["sglang"], metrics.QUEUE_SHARE, metrics.PREFIX_LONG_PROMPT)
