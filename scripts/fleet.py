@@ -149,6 +149,11 @@ class Prometheus:
 # ---------------------------------------------------------------------------------------------
 # PromQL
 
+def range_of(seconds: float) -> str:
+    """A PromQL range of whole seconds: `300s`."""
+    return f"{max(1, round(seconds))}s"
+
+
 def selector(match: str, **extra: str) -> str:
     """`{match,extra}` or '' (extra values are regexes, e.g. __name__)."""
     parts = [match] if match else []
@@ -167,7 +172,7 @@ def queries(chosen: Mapping[str, Mapping[str, str]], gauge_kinds: Mapping[str, s
     engine per replica, an upper bound with several.
     """
     sel = selector(match)
-    rng = f"{max(1, round(seconds))}s"
+    rng = range_of(seconds)
     by = " by (instance)" if per_instance else ""
     le = "le, instance" if per_instance else "le"
     result: dict[str, str] = {}
@@ -216,7 +221,7 @@ def replicas(prom: Prometheus, presence_metric: str, match: str, seconds: float)
 
     A missing `instance` or `model_name` label breaks the fleet view: one line says which.
     """
-    rng = f"{max(1, round(seconds))}s"
+    rng = range_of(seconds)
     seen = prom.query(f"count by (job, instance, model_name, name) "
                       f"(last_over_time({presence_metric}{selector(match)}[{rng}]))")
     if any("instance" not in row["metric"] for row in seen):
@@ -248,7 +253,7 @@ def replicas(prom: Prometheus, presence_metric: str, match: str, seconds: float)
 def configs(prom: Prometheus, engine: str, names: set[str], match: str, seconds: float
             ) -> dict[str, dict[str, str]]:
     """{instance: {setting: value}}: vLLM's cache_config_info labels, SGLang's config gauges."""
-    rng = f"{max(1, round(seconds))}s"
+    rng = range_of(seconds)
     sel = selector(match)
     found: dict[str, dict[str, str]] = {}
     if engine == "vllm":
