@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 import metrics
+import serve
 from markdown_doc import SKILLS
 from prometheus_server import running_prometheus
 from test_metrics import send_load
@@ -201,7 +202,7 @@ class TestRealFleet:
             (["--match", 'job="nothing"'], {}, 4, "holds no vllm: or sglang: series"),
             ([], {"password": "wrong-password"}, 3, "HTTP 401"),
             ([], {"url": root}, 3, "path prefix"),
-            ([], {"url": f"http://127.0.0.1:{free_port()}"}, 3, "cannot reach"),
+            ([], {"url": f"http://127.0.0.1:{serve.free_port()}"}, 3, "cannot reach"),
         ]
         for argv, options, code, message in cases:
             got, _, err = ask(prom, monkeypatch, capsys, *argv, **options)
@@ -219,11 +220,6 @@ class TestRealFleet:
         assert finding["replicas"] == [instance(b.url)] and "up == 0" in finding["evidence"]
         assert r["fleet"]["down"] == [instance(b.url)] and r["fleet"]["up"] == 1
         assert_agrees(by_instance(r)[instance(a.url)], direct[instance(a.url)], window)
-
-
-def free_port() -> int:
-    import serve
-    return serve.free_port()
 
 
 # --------------------------------------------------------------------------------------------
