@@ -16,6 +16,12 @@ finished in it. Latency findings need targets: --slo-ttft-p95-ms / --slo-tpot-p9
 SLO_TTFT_P95_MS / SLO_TPOT_P95_MS, as for task bench). SGLang support follows its documented
 metric names (recorded formats, not a live server).
 
+With --prometheus the window is a PromQL range (rate/increase, histogram_quantile over summed
+buckets) for the fleet and `by (instance)` for each replica, and fleet findings come first:
+replica_down, config_mismatch, imbalance, add_replica, prefix_split (scripts/fleet.py). A path
+prefix goes in the URL (http://host/prometheus); basic auth comes from PROMETHEUS_USER and
+PROMETHEUS_PASSWORD, never from a flag, and is never printed.
+
 Examples:
   metrics.py --url http://127.0.0.1:8000
   metrics.py --url http://127.0.0.1:8000 --window 30 --json
@@ -24,6 +30,7 @@ Examples:
   metrics.py --file before.txt --file after.txt --window 60
   metrics.py --url http://127.0.0.1:8000 --watch 10
   metrics.py --prometheus http://prometheus:9090 --window 300 --match 'model_name="qwen3-8b"'
+  PROMETHEUS_USER=ops PROMETHEUS_PASSWORD=... metrics.py --prometheus https://mon.example/prometheus --json
   metrics.py --url http://127.0.0.1:8000 --gpu H100 --slo-ttft-p95-ms 500 --slo-tpot-p95-ms 50
 
 Functions for other scripts (import metrics; errors: common.ServerError, metrics.InvalidScrape):
@@ -34,16 +41,21 @@ Functions for other scripts (import metrics; errors: common.ServerError, metrics
   report(snap, gpu=None, slo=None) -> report       one snapshot (since server start)
   difference(before, after), merge(snapshots)      the interval / several replicas, as a snapshot
   histogram_quantile(q, buckets), quantile_bucket(q, buckets)   Prometheus' classic quantile
-  prometheus_snapshot(url, seconds, match="")      the same figures from a Prometheus server
+  prometheus_snapshot(url, seconds, match="", auth=fleet.Credentials())   the same figures from a
+                                                   Prometheus server, fleet and `replicas`
   Targets(ttft_p95_ms, tpot_p95_ms)                SLOs for the prefill and decode findings
 A report is a JSON-ready dict: engine, ttft_ms, itl_ms, tpot_ms, e2e_ms, queue_ms, prefill_ms,
 decode_ms (each p50, p95, p99, mean, n), running, waiting, kv_cache_usage, preemptions,
 prefix_cache_hit_rate, prompt_tok_s, gen_tok_s, mfu, bandwidth_util, diagnosis (bottleneck,
-evidence, levers), warnings.
+evidence, levers), warnings. With --prometheus also: fleet (prometheus, window_s, replicas, up,
+down), replicas (each replica's report plus instance, job, model, state, config), and fleet
+findings in diagnosis (scope "fleet", cause, replicas, per_replica).
 
 Exit codes: 0 report printed (with or without findings), 2 usage error (bad flag, missing
-file, unknown GPU), 3 server or Prometheus unreachable or answering an HTTP error, 4 the answer
-is not usable metrics (HTML page, empty or truncated scrape, neither vLLM nor SGLang),
+file, unknown GPU, a --match Prometheus rejects as PromQL, series without the instance or
+model_name label), 3 server or Prometheus unreachable or answering an HTTP error (401, 404),
+4 the answer is not usable metrics (HTML page, empty or truncated scrape, neither vLLM nor
+SGLang, no vllm: or sglang: series in Prometheus),
 130 interrupted (the window measured so far is still reported).
 """
 from __future__ import annotations
@@ -62,6 +74,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import fleet  # noqa: E402
 from common import ServerError, UsageError  # noqa: E402
 
 QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
@@ -885,67 +898,47 @@ def read_file(path: str) -> str:
     return file.read_text(encoding="utf-8", errors="replace")
 
 
-def promql_queries(chosen: dict[str, dict[str, str]], seconds: float, match: str = "") -> dict[str, str]:
-    """The PromQL for each figure over the last `seconds` (names from `choose_metrics`).
-
-    The same forms as vLLM's and SGLang's Grafana dashboards: histogram_quantile over
-    `sum by (le) (rate(..._bucket[range]))`, pooled means sum(rate(_sum))/sum(rate(_count)).
-    """
-    sel = "{" + match + "}" if match else ""
-    rng = f"{max(1, round(seconds))}s"
-    queries: dict[str, str] = {}
-    for concept, metric in chosen["histograms"].items():
-        for name, q in QUANTILES.items():
-            queries[f"{concept}.{name}"] = f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{sel}[{rng}])))"
-        queries[f"{concept}.mean"] = f"sum(rate({metric}_sum{sel}[{rng}])) / sum(rate({metric}_count{sel}[{rng}]))"
-        queries[f"{concept}.n"] = f"sum(increase({metric}_count{sel}[{rng}]))"
-    for concept, metric in chosen["counters"].items():
-        queries[f"counter.{concept}"] = f"sum(increase({metric}{sel}[{rng}]))"
-        queries[f"counter.{concept}.series"] = f"count({metric}{sel})"
-    for concept, metric in chosen["gauges"].items():
-        agg = "sum" if GAUGES[concept][1] == "sum" else "avg"
-        queries[f"gauge.{concept}"] = f"{agg}({metric}{sel})"
-        queries[f"gauge.{concept}.max"] = f"max(max_over_time({metric}{sel}[{rng}]))"
-        queries[f"gauge.{concept}.peak"] = f"max_over_time({agg}({metric}{sel})[{rng}:])"
-    return queries
-
-
-def prometheus_snapshot(base_url: str, seconds: float, match: str = "", api_key: str | None = None,
-                        timeout: float = 30.0, transport: httpx.BaseTransport | None = None) -> dict[str, Any]:
+def prometheus_snapshot(base_url: str, seconds: float, match: str = "",
+                        auth: fleet.Credentials = fleet.Credentials(), timeout: float = 30.0,
+                        transport: httpx.BaseTransport | None = None) -> dict[str, Any]:
     """Ask a Prometheus server (HTTP API /api/v1/query) about the last `seconds` of a fleet.
 
-    Returns what `difference` returns, for `report`; the quantiles are Prometheus' own
-    (histogram_quantile over rate()), carried under the `prometheus` key.
+    Returns what `difference` returns, for `report`: the fleet's figures, with the quantiles
+    Prometheus computed (histogram_quantile over summed bucket rates) under `prometheus`, and
+    under `replicas` the same for each instance plus its `fleet` facts (instance, job, model,
+    state: up / down / not_scraped, config: its cache settings).
     """
-    scope = ", " + match if match else ""
-    with common.client(common.normalize_url(base_url), api_key, timeout, transport=transport) as http:
-        def query(expr: str) -> list[dict[str, Any]]:
-            data = common.get_json(http, "/api/v1/query", params={"query": expr})
-            if not isinstance(data, dict) or data.get("status") != "success" or "data" not in data:
-                raise ServerError(f"{base_url} is not a Prometheus API or refused {expr!r}: "
-                                  f"{data.get('error', 'no data') if isinstance(data, dict) else 'not an object'}")
-            return data["data"]["result"]
-
-        def scalar(expr: str) -> float | None:
-            rows = query(expr)
-            value = float(rows[0]["value"][1]) if rows else math.nan
-            return None if math.isnan(value) or math.isinf(value) else value
-
-        names = {row["metric"]["__name__"]
-                 for row in query('count by (__name__) ({__name__=~"vllm:.+|sglang:.+"' + scope + "})")}
-        engines = {name.split(":", 1)[0] for name in names}
-        if not engines:
-            raise InvalidScrape(f"Prometheus at {base_url} holds no vllm: or sglang: series{scope}: "
-                                "is it scraping the engines?")
-        if len(engines) > 1:
-            raise UsageError("Prometheus holds both vLLM and SGLang series: select one with --match, "
-                             "e.g. --match 'job=\"vllm\"'")
-        engine = engines.pop()
-        models = sorted(row["metric"].get("model_name", "") for row in
-                        query(f'count by (model_name) ({{__name__=~"{engine}:.+"{scope}}})'))
+    with fleet.Prometheus(base_url, auth, timeout, transport) as prom:
+        engine, names = fleet.engine_names(prom, match)
         chosen = choose_metrics(engine, names)
-        values = {key: scalar(expr) for key, expr in promql_queries(chosen, seconds, match).items()}
-    return _prometheus_figures(engine, base_url, seconds, chosen, values, [m for m in models if m])
+        kinds = {concept: how for concept, (_, how) in GAUGES.items()}
+        scope = ", ".join(part for part in (match, fleet.RANK_ZERO[engine]) if part)
+        total = {key: prom.values(expr).get("") for key, expr in
+                 fleet.queries(chosen, kinds, QUANTILES, seconds, scope).items()}
+        each = fleet.each_value(prom, fleet.queries(chosen, kinds, QUANTILES, seconds, scope, per_instance=True))
+        members = fleet.replicas(prom, _presence_metric(chosen), scope, seconds)
+        configs = fleet.configs(prom, engine, names, scope, seconds)
+    models = sorted({m.model for m in members if m.model})
+    snap = _prometheus_figures(engine, prom.url, seconds, chosen, total, models)
+    snap["replicas"] = []
+    for member in members:
+        replica = _prometheus_figures(engine, member.instance, seconds, chosen, each.get(member.instance, {}),
+                                      [member.model] if member.model else [])
+        replica["fleet"] = {"instance": member.instance, "job": member.job, "model": member.model,
+                            "state": member.state, "config": configs.get(member.instance, {})}
+        snap["replicas"].append(replica)
+    return snap
+
+
+def _presence_metric(chosen: dict[str, dict[str, str]]) -> str:
+    """A series every replica serves all the time: the running gauge, else any chosen one."""
+    if "running" in chosen["gauges"]:
+        return chosen["gauges"]["running"]
+    if chosen["counters"]:
+        return next(iter(chosen["counters"].values()))
+    if chosen["histograms"]:
+        return next(iter(chosen["histograms"].values())) + "_count"
+    raise InvalidScrape("Prometheus holds engine series but none of the figures this tool reads")
 
 
 def _prometheus_figures(engine: str, source: str, seconds: float, chosen: dict[str, dict[str, str]],
@@ -959,19 +952,19 @@ def _prometheus_figures(engine: str, source: str, seconds: float, chosen: dict[s
         snap["warnings"].append(f"several models ({', '.join(models)}): figures are added together; "
                                 "select one with --match 'model_name=\"...\"'")
     for concept, metric in chosen["histograms"].items():
-        n, mean = values[f"{concept}.n"] or 0.0, values[f"{concept}.mean"]
+        n, mean = values.get(f"{concept}.n") or 0.0, values.get(f"{concept}.mean")
         snap["histograms"][concept] = {"metric": metric, "le": None, "counts": None,
                                        "count": n, "sum": (mean or 0.0) * n}
-        snap["prometheus"][concept] = {name: values[f"{concept}.{name}"] for name in [*QUANTILES, "mean"]}
+        snap["prometheus"][concept] = {name: values.get(f"{concept}.{name}") for name in [*QUANTILES, "mean"]}
     for concept, metric in chosen["counters"].items():
-        snap["counters"][concept] = {"metric": metric, "value": values[f"counter.{concept}"] or 0.0,
-                                     "series": int(values[f"counter.{concept}.series"] or 1)}
+        snap["counters"][concept] = {"metric": metric, "value": values.get(f"counter.{concept}") or 0.0,
+                                     "series": int(values.get(f"counter.{concept}.series") or 1)}
     for concept, metric in chosen["gauges"].items():
-        value = values[f"gauge.{concept}"]
+        value = values.get(f"gauge.{concept}")
         if value is not None:
             snap["gauges"][concept] = {"metric": metric, "value": value,
-                                       "max": values[f"gauge.{concept}.max"] or value,
-                                       "peak_value": values[f"gauge.{concept}.peak"] or value}
+                                       "max": values.get(f"gauge.{concept}.max") or value,
+                                       "peak_value": values.get(f"gauge.{concept}.peak") or value}
     return snap
 
 
@@ -1012,7 +1005,8 @@ def format_report(r: dict[str, Any]) -> str:
     if r["diagnosis"]:
         lines.append("Diagnosis:")
         for finding in r["diagnosis"]:
-            lines.append(f"  [{finding['bottleneck']}] {finding['evidence']}")
+            cause = f"{finding['cause']}: " if "cause" in finding else ""
+            lines.append(f"  [{finding['bottleneck']}] {cause}{finding['evidence']}")
             lines += [f"      {i}. {lever}" for i, lever in enumerate(finding["levers"], 1)]
     else:
         lines.append("Diagnosis: no bottleneck found in these figures.")
@@ -1020,7 +1014,8 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def format_replica_line(r: dict[str, Any]) -> str:
-    return (f"  {r['source']}: TTFT p95 {_quantile(r['ttft_ms'], 'p95')}, ITL p95 {_quantile(r['itl_ms'], 'p95')}, "
+    state = f" ({r['state'].upper()})" if r.get("state", "up") != "up" else ""
+    return (f"  {r['source']}{state}: TTFT p95 {_quantile(r['ttft_ms'], 'p95')}, ITL p95 {_quantile(r['itl_ms'], 'p95')}, "
             f"running {_num(r['running'])}, waiting {_num(r['waiting'])}, KV {_pct(r['kv_cache_usage'])}, "
             f"preemptions {_num(r['preemptions'])}, findings: "
             f"{', '.join(f['bottleneck'] for f in r['diagnosis']) or 'none'}")
@@ -1057,8 +1052,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--file and --prometheus take precedence")
     p.add_argument("--file", action="append", default=[],
                    help="a saved scrape ('-' for stdin); give two (before, after) for a window")
-    p.add_argument("--prometheus", default="", help="Prometheus base URL: ask it with PromQL instead "
-                                                    "(else $PROMETHEUS)")
+    p.add_argument("--prometheus", default="", help="Prometheus base URL, with its path prefix if any: ask "
+                                                    "it with PromQL for the fleet and each replica (else "
+                                                    "$PROMETHEUS; basic auth from $PROMETHEUS_USER and "
+                                                    "$PROMETHEUS_PASSWORD)")
     p.add_argument("--match", default="", help="PromQL label matchers for --prometheus, e.g. 'model_name=\"x\"'")
     p.add_argument("--window", default="", help="seconds between two scrapes (the interval of two files; "
                                                 "the range for --prometheus, default 300)")
@@ -1082,6 +1079,7 @@ class Options:
     api_key: str | None
     files: list[str]
     prometheus: str
+    prometheus_auth: fleet.Credentials
     match: str
     window: float | None
     watch: float | None
@@ -1117,7 +1115,8 @@ def options(args: argparse.Namespace) -> Options:
     if watch and (files or prometheus):
         raise UsageError("--watch reads live servers: use it with --url")
     return Options(
-        urls=urls, api_key=api_key, files=files, prometheus=prometheus, match=args.match,
+        urls=urls, api_key=api_key, files=files, prometheus=prometheus,
+        prometheus_auth=fleet.credentials(settings) if prometheus else fleet.Credentials(), match=args.match,
         window=common.number("--window", args.window, float), watch=watch, count=max(0, args.count), gpu=gpu,
         slo=Targets(common.number("SLO_TTFT_P95_MS", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float),
                     common.number("SLO_TPOT_P95_MS", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float)),
@@ -1166,6 +1165,24 @@ def results(opts: Options, replicas: list[dict[str, Any]]) -> tuple[dict[str, An
     return total, text
 
 
+def fleet_results(opts: Options) -> tuple[dict[str, Any], str]:
+    """The fleet's report from Prometheus, each replica's, and the fleet findings first."""
+    seconds = opts.window or 300.0
+    snap = prometheus_snapshot(opts.prometheus, seconds, opts.match, opts.prometheus_auth, opts.timeout)
+    total = report(snap, opts.gpu, opts.slo)
+    replicas = []
+    for replica in snap["replicas"]:
+        replicas.append({**report(replica, opts.gpu, opts.slo), **replica["fleet"]})
+    found = fleet.findings(replicas, FLAGS[snap["engine"]], QUEUE_SHARE, PREFIX_LONG_PROMPT)
+    total["replicas"] = replicas
+    total["fleet"] = {"prometheus": snap["source"], "window_s": seconds, "replicas": len(replicas),
+                      "up": sum(1 for r in replicas if r["state"] == "up"),
+                      "down": [r["instance"] for r in replicas if r["state"] != "up"]}
+    total["diagnosis"] = found + total["diagnosis"]
+    text = format_report(total) + "\nPer replica:\n" + "\n".join(format_replica_line(r) for r in replicas)
+    return total, text
+
+
 def _merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
     """Windows of several replicas as one; a gauge's peak is the sum of the replicas' peaks
     (an upper bound: the replicas may have peaked at different moments)."""
@@ -1192,8 +1209,7 @@ def _from_files(opts: Options) -> list[dict[str, Any]]:
 
 def run(opts: Options) -> int:
     if opts.prometheus:
-        snap = prometheus_snapshot(opts.prometheus, opts.window or 300.0, opts.match, opts.api_key, opts.timeout)
-        result, text = results(opts, [snap])
+        result, text = fleet_results(opts)
     elif opts.files:
         result, text = results(opts, _from_files(opts))
     elif opts.watch:
@@ -1230,7 +1246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> int:
         try:
             return run(options(args))
-        except InvalidScrape as exc:
+        except (InvalidScrape, fleet.UnusableAnswer) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return common.EXIT_INVALID
 

@@ -47,16 +47,17 @@ def test_install_ships_only_what_the_tasks_run(installed):
     # The list is written out so that a new script is a decision, not an accident.
     scripts = installed / "roofline-toolbox" / "scripts"
     assert sorted(p.name for p in scripts.glob("*.py")) == [
-        "accept.py", "bench.py", "common.py", "metrics.py", "physics.py", "ppl.py", "roofline.py", "serve.py",
+        "accept.py", "bench.py", "common.py", "fleet.py", "metrics.py", "physics.py", "ppl.py", "roofline.py", "serve.py",
         "setup_cpu_vllm.py", "sizing.py", "smoke_toolcall.py", "sweep.py", "tiny_model.py", "vram.py"]
     assert sorted(p.name for p in scripts.iterdir() if p.is_dir()) == ["catalog", "data", "templates"]
 
 
 def test_every_installed_script_starts_from_the_install(installed, elsewhere):
     scripts = installed / "roofline-toolbox" / "scripts"
-    for script in sorted(scripts.glob("*.py")):
-        if script.name in ("common.py", "sizing.py", "physics.py"):
-            continue  # modules, not commands
+    taskfile = (installed / "roofline-toolbox" / "Taskfile.yml").read_text(encoding="utf-8")
+    commands = sorted(set(re.findall(r"\{\{\.SCRIPTS \| q\}\}/([a-z_]+\.py)", taskfile)))
+    assert commands
+    for script in (scripts / name for name in commands):
         result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
                                 cwd=elsewhere, timeout=60)
         assert result.returncode == 0 and "Examples:" in result.stdout, f"{script.name}: {result.stderr}"

@@ -401,56 +401,6 @@ def test_unreachable_server_and_404_are_server_errors(capsys):
 
 
 # --------------------------------------------------------------------------------------------
-# Prometheus (a fake HTTP API: no Prometheus server here; it checks the PromQL we send)
-
-def test_prometheus_mode_asks_promql_with_the_names_present():
-    names = ["vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-             "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
-             "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-             "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-             "vllm:gpu_prefix_cache_hits_total"]  # a deprecated twin, never used when the new one exists
-    answers = {
-        'histogram_quantile(0.95, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{model_name="m"}[60s])))': 0.8,
-        'sum(rate(vllm:request_queue_time_seconds_sum{model_name="m"}[60s])) / sum(rate(vllm:request_queue_time_seconds_count{model_name="m"}[60s]))': 3.0,
-        'sum(rate(vllm:e2e_request_latency_seconds_sum{model_name="m"}[60s])) / sum(rate(vllm:e2e_request_latency_seconds_count{model_name="m"}[60s]))': 6.0,
-        'sum(increase(vllm:e2e_request_latency_seconds_count{model_name="m"}[60s]))': 120.0,
-        'sum(increase(vllm:generation_tokens_total{model_name="m"}[60s]))': 6000.0,
-        'sum(increase(vllm:prefix_cache_queries_total{model_name="m"}[60s]))': 1000.0,
-        'sum(increase(vllm:prefix_cache_hits_total{model_name="m"}[60s]))': 900.0,
-        'max_over_time(sum(vllm:num_requests_waiting{model_name="m"})[60s:])': 12.0,
-        'max(max_over_time(vllm:kv_cache_usage_perc{model_name="m"}[60s]))': 0.4,
-    }
-    asked = []
-
-    def prometheus(request: httpx.Request) -> httpx.Response:
-        query = request.url.params["query"]
-        asked.append(query)
-        if query.startswith("count by (__name__)"):
-            result = [{"metric": {"__name__": n}, "value": [0, "1"]} for n in names]
-        elif query.startswith("count by (model_name)"):
-            result = [{"metric": {"model_name": "m"}, "value": [0, "1"]}]
-        else:
-            result = [{"metric": {}, "value": [0, str(answers.get(query, 0))]}]
-        return httpx.Response(200, json={"status": "success", "data": {"resultType": "vector", "result": result}})
-
-    snap = metrics.prometheus_snapshot("http://prom:9090", 60, 'model_name="m"',
-                                       transport=httpx.MockTransport(prometheus))
-    r = metrics.report(snap)
-    assert r["ttft_ms"]["p95"] == pytest.approx(800.0) and r["gen_tok_s"] == pytest.approx(100.0)
-    assert r["prefix_cache_hit_rate"] == pytest.approx(0.9) and r["waiting_peak"] == 12.0
-    assert not any("gpu_prefix_cache" in q for q in asked)
-    assert [f["bottleneck"] for f in r["diagnosis"]] == ["queue", "seqs_limit"]
-
-
-def test_prometheus_that_is_not_prometheus_fails_in_one_line():
-    def html(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, text="<html>login</html>")
-    with pytest.raises(metrics.ServerError, match="did not answer JSON"):
-        metrics.prometheus_snapshot("http://prom:9090", 60, transport=httpx.MockTransport(html))
-
-
-# --------------------------------------------------------------------------------------------
 # Real CPU vLLM scenarios: each induces one picture; the diagnosis must name it.
 
 def send_load(url: str, model: str, requests: int, concurrency: int, prompt_tokens: int,

@@ -1,0 +1,380 @@
+"""metrics.py --prometheus (scripts/fleet.py) against a REAL Prometheus, behind a path prefix and
+basic auth, scraping two REAL CPU vLLM replicas: each test induces one fleet picture, the finding
+must name it and the replica, and the PromQL figures of each replica must agree with reading its
+/metrics directly. Then bad input, the shipped scrape config and rules (promtool), and SGLang's
+label set through a fake Prometheus API (SGLang cannot run here).
+"""
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+import metrics
+import serve
+from markdown_doc import SKILLS
+from prometheus_server import running_prometheus
+from test_metrics import send_load
+from vllm_server import ServerUnavailable
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+SCRAPE_S = 1
+SHIPPED = SKILLS / "roofline-perf" / "references" / "prometheus"
+# Different KV-cache sizes on purpose: the configuration finding must name them.
+KV_BYTES = {"a": 33554432, "b": 16777216}
+
+
+def _unavailable(reason: str):
+    if IN_CI:
+        pytest.fail(f"real fleet unavailable in CI: {reason}", pytrace=False)
+    pytest.skip(f"real fleet unavailable: {reason}")
+
+
+def instance(url: str) -> str:
+    return url.removeprefix("http://")
+
+
+@pytest.fixture(scope="module")
+def fleet(vllm_factory, tmp_path_factory):
+    """Replicas a and b (max_num_seqs=2, prefix caching, different KV sizes) and a Prometheus."""
+    stacks = {name: ExitStack() for name in KV_BYTES}
+
+    def start(name: str):
+        sets = ["max_num_seqs=2", "enable_prefix_caching=true", "env={}", f"kv_cache_memory_bytes={KV_BYTES[name]}"]
+        return stacks[name].enter_context(vllm_factory(sets=sets))
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            servers = dict(zip(KV_BYTES, pool.map(start, KV_BYTES)))
+        with running_prometheus(tmp_path_factory.mktemp("prometheus"),
+                                [instance(s.url) for s in servers.values()], SCRAPE_S) as prom:
+            time.sleep(3 * SCRAPE_S)
+            yield {"servers": servers, "prometheus": prom, "stacks": stacks}
+    except ServerUnavailable as exc:
+        _unavailable(str(exc))
+    finally:
+        for stack in stacks.values():
+            stack.close()
+
+
+def ask(prom, monkeypatch, capsys, *argv: str, url: str | None = None, password: str | None = None):
+    """metrics.main --prometheus ... --json: (exit code, JSON or None, stderr)."""
+    monkeypatch.setenv("PROMETHEUS_USER", prom.user)
+    monkeypatch.setenv("PROMETHEUS_PASSWORD", password or prom.password)
+    code = metrics.main(["--prometheus", url or prom.url, "--json", *argv])
+    out = capsys.readouterr()
+    return code, (json.loads(out.out) if code == 0 else None), out.err
+
+
+def measured(fleet, load) -> tuple[dict[str, dict], float]:
+    """Each replica's window report (and its bucket increases, `histograms`) read directly from
+    its /metrics around `load()`, and the
+    PromQL window (seconds) that covers the same load and nothing before it."""
+    urls = fleet.get("live") or [s.url for s in fleet["servers"].values()]
+    before = {url: metrics.snapshot(*_scrape(url)) for url in urls}
+    start = time.time()
+    time.sleep(2.5 * SCRAPE_S)  # samples before the load, inside the window
+    load()
+    after = {url: metrics.snapshot(*_scrape(url)) for url in urls}
+    # Prometheus scrapes the final values; a window of 20 intervals keeps increase()'s
+    # extrapolation small (see assert_agrees).
+    time.sleep(max(3 * SCRAPE_S, start + 21 * SCRAPE_S - time.time()))
+    direct = {}
+    for url in urls:
+        delta = metrics.difference(before[url], after[url])
+        direct[instance(url)] = {**metrics.report(delta), "histograms": delta["histograms"]}
+    return direct, time.time() - start - SCRAPE_S
+
+
+def _scrape(url: str) -> tuple[str, str, float]:
+    text, at = metrics.scrape(url)
+    return text, url, at
+
+
+def by_instance(report: dict) -> dict[str, dict]:
+    return {r["instance"]: r for r in report["replicas"]}
+
+
+def assert_agrees(from_prometheus: dict, direct: dict, window: float) -> None:
+    """PromQL over the window against the difference of two direct scrapes. increase() and rate()
+    extrapolate to the window's edges, by at most the share of the window that lies outside the
+    first and last samples; ratios (means, hit rates) cancel it out, and a quantile may move only
+    as far as that stretch moves its rank."""
+    stretch = window / (window - 2.2 * SCRAPE_S)
+    counted = [("requests", direct["requests"], from_prometheus["requests"]),
+               ("prompt tokens", direct["prompt_tokens"], from_prometheus["prompt_tokens"]),
+               ("generated tokens", direct["gen_tok_s"] * direct["seconds"], from_prometheus["gen_tok_s"] * window)]
+    for name, expected, got in counted:
+        assert expected * 0.999 - 0.5 <= got <= expected * stretch + 0.5, (name, expected, got)
+    for row in ("e2e_ms", "queue_ms", "ttft_ms"):
+        if direct[row]["n"]:
+            assert from_prometheus[row]["mean"] == pytest.approx(direct[row]["mean"], rel=0.02), row
+            buckets = list(zip(*(direct["histograms"][row.removesuffix("_ms")][k] for k in ("le", "counts"))))
+            low = metrics.quantile_bucket(0.5 / stretch, buckets)[0] * 1000
+            high = metrics.quantile_bucket(min(1.0, 0.5 * stretch), buckets)[1] * 1000
+            assert low * 0.999 <= from_prometheus[row]["p50"] <= high * 1.001, row
+    if direct["prefix_cache_queries"]:
+        assert from_prometheus["prefix_cache_hit_rate"] == pytest.approx(direct["prefix_cache_hit_rate"],
+                                                                         rel=stretch - 1, abs=0.01)
+
+
+def named(report: dict, bottleneck: str) -> dict:
+    found = [f for f in report["diagnosis"] if f["bottleneck"] == bottleneck]
+    assert found, f"no {bottleneck} finding in {[f['bottleneck'] for f in report['diagnosis']]}"
+    return found[0]
+
+
+@pytest.mark.real_vllm
+@pytest.mark.external  # Prometheus, from tests/install_prometheus.sh
+class TestRealFleet:
+    """In order: imbalance, the whole fleet queueing, prefix hits split, bad input, a replica down."""
+
+    def test_load_on_one_replica_is_named_as_imbalance(self, fleet, monkeypatch, capsys):
+        a, b = fleet["servers"]["a"], fleet["servers"]["b"]
+        direct, window = measured(fleet, lambda: send_load(a.url, a.model, 12, 12, 64, 64, seed=11))
+        code, r, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", f"{window:.0f}")
+        assert code == 0, err
+        finding = named(r, "imbalance")
+        assert finding["replicas"] == [instance(a.url), instance(b.url)]
+        assert finding["per_replica"][instance(b.url)]["requests"] == 0
+        assert "add_replica" not in [f["bottleneck"] for f in r["diagnosis"]]
+        config = named(r, "config_mismatch")
+        assert {"kv_cache_memory_bytes", "num_gpu_blocks"} <= set(config["per_replica"][instance(a.url)])
+        assert config["per_replica"][instance(b.url)]["kv_cache_memory_bytes"] == str(KV_BYTES["b"])
+        replicas = by_instance(r)
+        for name, report in direct.items():
+            assert_agrees(replicas[name], report, window)
+        assert r["fleet"] == {"prometheus": fleet["prometheus"].url, "window_s": float(f"{window:.0f}"),
+                              "replicas": 2, "up": 2, "down": []}
+
+    def test_queue_on_every_replica_asks_for_one_more(self, fleet, monkeypatch, capsys):
+        servers = list(fleet["servers"].values())
+
+        def load_all() -> None:
+            with ThreadPoolExecutor(2) as pool:
+                list(pool.map(lambda s: send_load(s.url, s.model, 12, 12, 64, 128, seed=12), servers))
+
+        direct, window = measured(fleet, load_all)
+        code, r, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", f"{window:.0f}")
+        assert code == 0, err
+        finding = named(r, "add_replica")
+        assert sorted(finding["replicas"]) == sorted(instance(s.url) for s in servers)
+        assert finding["levers"][0] == "add one replica (2 to 3) and measure again"
+        assert "imbalance" not in [f["bottleneck"] for f in r["diagnosis"]]
+        replicas = by_instance(r)
+        for name, report in direct.items():
+            assert_agrees(replicas[name], report, window)
+
+    def test_sessions_spread_over_replicas_split_prefix_hits(self, fleet, monkeypatch, capsys):
+        servers = list(fleet["servers"].values())
+
+        def sessions() -> None:
+            # Four sessions of four turns sharing a 896-token prefix (7 cached blocks of 128),
+            # turns alternating between the replicas: each replica computes every prefix once.
+            for turn in range(4):
+                for session in range(4):
+                    server = servers[turn % 2]
+                    send_load(server.url, server.model, 1, 1, 1000, 4, shared_prefix=896, seed=20 + session)
+
+        direct, window = measured(fleet, sessions)
+        code, r, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", f"{window:.0f}")
+        assert code == 0, err
+        finding = named(r, "prefix_split")
+        assert sorted(finding["replicas"]) == sorted(instance(s.url) for s in servers)
+        replicas = by_instance(r)
+        for name, report in direct.items():
+            assert report["prefix_cache_hit_rate"] > 0
+            assert_agrees(replicas[name], report, window)
+
+    def test_bad_input_fails_in_one_line_without_the_password(self, fleet, monkeypatch, capsys):
+        prom = fleet["prometheus"]
+        root = prom.url.removesuffix("/prom")
+        cases = [
+            (["--match", 'model_name=~"("'], {}, 2, "Prometheus rejected the query"),
+            (["--match", 'job="nothing"'], {}, 4, "holds no vllm: or sglang: series"),
+            ([], {"password": "wrong-password"}, 3, "HTTP 401"),
+            ([], {"url": root}, 3, "path prefix"),
+            ([], {"url": f"http://127.0.0.1:{serve.free_port()}"}, 3, "cannot reach"),
+        ]
+        for argv, options, code, message in cases:
+            got, _, err = ask(prom, monkeypatch, capsys, *argv, **options)
+            assert got == code and message in err and len(err.strip().splitlines()) == 1, (argv, err)
+            assert prom.password not in err and "wrong-password" not in err
+
+    def test_stopped_replica_is_named_down(self, fleet, monkeypatch, capsys):
+        a, b = fleet["servers"]["a"], fleet["servers"]["b"]
+        fleet["stacks"]["b"].close()
+        fleet["live"] = [a.url]
+        direct, window = measured(fleet, lambda: send_load(a.url, a.model, 4, 2, 64, 16, seed=13))
+        code, r, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", f"{window:.0f}")
+        assert code == 0, err
+        finding = named(r, "replica_down")
+        assert finding["replicas"] == [instance(b.url)] and "up == 0" in finding["evidence"]
+        assert r["fleet"]["down"] == [instance(b.url)] and r["fleet"]["up"] == 1
+        assert_agrees(by_instance(r)[instance(a.url)], direct[instance(a.url)], window)
+
+
+# --------------------------------------------------------------------------------------------
+# What a real Prometheus cannot be made to do on demand: answer HTML; SGLang's label set.
+
+def test_prometheus_answering_html_fails_in_one_line(capsys):
+    class Login(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<!doctype html><html><body>Sign in</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Login)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        code = metrics.main(["--prometheus", f"http://127.0.0.1:{server.server_port}", "--json"])
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert code == 4 and "HTML page" in err and len(err.strip().splitlines()) == 1
+
+
+SGLANG_NAMES = ["sglang:time_to_first_token_seconds_bucket", "sglang:e2e_request_latency_seconds_bucket",
+                "sglang:queue_time_seconds_bucket", "sglang:num_running_reqs", "sglang:num_queue_reqs",
+                "sglang:token_usage", "sglang:prompt_tokens_total", "sglang:generation_tokens_total",
+                "sglang:cached_tokens_total", "sglang:max_total_num_tokens", "sglang:max_running_requests"]
+
+
+def fake_sglang_prometheus(labels: dict[str, str], asked: list[str], up: dict[str, int] | None = None):
+    """A Prometheus API holding two SGLang replicas (labels as SGLang 0.5 sets them, see
+    tests/fixtures/metrics/sglang-0.5-tp2.txt): r1 queues and r2 idles; their KV sizes differ.
+    `up` is what the targets' up series say (both 1 unless given)."""
+    up = {"r1:30000": 1, "r2:30000": 1} if up is None else up
+    per_instance = {"r1:30000": {"e2e": 40, "queue": 3.0, "waiting": 9, "tokens": 500000},
+                    "r2:30000": {"e2e": 2, "queue": 0.0, "waiting": 0, "tokens": 250000}}
+
+    def rows(value) -> list[dict]:
+        return [{"metric": {**labels, "instance": name}, "value": [0, str(value(figures))]}
+                for name, figures in per_instance.items()]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        query = request.url.params["query"]
+        asked.append(query)
+        if "max_total_num_tokens" in query and "last_over_time" in query:
+            result = rows(lambda f: f["tokens"])
+        elif query.startswith("count by (__name__)"):
+            result = [{"metric": {"__name__": n}, "value": [0, "1"]} for n in SGLANG_NAMES]
+        elif query.startswith("count by (job, instance"):
+            result = rows(lambda f: 1)
+        elif query.startswith("up{"):
+            result = [{"metric": {"job": "sglang", "instance": n}, "value": [0, str(v)]} for n, v in up.items()]
+        elif "by (instance)" in query or "le, instance" in query:
+            if "e2e_request_latency_seconds_count" in query and "increase" in query and "/" not in query:
+                result = rows(lambda f: f["e2e"])
+            elif "queue_time_seconds_sum" in query:
+                result = rows(lambda f: f["queue"])
+            elif "e2e_request_latency_seconds_sum" in query:
+                result = rows(lambda f: 4.0)
+            elif "num_queue_reqs" in query:
+                result = rows(lambda f: f["waiting"])
+            else:
+                result = rows(lambda f: 0)
+        else:
+            result = [{"metric": {}, "value": [0, "1"]}]
+        return httpx.Response(200, json={"status": "success", "data": {"resultType": "vector", "result": result}})
+
+    return answer
+
+
+def test_sglang_label_set_through_prometheus():
+    asked: list[str] = []
+    labels = {"job": "sglang", "model_name": "qwen", "engine_type": "unified", "tp_rank": "0"}
+    snap = metrics.prometheus_snapshot("http://prom:9090/prometheus", 60,
+                                       transport=httpx.MockTransport(fake_sglang_prometheus(labels, asked)))
+    assert snap["engine"] == "sglang" and [r["fleet"]["instance"] for r in snap["replicas"]] == ["r1:30000", "r2:30000"]
+    assert snap["replicas"][1]["fleet"]["config"]["sglang:max_total_num_tokens"] == "250000"
+    ranks = '{tp_rank=~"0|", attn_tp_rank=~"0|"}'  # TP ranks repeat the scheduler's series: rank 0 only
+    assert f'histogram_quantile(0.95, sum by (le, instance) (rate(sglang:time_to_first_token_seconds_bucket{ranks}[60s])))' in asked
+    assert f'sum by (instance) (sglang:num_queue_reqs{ranks})' in asked
+    assert asked[0].startswith("count by (__name__)") and not any("vllm:" in q for q in asked[1:])
+    reports = [{**metrics.report(r), **r["fleet"]} for r in snap["replicas"]]
+    found = metrics.fleet.findings(reports, metrics.FLAGS["sglang"], metrics.QUEUE_SHARE, metrics.PREFIX_LONG_PROMPT)
+    assert [f["bottleneck"] for f in found] == ["config_mismatch", "imbalance"]
+    assert found[1]["replicas"] == ["r1:30000", "r2:30000"]
+    assert "--mem-fraction-static" in found[0]["evidence"]
+
+
+def test_lost_and_long_dead_targets_are_named_down():
+    up = {"r1:30000": 1, "r3:30000": 0}  # r2 served in the window but is no longer a target
+    transport = httpx.MockTransport(fake_sglang_prometheus({"job": "sglang", "model_name": "qwen"}, [], up))
+    snap = metrics.prometheus_snapshot("http://prom:9090", 60, transport=transport)
+    states = {r["fleet"]["instance"]: r["fleet"]["state"] for r in snap["replicas"]}
+    assert states == {"r1:30000": "up", "r2:30000": "not_scraped", "r3:30000": "down"}
+    reports = [{**metrics.report(r), **r["fleet"]} for r in snap["replicas"]]
+    found = metrics.fleet.findings(reports, metrics.FLAGS["sglang"], metrics.QUEUE_SHARE, metrics.PREFIX_LONG_PROMPT)
+    down = [f for f in found if f["bottleneck"] == "replica_down"]
+    assert [f["replicas"] for f in down] == [["r2:30000"], ["r3:30000"]]
+    assert "no longer a scrape target" in down[0]["evidence"] and "up == 0" in down[1]["evidence"]
+
+
+def test_credentials_in_the_url_are_refused_unprinted(capsys):
+    code = metrics.main(["--prometheus", "http://ops:hunter2@prom:9090", "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and "PROMETHEUS_PASSWORD" in err and "hunter2" not in err
+
+
+def test_series_without_model_name_fail_in_one_line(capsys, monkeypatch):
+    asked: list[str] = []
+    transport = httpx.MockTransport(fake_sglang_prometheus({"job": "sglang", "name": "/models/qwen"}, asked))
+    real_client = httpx.Client
+    monkeypatch.setattr(metrics.fleet.httpx, "Client", lambda **kw: real_client(**{**kw, "transport": transport}))
+    code = metrics.main(["--prometheus", "http://prom:9090", "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no `model_name` label" in err and "`name`" in err and len(err.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# The shipped scrape config and recording rules are valid for Prometheus' own checker.
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    found = shutil.which("promtool")
+    if not found:
+        _unavailable("promtool is not installed: run sh tests/install_prometheus.sh")
+    return found
+
+
+@pytest.mark.external
+@pytest.mark.parametrize("kind, name", [("config", "prometheus.yml"), ("rules", "vllm-rules.yml"),
+                                        ("rules", "sglang-rules.yml")])
+def test_shipped_prometheus_files_pass_promtool(promtool, kind, name):
+    result = subprocess.run([promtool, "check", kind, str(SHIPPED / name)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_shipped_rules_use_the_names_the_tool_reads():
+    text = (SHIPPED / "vllm-rules.yml").read_text() + (SHIPPED / "sglang-rules.yml").read_text()
+    for engine in ("vllm", "sglang"):
+        for concept in ("ttft", "itl", "e2e"):
+            assert metrics.HISTOGRAMS[concept][engine][0] + "_bucket" in text
+        assert metrics.HISTOGRAMS["queue"][engine][0] + "_sum" in text
+        assert metrics.GAUGES["waiting"][0][engine][0] in text
+    assert "sum by (le, instance, model_name)" in text
+
+
+def test_russian_skill_links_the_same_prometheus_files():
+    # One copy of the files, in the English skill; no link inside skills/ (Claude Code's plugin
+    # validation does not follow one), so the Russian page points there.
+    russian = (SKILLS / "roofline-perf-ru" / "references" / "prometheus.md").read_text(encoding="utf-8")
+    for path in SHIPPED.iterdir():
+        assert f"(../../roofline-perf/references/prometheus/{path.name})" in russian
