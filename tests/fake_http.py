@@ -2,7 +2,8 @@
 
 `serving(handle)` runs a threaded server on a free loopback port and yields its base URL.
 `handle(method, path, body)` returns (status, payload): a dict is sent as JSON, a list of dicts
-as a server-sent-event stream (`data: {...}` lines, then `data: [DONE]`), like vLLM streams.
+as a server-sent-event stream (`data: {...}` lines, then `data: [DONE]`), like vLLM streams, and
+a str as plain text (a Prometheus /metrics page).
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def serving(handle: Handler) -> Iterator[str]:
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length)) if length else None
             status, payload = handle(method, self.path, body)
-            if isinstance(payload, list):
+            if isinstance(payload, str):
+                data, content_type = payload, "text/plain; version=0.0.4"
+            elif isinstance(payload, list):
                 data = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in payload) + "data: [DONE]\n\n"
                 content_type = "text/event-stream"
             else:
