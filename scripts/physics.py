@@ -11,6 +11,7 @@ kernels (AWQ/GPTQ through Marlin) their real cost: see W4A16_GEMM_SHARE.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -179,6 +180,26 @@ class Physics:
         return high
 
 
+def fp8_crossover_batch(inp: sizing.Inputs, context: int, limit: int = 4096) -> int | None:
+    """For 4-bit weight-only weights on a GPU with FP8 tensor cores: the smallest batch from which
+    the same model in FP8 has the shorter expected decode step (None: 4-bit stays faster)."""
+    int4 = Physics(inp)
+    if int4.quant != "int4" or not inp.gpu.get("fp8_dense_tflops"):
+        return None
+    fp8 = Physics(dataclasses.replace(inp, quant="fp8"))
+
+    def fp8_wins(batch: int) -> bool:
+        return fp8.decode(batch, context)["step_ms_expected"] < int4.decode(batch, context)["step_ms_expected"]
+
+    if not fp8_wins(limit):
+        return None
+    low, high = 1, limit
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fp8_wins(mid) else (mid + 1, high)
+    return low
+
+
 def roofline(inp: sizing.Inputs, memory: Mapping[str, Any] | None = None, batch: int | None = None,
              prompt_tokens: int | None = None) -> dict[str, Any]:
     """Decode and prefill bounds, a batch table up to what the KV cache holds, the crossover batch."""
@@ -196,6 +217,8 @@ def roofline(inp: sizing.Inputs, memory: Mapping[str, Any] | None = None, batch:
         "prefill": phys.prefill(prompt),
         "table": [phys.decode(b, prompt) for b in batches],
         "compute_bound_from_batch": phys.compute_bound_batch(prompt),
+        "fp8_faster_from_batch": fp8_crossover_batch(inp, prompt),
+        "fp8_tensor_cores": bool(inp.gpu.get("fp8_dense_tflops")),
         "max_batch_in_kv_cache": most if memory else None,
         "assumptions": {"hbm_efficiency": phys.eff["hbm"], "gemm_efficiency": phys.eff["gemm"],
                         "linear_gemm_efficiency": round(phys.linear_gemm_eff, 3),
@@ -215,4 +238,15 @@ def summary_lines(r: Mapping[str, Any]) -> list[str]:
     crossover = r["compute_bound_from_batch"]
     lines.append(f"    decode turns compute-bound at batch {crossover:,}" if crossover else
                  "    decode stays memory-bound at any batch")
+    if r["weights_quant"] == "int4":
+        share = r["assumptions"]["linear_gemm_efficiency"] / r["assumptions"]["gemm_efficiency"]
+        text = (f"    4-bit weight-only (AWQ/GPTQ, Marlin): GEMMs on 16-bit tensor cores at {share:g} of their rate; ")
+        fp8_from = r.get("fp8_faster_from_batch")
+        if fp8_from:
+            text += f"the same model in FP8 is expected faster from batch {fp8_from:,} at this context"
+        elif r["fp8_tensor_cores"]:
+            text += "it stays faster than FP8 up to batch 4,096 at this context"
+        else:
+            text += "this GPU has no FP8 tensor cores (FP8 runs weight-only here too)"
+        lines.append(text)
     return lines

@@ -111,3 +111,16 @@ def test_roofline_bench_checks_the_fp8_vs_4bit_direction(tmp_path, capsys):
                      " int4_speedup: 0.5, fp8_speedup: 1.5, source: test}\n")
     assert roofline_bounds.main(["--fixture", str(wrong)]) == common.EXIT_CHECK_FAILED
     assert "WRONG DIRECTION" in capsys.readouterr().out
+
+
+def test_roofline_names_the_batch_from_which_fp8_beats_4bit(capsys):
+    inp = sizing.Inputs(model=sizing.resolve_model("qwen3-32b"), gpu=sizing.resolve_gpu("h100", None), quant="awq")
+    crossover = phys.fp8_crossover_batch(inp, 1024)
+    fp8, awq = physics("qwen3-32b", quant="fp8"), physics("qwen3-32b", quant="awq")
+    assert 1 < crossover < 128
+    assert fp8.decode(crossover, 1024)["step_ms_expected"] < awq.decode(crossover, 1024)["step_ms_expected"]
+    assert fp8.decode(crossover - 1, 1024)["step_ms_expected"] >= awq.decode(crossover - 1, 1024)["step_ms_expected"]
+    a100 = sizing.Inputs(model=sizing.resolve_model("qwen3-32b"), gpu=sizing.resolve_gpu("a100-80gb", None), quant="awq")
+    assert phys.fp8_crossover_batch(a100, 1024) is None  # no FP8 tensor cores: FP8 is weight-only there too
+    assert roofline.main(["--model", "qwen3-32b", "--gpu", "h100", "--quant", "awq"]) == 0
+    assert f"the same model in FP8 is expected faster from batch {crossover}" in capsys.readouterr().out
