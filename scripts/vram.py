@@ -49,7 +49,6 @@ config.json or the server failed.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
