@@ -33,4 +33,4 @@ def test_main_job_runs_offline_on_the_embedded_default(tmp_path):
     result = subprocess.run([task_exe(), "-d", str(REPO), *args[1:]], capture_output=True, text=True,
                             env=env, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("FITS: qwen3-32b on NVIDIA H100 SXM 80GB (TP=1)")
+    assert result.stdout.startswith("FITS (marginal): qwen3-32b on NVIDIA H100 SXM 80GB (TP=1)")
