@@ -49,6 +49,7 @@ config.json or the server failed.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -102,7 +103,8 @@ def served_inputs(args, transport: Any = None) -> dict[str, Any]:
     """Fill MODEL, CTX, GPU_UTIL, block size, KV dtype (and the KV space without a GPU) from the
     server at --url; returns what the server said."""
     settings = common.settings_from_args(args)
-    api_key = settings.get("INFER_API_KEY", None) or None
+    # The Taskfile hands INFER_API_KEY over as ROOFLINE_TASK_API_KEY, as for every server script.
+    api_key = settings.get("INFER_API_KEY", os.environ.get("ROOFLINE_TASK_API_KEY")) or None
     facts = served.served_facts(common.normalize_url(args.url), api_key)
     info, dep = facts["cache_config"], facts["deployment"]
     if not settings.get("MODEL", args.model):
