@@ -12,6 +12,13 @@ and a short load test (bench.py --json, run as a subprocess). Then one verdict w
   WARN  the rise is between the warn and fail levels, smoke warnings, or the candidate is more
         than 5% slower (output tok/s);
   PASS  otherwise.
+The perplexity levels follow the candidate's quantization, read from what it serves: a profile's
+--quantization, else the quantization_config of the config.json behind the candidate's /v1/models
+`root` (a Hugging Face id, or a path this machine can read), else its name; awq, gptq and
+compressed-tensors int4 (W4A16) take the 4bit levels, fp8 takes fp8's; unknown or unquantized
+takes fp8's, the strictest. The report says which levels it used and why; --scheme overrides.
+--cases-dir DIR (TOOLCALL_CASES) adds the user's own tool-call cases to the smoke: every *.yaml in DIR, in
+the format of scripts/catalog/toolcall_cases.yaml (their `cases:`, and `tools:` they need).
 The report is a log entry in the bench-protocol format (headed Markdown, rendered with jinja2
 from scripts/templates/accept_log_entry.md.j2); --log FILE appends it (else $BENCH_LOG).
 
@@ -19,6 +26,7 @@ Examples:
   accept.py --base http://127.0.0.1:8000 --candidate http://127.0.0.1:8001 --text my_traffic.txt
   accept.py --base http://127.0.0.1:8000 --candidate qwen3-32b-fp8-h100 --scheme fp8 --log bench-log.md
   accept.py --base URL --candidate URL --scheme 4bit --bench-n 64 --bench-c 16 --json
+  accept.py --base URL --candidate URL --cases-dir my_agent_cases/
   task infer:accept BASE=http://127.0.0.1:8000 CANDIDATE=http://127.0.0.1:8001 TEXT=my.txt
 
 Exit codes: 0 PASS or WARN, 1 FAIL, 2 usage error (no BASE/CANDIDATE, bad text, a server without
@@ -29,6 +37,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -40,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import ppl  # noqa: E402
 import serve  # noqa: E402
+import served  # noqa: E402
+import sizing  # noqa: E402
 import smoke_toolcall  # noqa: E402
 from common import ServerError, UsageError  # noqa: E402
 
@@ -48,6 +59,8 @@ TEMPLATE = SCRIPTS / "templates" / "accept_log_entry.md.j2"
 # A short bench moves by a few % between identical runs (two runs of one model on a busy CPU:
 # -13%); a slowdown beyond this is worth a warning, a quantized model should be faster.
 SLOWER_WARN_PCT = 5.0
+# Words in a served model's name that mark a 4-bit weight-only checkpoint, when no config is readable.
+FOUR_BIT_NAME = r"(?i)(awq|gptq|int4|w4a16|4bit)"
 
 
 # ---------------------------------------------------------------- deployments
@@ -97,7 +110,7 @@ def measure_side(side: dict[str, Any], url: str, api_key: str | None, args, text
     with common.client(url, api_key, args.timeout) as http:
         entry = common.served_model(http, side["wanted_model"])
         model, max_model_len = entry["id"], entry.get("max_model_len")
-        side["model"] = model
+        side["model"], side["root"] = model, entry.get("root") or model
         common.progress(f"{side['role']}: perplexity on {url} ({model})")
         side["ppl"] = ppl.measure(http, args.api, model, text, window, stride, max_model_len)
         if side["ppl"]["stopped"] == "interrupted":
@@ -106,10 +119,12 @@ def measure_side(side: dict[str, Any], url: str, api_key: str | None, args, text
             raise ServerError(f"perplexity stopped: {side['ppl']['stopped']}")
         if not args.skip_smoke:
             common.progress(f"{side['role']}: tool-call smoke")
-            catalog = common.load_catalog("toolcall_cases")
+            catalog, user_cases = args.toolcall_catalog
             try:
-                report = smoke_toolcall.run_smoke(http, model, smoke_toolcall.select_cases(catalog, "", False),
-                                                  args.repeat, args.max_tokens, False, 0, catalog)
+                cases = smoke_toolcall.select_cases(catalog, "", False)
+                cases += [name for name in user_cases if name not in cases]
+                report = smoke_toolcall.run_smoke(http, model, cases, args.repeat, args.max_tokens, False, 0, catalog)
+                report["user_cases"] = user_cases
                 report["verdict"], report["reasons"] = smoke_toolcall.verdict(report)
                 side["smoke"] = report
                 if report["interrupted"]:
@@ -119,6 +134,35 @@ def measure_side(side: dict[str, Any], url: str, api_key: str | None, args, text
     if not args.skip_bench:
         common.progress(f"{side['role']}: bench {' '.join(bench_args(args))}")
         side["bench"], side["bench_error"] = run_bench(url, model, api_key, bench_args(args))
+
+
+def infer_scheme(cand: dict[str, Any]) -> tuple[str, str]:
+    """(scheme, why) from what the candidate serves: a profile's --quantization, the config.json
+    behind its /v1/models root, or its name; fp8's levels, the strictest, when none says."""
+    if not is_url(cand["source"]):
+        try:
+            profile = serve.load_profile(serve.find_profile(cand["source"]))
+        except UsageError:
+            profile = {}
+        quant = served.quant_of_profile(profile)
+        if quant:
+            return (served.scheme_of(quant) or "fp8",
+                    f"the profile {cand['source']} serves it with --quantization {profile['quantization']}")
+    why = "the candidate was not reached"
+    if cand.get("root"):
+        config, where = served.root_config(cand["root"])
+        if config is not None:
+            quant = sizing.checkpoint_quant(config)
+            method = (config.get("quantization_config") or {}).get("quant_method")
+            if served.scheme_of(quant):
+                return served.scheme_of(quant), f"its config.json ({where}) declares {method} weights ({quant})"
+            return "fp8", f"its config.json ({where}) declares no quantization ({quant}): fp8's levels, the strictest"
+        why = where
+        name = f"{cand['model']} {cand['root']}"
+        if re.search(FOUR_BIT_NAME, name):
+            return "4bit", f"its name {cand['model']!r} says 4-bit and no config.json is readable here ({why})"
+    return "fp8", (f"its quantization is unknown ({why}): fp8's levels, the strictest; pass --scheme 4bit "
+                   "for an AWQ/GPTQ candidate")
 
 
 # ---------------------------------------------------------------- verdict and report
@@ -238,7 +282,10 @@ def build_parser():
     p.add_argument("--text", default="", help=f"UTF-8 text to score (else $TEXT, else the bundled {ppl.SAMPLE_TEXT.name})")
     p.add_argument("--base-model", default="", help="served model name on BASE (else the first listed)")
     p.add_argument("--candidate-model", default="", help="served model name on CANDIDATE (else the first listed)")
-    p.add_argument("--scheme", default="fp8", help="quantization scheme for the perplexity levels: fp8, int8, 4bit")
+    p.add_argument("--scheme", default="", help="perplexity levels: fp8, int8, 4bit (default: from the candidate's "
+                                                "quantization, see above)")
+    p.add_argument("--cases-dir", default="", help="a folder of your own tool-call cases (*.yaml, the format of "
+                                                   "scripts/catalog/toolcall_cases.yaml) run in the smoke (else $TOOLCALL_CASES)")
     p.add_argument("--warn-pct", type=float, default=None, help="override the scheme's warn level (%%)")
     p.add_argument("--fail-pct", type=float, default=None, help="override the scheme's fail level (%%)")
     p.add_argument("--api", choices=ppl.APIS, default="vllm", help="how ppl asks for prompt logprobs")
@@ -270,7 +317,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         missing = [role.upper() for role, source in sources.items() if not source]
         if missing:
             raise UsageError(f"{' and '.join(missing)} not given: pass BASE=<url|profile> CANDIDATE=<url|profile>")
-        levels = ppl.gate(args.scheme, args.warn_pct, args.fail_pct)
+        scheme = args.scheme
+        levels = ppl.gate(scheme or "fp8", args.warn_pct, args.fail_pct)  # bad levels fail before any run
+        catalog = common.load_catalog("toolcall_cases")
+        cases_dir = settings.get("TOOLCALL_CASES", args.cases_dir)
+        args.toolcall_catalog = smoke_toolcall.with_user_cases(catalog, cases_dir) if cases_dir else (catalog, [])
         path, text = ppl.resolve_text(args)
         sides = {role: {"role": role, "source": source, "url": None, "model": None,
                         "wanted_model": getattr(args, f"{role}_model") or None}
@@ -290,18 +341,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             except ServerError as exc:  # a server down or crashing: report what was measured
                 failure = f"{side['role']} ({side['source']}): {exc}"
         base, cand = sides["base"], sides["candidate"]
+        if scheme:
+            scheme_used = {"scheme": levels["scheme"], "inferred": False, "why": "given (--scheme)"}
+        else:
+            inferred, why = infer_scheme(cand)
+            levels = ppl.gate(inferred, args.warn_pct, args.fail_pct)
+            scheme_used = {"scheme": levels["scheme"], "inferred": True, "why": why}
+        common.progress(f"accept: {levels['name']} levels, {scheme_used['why']}")
         ppl_result = None
         if base.get("ppl") and cand.get("ppl"):
             ppl_result = ppl.compare(base["ppl"], cand["ppl"], levels, 64)
         verdict, reasons, notes = judge(base, cand, ppl_result, interrupted)
+        notes.insert(0, f"perplexity levels: {levels['name']} (warn +{levels['warn_pct']}%, fail +{levels['fail_pct']}%)"
+                        f"{': inferred, ' if scheme_used['inferred'] else ', '}{scheme_used['why']}")
+        user_cases = args.toolcall_catalog[1]
+        if user_cases:
+            notes.append(f"your tool-call cases from {cases_dir}: {', '.join(user_cases)}")
         if failure:
             verdict, reasons = "FAIL", [f"server failed: {failure}"] + reasons
         result = {
             "started_at": started, "verdict": verdict, "reasons": reasons, "notes": notes,
-            "interrupted": interrupted, "ppl_change": ppl_result,
+            "interrupted": interrupted, "ppl_change": ppl_result, "scheme": scheme_used,
             "config": {"text": path, "text_bytes": len(text.encode("utf-8")), "api": args.api, "levels": levels,
                        "window": (base.get("ppl") or {}).get("window"), "stride": (base.get("ppl") or {}).get("stride"),
                        "smoke_repeat": args.repeat, "skip_smoke": args.skip_smoke, "skip_bench": args.skip_bench,
+                       "cases_dir": cases_dir or None, "user_cases": user_cases,
                        "bench_args": bench_args(args)},
             "base": summary(base), "candidate": summary(cand),
         }

@@ -12,9 +12,16 @@ max-num-seqs limit, preemptions, prefix-cache hits. No finding means no bottlene
 
 Since server start (one scrape) the quantiles mix all history since the engine started; over a
 window (--window 30: two scrapes, gauges sampled each second) they cover only the requests that
-finished in it. Latency findings need targets: --slo-ttft-p95-ms / --slo-tpot-p95-ms (or
-SLO_TTFT_P95_MS / SLO_TPOT_P95_MS, as for task bench). SGLang support follows its documented
-metric names (recorded formats, not a live server).
+finished in it. Latency findings are judged against targets: --slo-ttft-p95-ms / --slo-tpot-p95-ms
+(or SLO_TTFT_P95_MS / SLO_TPOT_P95_MS, as for task bench); a target not given takes the starting
+default for interactive chat (TTFT p95 2 s on a long prompt, TPOT p95 50 ms), and the report says
+so (JSON slo_source: given, default or partly default). vLLM's own settings from
+vllm:cache_config_info (KV-cache tokens and blocks, kv_cache_memory_bytes, gpu_memory_utilization,
+max concurrency) are printed and named by the findings they cause; max-num-seqs is exported by no
+metric and is reported as unknown. Each finding states its confidence: gauges are samples that
+can miss the peak, counters and histograms cannot. A quantile that falls in the first histogram
+bucket is only known to be at most that bucket's bound: JSON leaves it null and gives the bound in
+`at_most`. SGLang support follows its documented metric names (recorded formats, not a live server).
 
 With --prometheus the window is a PromQL range (rate/increase, histogram_quantile over summed
 buckets) for the fleet and `by (instance)` for each replica, and fleet findings come first:
@@ -46,10 +53,11 @@ Functions for other scripts (import metrics; errors: common.ServerError, metrics
   Targets(ttft_p95_ms, tpot_p95_ms)                SLOs for the prefill and decode findings
 A report is a JSON-ready dict: engine, ttft_ms, itl_ms, tpot_ms, e2e_ms, queue_ms, prefill_ms,
 decode_ms (each p50, p95, p99, mean, n), running, waiting, kv_cache_usage, preemptions,
-prefix_cache_hit_rate, prompt_tok_s, gen_tok_s, mfu, bandwidth_util, diagnosis (bottleneck,
-evidence, levers), warnings. With --prometheus also: fleet (prometheus, window_s, replicas, up,
-down), replicas (each replica's report plus instance, job, model, state, config), and fleet
-findings in diagnosis (scope "fleet", cause, replicas, per_replica).
+prefix_cache_hit_rate, prompt_tok_s, gen_tok_s, mfu, bandwidth_util, deployment (the
+cache_config_info settings), slo, slo_source, diagnosis (bottleneck, evidence, confidence, levers),
+warnings. With --prometheus also: fleet (prometheus, window_s, replicas, up, down), replicas (each
+replica's report plus instance, job, model, state, config), and fleet findings in diagnosis
+(scope "fleet", cause, replicas, per_replica).
 
 Exit codes: 0 report printed (with or without findings), 2 usage error (bad flag, missing
 file, unknown GPU, a --match Prometheus rejects as PromQL, series without the instance or
@@ -530,7 +538,7 @@ def difference(before: dict[str, Any], after: dict[str, Any],
     for concept, gauge in after["gauges"].items():
         peak = max(s["gauges"][concept]["max"] for s in sampled if concept in s["gauges"])
         running = [s["gauges"][concept]["value"] for s in sampled if concept in s["gauges"]]
-        delta["gauges"][concept] = {**gauge, "max": peak, "peak_value": max(running)}
+        delta["gauges"][concept] = {**gauge, "max": peak, "peak_value": max(running), "samples": len(running)}
     return delta
 
 
@@ -552,9 +560,23 @@ def _restarted(before: dict[str, Any], after: dict[str, Any]) -> str:
 
 @dataclass
 class Targets:
-    """Latency targets (SLOs) that the prefill and decode findings are judged against."""
+    """Latency targets (SLOs) that the prefill and decode findings are judged against; a target
+    not given takes the starting default (DEFAULT_TARGETS), and `source` says which did."""
     ttft_p95_ms: float | None = None
     tpot_p95_ms: float | None = None
+
+    def resolved(self) -> dict[str, Any]:
+        given = {"ttft_p95_ms": self.ttft_p95_ms, "tpot_p95_ms": self.tpot_p95_ms}
+        targets = {k: v if v is not None else DEFAULT_TARGETS[k] for k, v in given.items()}
+        defaulted = [k for k, v in given.items() if v is None]
+        source = "given" if not defaulted else "default" if len(defaulted) == len(given) else "partly default"
+        return {**targets, "source": source, "defaulted": defaulted}
+
+
+# Starting targets when the user states none (interactive chat): TTFT p95 under 2 s on a long
+# prompt, TPOT p95 under 50 ms (20 tok/s per user; chat reads comfortably at 20-40 tok/s).
+# They are a default to confirm with the user, never their SLO: the report says so.
+DEFAULT_TARGETS = {"ttft_p95_ms": 2000.0, "tpot_p95_ms": 50.0}
 
 
 def _latency(hist: dict[str, Any] | None, precomputed: Mapping[str, float | None] | None = None) -> dict[str, Any]:
@@ -563,7 +585,7 @@ def _latency(hist: dict[str, Any] | None, precomputed: Mapping[str, float | None
     `precomputed` holds quantiles and the mean, in seconds, that Prometheus already computed.
     """
     empty = {"p50": None, "p95": None, "p99": None, "mean": None, "n": 0, "metric": None,
-             "at_least": [], "at_most": [], "bucket_ms": {}}
+             "at_least": {}, "at_most": {}, "bucket_ms": {}}
     if not hist:
         return empty
     result = {**empty, "metric": hist["metric"], "n": int(round(hist["count"]))}
@@ -581,9 +603,12 @@ def _latency(hist: dict[str, Any] | None, precomputed: Mapping[str, float | None
             if result[name] is not None and bucket:
                 result["bucket_ms"][name] = [bucket[0] * 1000, None if math.isinf(bucket[1]) else bucket[1] * 1000]
                 if math.isinf(bucket[1]):
-                    result["at_least"].append(name)
+                    result["at_least"][name] = result[name]
                 elif bucket[0] == 0:
-                    result["at_most"].append(name)
+                    # In the first bucket the interpolation starts from an assumed 0: only the
+                    # bucket's upper bound is measured, so the quantile itself stays unset.
+                    result["at_most"][name] = bucket[1] * 1000
+                    result[name] = None
     return result
 
 
@@ -644,12 +669,76 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
     queued = snap["histograms"].get("queue")
     result["waiting_mean"] = queued["sum"] / seconds if queued and seconds else None
     result["max_running"] = gauges["max_running"]["value"] if "max_running" in gauges else None
+    result["gauge_samples"] = max((g.get("samples", 1) for g in gauges.values()), default=0)
     result.update(_utilisation(snap, seconds, gpu))
     if not windowed:
         result["warnings"].append("since server start: quantiles and rates mix all history; "
                                   "use --window for what happens now")
-    result["diagnosis"] = diagnose(result, slo or Targets())
+    result["deployment"] = deployment_config(snap["cache_config"], result["tokens_per_request"])
+    targets = (slo or Targets()).resolved()
+    result["slo"] = {k: targets[k] for k in ("ttft_p95_ms", "tpot_p95_ms")}
+    result["slo_source"], result["slo_defaulted"] = targets["source"], targets["defaulted"]
+    result["diagnosis"] = diagnose(result, Targets(targets["ttft_p95_ms"], targets["tpot_p95_ms"]))
     return result
+
+
+# vLLM's own defaults for --max-num-seqs, smallest first (vllm/engine/arg_utils.py,
+# _set_default_max_num_seqs_and_batched_tokens_args: 128 per GPU on CPU-class platforms, 256 or
+# 1024 on GPUs by memory). No metric exports the value a server runs with.
+VLLM_DEFAULT_MAX_NUM_SEQS = (128, 256, 1024)
+
+
+def deployment_config(info: Mapping[str, str], tokens_per_request: float | None) -> dict[str, Any]:
+    """The deployment's own settings that vLLM exports in vllm:cache_config_info's labels.
+
+    kv_cache_memory_bytes is set only by an explicit --kv-cache-memory-bytes (or, on CPU, by
+    VLLM_CPU_KVCACHE_SPACE) and then overrides gpu_memory_utilization (vllm/config/cache.py).
+    kv_cache_max_concurrency is the number of max_model_len requests the cache holds, so their
+    ratio gives max_model_len. max-num-seqs is in no metric: it stays unknown.
+    """
+    if not info:
+        return {}
+    tokens = _int_or_none(info.get("kv_cache_size_tokens"))
+    blocks, block = _int_or_none(info.get("num_gpu_blocks")), _int_or_none(info.get("block_size"))
+    if tokens is None and blocks and block:
+        tokens = blocks * block
+    concurrency = _float_or_none(info.get("kv_cache_max_concurrency"))
+    util = _float_or_none(info.get("gpu_memory_utilization"))
+    explicit = _int_or_none(info.get("kv_cache_memory_bytes"))
+    if explicit:
+        sized_by = (f"an explicit --kv-cache-memory-bytes of {_bytes(explicit)} (on CPU also "
+                    f"VLLM_CPU_KVCACHE_SPACE), which overrides gpu_memory_utilization"
+                    f"{f' {util:g}' if util is not None else ''}")
+    elif util is not None:
+        sized_by = f"--gpu-memory-utilization {util:g}"
+    else:
+        sized_by = None
+    return {
+        "block_size": block, "num_gpu_blocks": blocks, "kv_cache_tokens": tokens,
+        "kv_cache_memory_bytes": explicit, "gpu_memory_utilization": util,
+        "max_concurrency_at_max_model_len": concurrency,
+        "max_model_len": round(tokens / concurrency) if tokens and concurrency else None,
+        "requests_of_mean_length": tokens / tokens_per_request if tokens and tokens_per_request else None,
+        "mean_request_tokens": tokens_per_request,
+        "kv_cache_dtype": info.get("cache_dtype"), "prefix_caching": info.get("enable_prefix_caching"),
+        "kv_cache_sized_by": sized_by, "max_num_seqs": None,
+        "max_num_seqs_note": "unknown: no metric exports it (vLLM defaults: "
+                             + "/".join(map(str, VLLM_DEFAULT_MAX_NUM_SEQS)) + " by platform)",
+    }
+
+
+def _float_or_none(text: Any) -> float | None:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= size:
+            return f"{value / size:g} {unit}"
+    return f"{value:g} B"
 
 
 def _int_or_none(text: Any) -> int | None:
@@ -735,10 +824,15 @@ LEVERS = {
 }
 
 
-def _finding(report_: dict[str, Any], bottleneck: str, evidence: str) -> dict[str, Any]:
+def _finding(report_: dict[str, Any], bottleneck: str, evidence: str,
+             confidence: str = "high: histograms and counters of finished requests") -> dict[str, Any]:
     flags = FLAGS[report_["engine"]]
-    return {"bottleneck": bottleneck, "evidence": evidence,
-            "levers": [lever.format(**flags) for lever in LEVERS[bottleneck]]}
+    levers = [lever.format(**flags) for lever in LEVERS[bottleneck]]
+    explicit = (report_.get("deployment") or {}).get("kv_cache_memory_bytes")
+    if explicit and bottleneck in ("kv_cache", "preemptions"):
+        levers.insert(0, f"raise --kv-cache-memory-bytes (now {_bytes(explicit)}) or drop it so "
+                         "--gpu-memory-utilization sizes the KV cache")
+    return {"bottleneck": bottleneck, "evidence": evidence, "confidence": confidence, "levers": levers}
 
 
 def _ms(value: float | None, bound: str = "") -> str:
@@ -753,7 +847,7 @@ def _quantile(row: dict[str, Any], name: str) -> str:
     """A quantile for people: in the first bucket only its upper bound is known, in the +Inf
     bucket only its lower bound (histogram_quantile's interpolation there is not a measurement)."""
     if name in row["at_most"]:
-        return _ms(row["bucket_ms"][name][1], "<=")
+        return _ms(row["at_most"][name], "<=")
     return _ms(row[name], ">=" if name in row["at_least"] else "")
 
 
@@ -792,7 +886,7 @@ def diagnose(r: dict[str, Any], slo: Targets) -> list[dict[str, Any]]:
         per_request = f", {r['preemptions'] / r['requests']:.2g} per finished request" if r["requests"] else ""
         findings.append(_finding(r, "preemptions", (
             f"{r['preemptions']:g} preemptions{per_request}: requests lost their KV blocks and were "
-            f"recomputed{_kv_usage(r, kv_max)}")))
+            f"recomputed{_kv_usage(r, kv_max)}{_kv_cause(r)}")))
     hit_rate = r["prefix_cache_hit_rate"]
     mean_prompt = r["prompt_tokens"] / r["requests"] if r["prompt_tokens"] and r["requests"] else None
     if hit_rate is not None and hit_rate < PREFIX_LOW and mean_prompt and mean_prompt >= PREFIX_LONG_PROMPT:
@@ -805,28 +899,60 @@ def diagnose(r: dict[str, Any], slo: Targets) -> list[dict[str, Any]]:
 def _limit_findings(r: dict[str, Any], kv_max: float | None) -> list[dict[str, Any]]:
     """Why requests wait: a full KV cache, or the cap on running requests while memory is free.
 
-    The KV gauge is sampled, and a busy server may answer its scrapes only after the load, so
-    preemptions also prove a full cache, and Little's law (requests running on average times
-    tokens per request, from the histograms of finished requests) proves free room.
+    Evidence that cannot miss the peak comes first: preemptions (a counter), Little's law over a
+    window (requests running on average, from the histograms of finished requests), the KV size
+    the deployment exports against the mean request. The KV, running and waiting gauges are
+    samples that a busy server may answer only after the load: a finding resting on them says so,
+    and one scrape since start never names the running-requests cap from them.
     """
-    if (kv_max is not None and kv_max >= KV_FULL) or r["preemptions"]:
+    footprint, kv_tokens = r["tokens_per_request"], r["kv_cache_tokens"]
+    fit = (r.get("deployment") or {}).get("requests_of_mean_length")
+    if r["preemptions"]:
         return [_finding(r, "kv_cache", (
-            f"the KV cache fills up while requests wait: {r['preemptions'] or 0:g} preemptions"
-            f"{_kv_usage(r, kv_max)}{_seen(r)}"))]
-    footprint = r["tokens_per_request"]
-    if r["running_mean"] and footprint and r["kv_cache_tokens"]:
+            f"the KV cache ran out while requests waited: {r['preemptions']:g} preemptions"
+            f"{_kv_usage(r, kv_max)}{_seen(r)}{_kv_cause(r)}"), "high: the preemption counter cannot miss one")]
+    if r["mode"] == "window" and r["running_mean"] and footprint and kv_tokens:
         needed = r["running_mean"] * footprint
-        if needed < r["kv_cache_tokens"] / 2:
-            return [_finding(r, "seqs_limit", (
-                f"requests wait while the KV cache has room: {r['running_mean']:.1f} requests ran at a "
-                f"time on average, about {needed:,.0f} of {r['kv_cache_tokens']:,} KV tokens "
-                f"({footprint:,.0f} per request){_seen(r)}{_cap(r)}"))]
-        return []
-    if kv_max is not None and (r["running_peak"] or r["waiting_peak"]):
+        little = (f"{r['running_mean']:.1f} requests ran at a time on average (Little's law over the window), "
+                  f"about {needed:,.0f} of {kv_tokens:,} KV tokens ({footprint:,.0f} per request)")
+        if needed >= kv_tokens / 2 or (kv_max or 0) >= KV_FULL:
+            return [_finding(r, "kv_cache", f"requests wait while those running fill the KV cache: {little}"
+                             f"{_seen(r)}{_kv_cause(r)}", "high: histograms of the window and the exported cache size")]
+        return [_finding(r, "seqs_limit", (
+            f"requests wait while the KV cache has room: {little}{_seen(r)}{_cap(r)}"),
+            f"medium: Little's law over the window, gauges sampled {r['gauge_samples']} times")]
+    if fit is not None and fit < VLLM_DEFAULT_MAX_NUM_SEQS[0]:
+        return [_finding(r, "kv_cache", (
+            f"requests waited and the KV cache holds only {fit:.1f} requests of the mean length "
+            f"({footprint:,.0f} tokens){_kv_cause(r)}; max-num-seqs is not exported: unless it was set "
+            f"below {fit:.0f}, the KV cache is the limit"),
+            "medium: the deployment's exported cache size and the finished requests' lengths; "
+            "confirm under load with --window 30")]
+    if kv_max is not None and kv_max >= KV_FULL:
+        return [_finding(r, "kv_cache", (
+            f"the KV cache fills up while requests wait{_kv_usage(r, kv_max)}{_seen(r)}{_kv_cause(r)}"),
+            f"high: a gauge sample saw it {_pct(kv_max)} full")]
+    if r["mode"] == "window" and kv_max is not None and (r["running_peak"] or r["waiting_peak"]):
         return [_finding(r, "seqs_limit", (
             f"requests wait while the KV cache has room: usage at most {_pct(kv_max)}"
-            f"{_seen(r)}{_cap(r)}: the running-requests cap, not memory, holds them back"))]
+            f"{_seen(r)}{_cap(r)}: the running-requests cap, not memory, holds them back"),
+            f"low: {r['gauge_samples']} gauge samples can miss the peak; measure with --window 30 under load")]
+    r["warnings"].append("requests waited, but one scrape since start cannot show which limit held them "
+                         "(KV cache or max-num-seqs): run --window 30 under load")
     return []
+
+
+def _kv_cause(r: dict[str, Any]) -> str:
+    """The setting that sized the KV cache, and what it holds: from vllm:cache_config_info."""
+    dep = r.get("deployment") or {}
+    if not dep.get("kv_cache_sized_by") or not dep.get("kv_cache_tokens"):
+        return ""
+    text = f"; set by {dep['kv_cache_sized_by']}: {dep['kv_cache_tokens']:,} KV tokens"
+    if dep.get("requests_of_mean_length") is not None:
+        text += f", {dep['requests_of_mean_length']:.1f} requests of your length ({dep['mean_request_tokens']:,.0f} tokens)"
+    if dep.get("max_concurrency_at_max_model_len") is not None and dep.get("max_model_len"):
+        text += f", {dep['max_concurrency_at_max_model_len']:,.1f} at max-model-len {dep['max_model_len']:,}"
+    return text
 
 
 def _rate(value: float | None) -> str:
@@ -1000,17 +1126,49 @@ def format_report(r: dict[str, Any]) -> str:
         on = f" of {r['gpu']}" if r["gpu"] else " (pass --gpu for MFU)"
         lines.append(f"  per GPU {r['tflops_per_gpu']:.3g} TFLOP/s, {r['tb_s_per_gpu'] * 1000:.3g} GB/s: "
                      f"MFU {_pct(r['mfu'])}, bandwidth {_pct(r['bandwidth_util'])}{on}")
+    if r.get("deployment"):
+        lines.append(_deployment_line(r["deployment"]))
     for warning in r["warnings"]:
         lines.append(f"  note: {warning}")
+    lines.append(_targets_line(r))
     if r["diagnosis"]:
         lines.append("Diagnosis:")
         for finding in r["diagnosis"]:
             cause = f"{finding['cause']}: " if "cause" in finding else ""
-            lines.append(f"  [{finding['bottleneck']}] {cause}{finding['evidence']}")
+            confidence = f" (confidence {finding['confidence']})" if "confidence" in finding else ""
+            lines.append(f"  [{finding['bottleneck']}] {cause}{finding['evidence']}{confidence}")
             lines += [f"      {i}. {lever}" for i, lever in enumerate(finding["levers"], 1)]
     else:
         lines.append("Diagnosis: no bottleneck found in these figures.")
     return "\n".join(lines)
+
+
+def _deployment_line(dep: dict[str, Any]) -> str:
+    """The deployment's own settings, as vllm:cache_config_info exports them."""
+    parts = []
+    if dep["kv_cache_tokens"]:
+        blocks = f" ({dep['num_gpu_blocks']:,} blocks of {dep['block_size']})" if dep["num_gpu_blocks"] else ""
+        parts.append(f"KV cache {dep['kv_cache_tokens']:,} tokens{blocks}"
+                     + (f" sized by {dep['kv_cache_sized_by']}" if dep["kv_cache_sized_by"] else ""))
+    if dep["requests_of_mean_length"] is not None:
+        parts.append(f"{dep['requests_of_mean_length']:.1f} requests of the mean length "
+                     f"({dep['mean_request_tokens']:,.0f} tokens)")
+    if dep["max_concurrency_at_max_model_len"] is not None:
+        parts.append(f"{dep['max_concurrency_at_max_model_len']:,.1f} requests at max-model-len {dep['max_model_len'] or 'n/a'}")
+    parts.append(f"KV dtype {dep['kv_cache_dtype'] or 'n/a'}, prefix caching {dep['prefix_caching'] or 'n/a'}")
+    parts.append(f"max-num-seqs {dep['max_num_seqs_note']}")
+    return "  deployment (vllm:cache_config_info): " + "; ".join(parts)
+
+
+def _targets_line(r: dict[str, Any]) -> str:
+    slo = r["slo"]
+    text = f"  targets: TTFT p95 {_ms(slo['ttft_p95_ms'])}, TPOT p95 {_ms(slo['tpot_p95_ms'])}"
+    if r["slo_source"] == "given":
+        return text + " (given)"
+    return (text + f" ({'starting defaults' if r['slo_source'] == 'default' else 'partly starting defaults: '}"
+            f"{'' if r['slo_source'] == 'default' else ', '.join(r['slo_defaulted'])}"
+            " for interactive chat, not your SLO: confirm them with the user, or pass --slo-ttft-p95-ms "
+            "and --slo-tpot-p95-ms)")
 
 
 def format_replica_line(r: dict[str, Any]) -> str:
@@ -1022,13 +1180,24 @@ def format_replica_line(r: dict[str, Any]) -> str:
 
 
 def _gauge(r: dict[str, Any], name: str) -> str:
-    """`running 0 (peak 2, mean 1.2)`: now, the peak sampled in a window, the Little's-law mean."""
+    """`waiting 0 (peak 0 in 2 samples; mean 3.9 by the queue-time histogram: ...)`: the value
+    at the last scrape, the peak of the sampled values, and the Little's-law mean, which comes
+    from the histograms of finished requests and so counts moments the samples missed."""
     extra = []
+    samples = r.get("gauge_samples") or 1
     if r["mode"] == "window" and r[name + "_peak"] is not None:
-        extra.append(f"peak {r[name + '_peak']:g}")
-    if r[name + "_mean"] is not None:
-        extra.append(f"mean {r[name + '_mean']:.2g}")
-    return _num(r[name]) + (f" ({', '.join(extra)})" if extra else "")
+        extra.append(f"peak {r[name + '_peak']:g} in {samples} sample{'s' if samples > 1 else ''}")
+    mean = r[name + "_mean"]
+    if mean is not None:
+        source = "queue-time" if name == "waiting" else "prefill + decode time"
+        over = "over the window" if r["mode"] == "window" else "since start"
+        extra.append(f"mean {mean:.2g} {over} by the {source} histograms")
+    text = _num(r[name]) + (" at the last scrape" if extra else "")
+    if extra:
+        text += f" ({'; '.join(extra)}"
+        peak = r[name + "_peak"] if r["mode"] == "window" else r[name]
+        text += ": the samples missed the busy moments)" if peak is not None and mean > peak else ")"
+    return text
 
 
 def _num(value: float | None) -> str:

@@ -5,10 +5,13 @@ requests at PROMPT_TOKENS of context) over HBM bandwidth, or FLOPs over dense pe
 larger, plus the TP all-reduce bytes over the interconnect. Prefill: FLOPs (linear layers +
 causal attention) over dense peak, or the weight read when that is larger. MoE: FLOPs use the
 active experts; bytes use the expected number of distinct experts a batch touches. "bound" is
-pure physics; "expected" applies the stated efficiency factors.
+pure physics; "expected" applies the stated efficiency factors, runs the linear layers and
+attention one after the other (they are separate kernels), and charges 4-bit weight-only
+kernels (AWQ/GPTQ through Marlin) their real cost: see W4A16_GEMM_SHARE.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -20,6 +23,17 @@ EFFICIENCY = {  # the "expected" line: references/en/roofline.md, "Expected"
     "nvidia": {"hbm": 0.90, "gemm": 0.75},
     "amd": {"hbm": 0.80, "gemm": 0.60},
 }
+# 4-bit weight-only (W4A16: AWQ, GPTQ, compressed-tensors int4) kernels dequantize the weights in
+# registers and multiply on the 16-bit tensor cores: they read 4x fewer bytes than bf16, but get no
+# FP8 peak, and at large batch they run below the same GPU's 16-bit cuBLAS. Marlin's own bench.py
+# in vLLM PR #2497 (https://github.com/vllm-project/vllm/pull/2497, comment of 2024-01-24): 3.12x
+# faster than fp16 at batch 1, 1.01x at 128, 0.60-0.74x from 256 to 4000 (the kernel plateaus
+# at 141 TFLOP/s; for batches above 64 it repeats its batch-64 tile, IST-DASLab/marlin#2). Marlin
+# is Ampere code without Hopper's wgmma (https://github.com/IST-DASLab/marlin_artifact README).
+# FP8 (W8A8) instead runs the FP8 tensor cores: 1.40x bf16 at batch 1024 on B200 (vLLM PR
+# #19566, https://github.com/vllm-project/vllm/pull/19566). So 4-bit wins where the step is a
+# weight read (small batch) and loses to FP8 where it is a GEMM (large batch, prefill).
+W4A16_GEMM_SHARE = 0.6
 LINK_EFFICIENCY = 0.80
 ALLREDUCE_LATENCY_S = 8e-6
 STEP_OVERHEAD_S = 0.2e-3
@@ -72,6 +86,9 @@ class Physics:
         self.bandwidth = inp.gpu["bandwidth_tb_s"] * 1e12
         self.link = (inp.gpu.get("interconnect_gb_s") or 32) * 1e9
         self.eff = EFFICIENCY.get(inp.gpu.get("vendor", "nvidia"), EFFICIENCY["nvidia"])
+        self.bf16_peak = inp.gpu["bf16_dense_tflops"] * 1e12
+        # the achievable share of flops_peak the linear layers' kernel reaches at large batch
+        self.linear_gemm_eff = self.eff["gemm"] * (W4A16_GEMM_SHARE if self.quant == "int4" else 1.0)
 
     def _attended(self, context: int) -> int:
         """Tokens each attention layer reads at `context` (sliding layers stop at the window)."""
@@ -99,17 +116,26 @@ class Physics:
         message = tokens * self.m.hidden * 2
         return count * 2 * (self.tp - 1) / self.tp * message / self.link, count
 
+    def _linear_expected_s(self, weight_bytes: float, flops: float) -> float:
+        """Linear layers: the weight read or the GEMM, at the kernel's achievable rates."""
+        return max(weight_bytes / (self.bandwidth * self.eff["hbm"]), flops / (self.flops_peak * self.linear_gemm_eff))
+
+    def _attention_expected_s(self, kv_bytes: float, flops: float) -> float:
+        """Attention: the KV read or its FLOPs, which run in 16 bits whatever the weights are."""
+        return max(kv_bytes / (self.bandwidth * self.eff["hbm"]), flops / (self.bf16_peak * self.eff["gemm"]))
+
     def decode(self, batch: int, context: int) -> dict[str, Any]:
         experts = expected_experts(self.m.experts, self.m.top_k, batch)
         weights = self.fixed_weight_bytes + self.moe_layers * experts * self.expert_bytes
         kv = batch * (self.layer_token_bytes * self._attended(context) + 2 * self.state_bytes)
-        flops = (2 * self.active_linear_params * batch
-                 + batch * self._attention_flops_per_token(self._attended(context))) / self.tp
+        linear_flops = 2 * self.active_linear_params * batch / self.tp
+        attention_flops = batch * self._attention_flops_per_token(self._attended(context)) / self.tp
+        flops = linear_flops + attention_flops
         t_mem, t_flops = (weights + kv) / self.bandwidth, flops / self.flops_peak
         comm, count = self._allreduce_s(batch)
         bound = max(t_mem, t_flops) + comm
-        expected = (max(t_mem / self.eff["hbm"], t_flops / self.eff["gemm"]) + comm / LINK_EFFICIENCY
-                    + count * ALLREDUCE_LATENCY_S + STEP_OVERHEAD_S)
+        expected = (self._linear_expected_s(weights, linear_flops) + self._attention_expected_s(kv, attention_flops)
+                    + comm / LINK_EFFICIENCY + count * ALLREDUCE_LATENCY_S + STEP_OVERHEAD_S)
         return {"batch": batch, "context_tokens": context, "weight_bytes_per_gpu": weights,
                 "kv_bytes_per_gpu": kv, "flops_per_gpu": flops, "memory_ms": t_mem * 1e3,
                 "compute_ms": t_flops * 1e3, "comm_ms": comm * 1e3, "step_ms_bound": bound * 1e3,
@@ -121,13 +147,14 @@ class Physics:
         m = self.m
         experts = expected_experts(m.experts, m.top_k, prompt_tokens)
         weights = self.fixed_weight_bytes + self.moe_layers * experts * self.expert_bytes
-        flops = (2 * self.active_linear_params * prompt_tokens
-                 + self._attention_flops_per_token(self._causal_pairs(prompt_tokens))) / self.tp
+        linear_flops = 2 * self.active_linear_params * prompt_tokens / self.tp
+        attention_flops = self._attention_flops_per_token(self._causal_pairs(prompt_tokens)) / self.tp
+        flops = linear_flops + attention_flops
         t_mem, t_flops = weights / self.bandwidth, flops / self.flops_peak
         comm, count = self._allreduce_s(prompt_tokens)
         bound = max(t_mem, t_flops) + comm
-        expected = (max(t_mem / self.eff["hbm"], t_flops / self.eff["gemm"]) + comm / LINK_EFFICIENCY
-                    + count * ALLREDUCE_LATENCY_S + STEP_OVERHEAD_S)
+        expected = (self._linear_expected_s(weights, linear_flops) + self._attention_expected_s(0.0, attention_flops)
+                    + comm / LINK_EFFICIENCY + count * ALLREDUCE_LATENCY_S + STEP_OVERHEAD_S)
         return {"prompt_tokens": prompt_tokens, "flops_per_gpu": flops, "weight_bytes_per_gpu": weights,
                 "compute_ms": t_flops * 1e3, "memory_ms": t_mem * 1e3, "comm_ms": comm * 1e3,
                 "ttft_ms_bound": bound * 1e3, "ttft_ms_expected": expected * 1e3,
@@ -153,6 +180,26 @@ class Physics:
         return high
 
 
+def fp8_crossover_batch(inp: sizing.Inputs, context: int, limit: int = 4096) -> int | None:
+    """For 4-bit weight-only weights on a GPU with FP8 tensor cores: the smallest batch from which
+    the same model in FP8 has the shorter expected decode step (None: 4-bit stays faster)."""
+    int4 = Physics(inp)
+    if int4.quant != "int4" or not inp.gpu.get("fp8_dense_tflops"):
+        return None
+    fp8 = Physics(dataclasses.replace(inp, quant="fp8"))
+
+    def fp8_wins(batch: int) -> bool:
+        return fp8.decode(batch, context)["step_ms_expected"] < int4.decode(batch, context)["step_ms_expected"]
+
+    if not fp8_wins(limit):
+        return None
+    low, high = 1, limit
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fp8_wins(mid) else (mid + 1, high)
+    return low
+
+
 def roofline(inp: sizing.Inputs, memory: Mapping[str, Any] | None = None, batch: int | None = None,
              prompt_tokens: int | None = None) -> dict[str, Any]:
     """Decode and prefill bounds, a batch table up to what the KV cache holds, the crossover batch."""
@@ -170,8 +217,11 @@ def roofline(inp: sizing.Inputs, memory: Mapping[str, Any] | None = None, batch:
         "prefill": phys.prefill(prompt),
         "table": [phys.decode(b, prompt) for b in batches],
         "compute_bound_from_batch": phys.compute_bound_batch(prompt),
+        "fp8_faster_from_batch": fp8_crossover_batch(inp, prompt),
+        "fp8_tensor_cores": bool(inp.gpu.get("fp8_dense_tflops")),
         "max_batch_in_kv_cache": most if memory else None,
         "assumptions": {"hbm_efficiency": phys.eff["hbm"], "gemm_efficiency": phys.eff["gemm"],
+                        "linear_gemm_efficiency": round(phys.linear_gemm_eff, 3),
                         "link_efficiency": LINK_EFFICIENCY, "allreduce_latency_us": ALLREDUCE_LATENCY_S * 1e6,
                         "step_overhead_ms": STEP_OVERHEAD_S * 1e3},
     }
@@ -188,4 +238,15 @@ def summary_lines(r: Mapping[str, Any]) -> list[str]:
     crossover = r["compute_bound_from_batch"]
     lines.append(f"    decode turns compute-bound at batch {crossover:,}" if crossover else
                  "    decode stays memory-bound at any batch")
+    if r["weights_quant"] == "int4":
+        share = r["assumptions"]["linear_gemm_efficiency"] / r["assumptions"]["gemm_efficiency"]
+        text = (f"    4-bit weight-only (AWQ/GPTQ, Marlin): GEMMs on 16-bit tensor cores at {share:g} of their rate; ")
+        fp8_from = r.get("fp8_faster_from_batch")
+        if fp8_from:
+            text += f"the same model in FP8 is expected faster from batch {fp8_from:,} at this context"
+        elif r["fp8_tensor_cores"]:
+            text += "it stays faster than FP8 up to batch 4,096 at this context"
+        else:
+            text += "this GPU has no FP8 tensor cores (FP8 runs weight-only here too)"
+        lines.append(text)
     return lines

@@ -39,6 +39,7 @@ from typing import Any, Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import yaml  # noqa: E402
 from common import ServerError, UsageError  # noqa: E402
 
 PASS, WARN, FAIL, SKIP, ERROR = "PASS", "WARN", "FAIL", "SKIP", "ERROR"
@@ -506,6 +507,49 @@ def summarize_case(case_id: str, case: dict[str, Any], repeats: list[dict[str, A
         reason = distinct[0] + (f" (+{len(distinct) - 1} more)" if len(distinct) > 1 else "")
     return {"case": case_id, "description": case["description"], "status": status, "reason": reason,
             "passed": passed, "repeats": len(repeats), "runs": repeats}
+
+
+USER_CASES_MAX_BYTES = 1 << 20  # one YAML file of the user's cases
+CASE_FIELDS = ("description", "tools", "tool_choice", "messages", "expect")
+
+
+def with_user_cases(catalog: dict[str, Any], folder: str) -> tuple[dict[str, Any], list[str]]:
+    """The catalog plus the user's own cases: every *.yaml / *.yml in `folder`, in the format of
+    scripts/catalog/toolcall_cases.yaml (`cases:`, and `tools:` of their own if they need any).
+    Returns the merged catalog and the user's case names."""
+    directory = Path(folder).expanduser()
+    if not directory.is_dir():
+        raise UsageError(f"cases folder {folder!r} is not a directory: point --cases-dir (CASES) at a folder of YAML files")
+    files = sorted([*directory.glob("*.yaml"), *directory.glob("*.yml")])
+    if not files:
+        raise UsageError(f"{directory} holds no *.yaml case files (format: scripts/catalog/toolcall_cases.yaml)")
+    merged = {**catalog, "tools": dict(catalog["tools"]), "cases": dict(catalog["cases"])}
+    names: list[str] = []
+    for path in files:
+        if path.stat().st_size > USER_CASES_MAX_BYTES:
+            raise UsageError(f"{path} is over {USER_CASES_MAX_BYTES:,} bytes: split it into several files")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{path} is not valid UTF-8 YAML: {exc}")
+        if not isinstance(data, dict) or not isinstance(data.get("cases"), dict):
+            raise UsageError(f"{path} needs a `cases:` mapping, as in scripts/catalog/toolcall_cases.yaml")
+        for name, tool in (data.get("tools") or {}).items():
+            if name in merged["tools"] and merged["tools"][name] != tool:
+                raise UsageError(f"{path}: tool {name!r} differs from the one already defined: rename it")
+            merged["tools"][name] = tool
+        for name, case in data["cases"].items():
+            missing = [f for f in CASE_FIELDS if not isinstance(case, dict) or f not in case]
+            if missing:
+                raise UsageError(f"{path}: case {name!r} lacks {', '.join(missing)}")
+            unknown = [t for t in case["tools"] if t not in merged["tools"]]
+            if unknown:
+                raise UsageError(f"{path}: case {name!r} offers unknown tool {unknown[0]!r}: define it under tools:")
+            if name in merged["cases"]:
+                raise UsageError(f"{path}: case {name!r} is already defined: give it another name")
+            merged["cases"][name] = case
+            names.append(name)
+    return merged, names
 
 
 def select_cases(catalog: dict[str, Any], names: str, long: bool) -> list[str]:

@@ -4,8 +4,9 @@
 Runs bench.py's load once per concurrency in --sweep-c (default 1,4,8,16,32), each with its own
 warm-up and unique prompts, then prints one row per point (req/s, output and total tok/s,
 TTFT and TPOT p50/p95, verdict) and the knee: the largest concurrency whose run meets the SLO
-(SLO_TTFT_P95_MS / SLO_TPOT_P95_MS) with every request completed and a valid client. Without an
-SLO there is no knee, only the trade-off. With --log each point appends its bench log entry.
+(SLO_TTFT_P95_MS / SLO_TPOT_P95_MS) with every request completed and a valid client, and below
+any run that was invalid or errored (that run measured nothing, so the SLO is unknown there and
+above; JSON `knee_caveat` says why). Without an SLO there is no knee, only the trade-off. With --log each point appends its bench log entry.
 -n (BENCH_N) counts requests per point, by default 4 x C (at least 16) so that each point runs
 several waves; the other options are bench.py's.
 
@@ -52,12 +53,35 @@ def point_summary(concurrency: int, result: dict[str, Any]) -> dict[str, Any]:
             "e2e_ms": result["e2e_ms"], "client_valid": result["client"]["valid"]}
 
 
+UNMEASURED = ("INVALID", "ERROR")  # runs that say nothing about the server at that concurrency
+
+
+def first_unmeasured(points: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The lowest concurrency whose run was invalid (client-bound) or errored."""
+    return min((p for p in points if p["verdict"] in UNMEASURED), key=lambda p: p["concurrency"], default=None)
+
+
 def knee(points: Sequence[dict[str, Any]], has_slo: bool) -> dict[str, Any] | None:
-    """The largest concurrency whose run passed (SLO met, no failures, valid client)."""
+    """The largest concurrency whose run passed (SLO met, no failures, valid client), below any
+    unmeasured one: a pass above a run that measured nothing does not show the SLO held there."""
     if not has_slo:
         return None
-    passing = [p for p in points if p["verdict"] == "PASS"]
+    stop = first_unmeasured(points)
+    passing = [p for p in points if p["verdict"] == "PASS" and (stop is None or p["concurrency"] < stop["concurrency"])]
     return max(passing, key=lambda p: p["concurrency"]) if passing else None
+
+
+def knee_caveat(points: Sequence[dict[str, Any]], found: dict[str, Any] | None) -> str | None:
+    """Why the knee stops where it does, when an unmeasured run caps it."""
+    stop = first_unmeasured(points)
+    if stop is None:
+        return None
+    above = [p["concurrency"] for p in points if p["verdict"] == "PASS" and p["concurrency"] > stop["concurrency"]]
+    why = "the client could not keep up (client-bound)" if stop["verdict"] == "INVALID" else "its requests errored"
+    text = f"C = {stop['concurrency']} was {stop['verdict']} ({why}): the knee cannot be named above it"
+    if above:
+        text += f"; the passes at C = {', '.join(map(str, above))} are not counted"
+    return text + "; rerun that point (a faster client machine, or fewer requests per second)"
 
 
 def human(report: dict[str, Any]) -> str:
@@ -69,6 +93,8 @@ def human(report: dict[str, Any]) -> str:
                      f"{common.fmt_number(p['ttft_ms']['p95'], 1):>9}{common.fmt_number(p['tpot_ms']['p50'], 1):>10}"
                      f"{common.fmt_number(p['tpot_ms']['p95'], 1):>8}  {p['verdict']}")
     k = report["knee"]
+    if report.get("knee_caveat"):
+        lines.append(f"note: {report['knee_caveat']}")
     if k:
         lines.append(f"Knee: C = {k['concurrency']}: {common.fmt_number(k['total_tok_s'], 1)} total tok/s at TPOT p95 "
                      f"{common.fmt_number(k['tpot_ms']['p95'], 1)} ms, TTFT p95 {common.fmt_number(k['ttft_ms']['p95'], 1)} ms")
@@ -123,7 +149,8 @@ def run(args: Any) -> int:
             interrupted = True
             break
     has_slo = bool(points) and bool(result["slo"])
-    report = {"points": points, "knee": knee(points, has_slo), "slo_set": has_slo,
+    found = knee(points, has_slo)
+    report = {"points": points, "knee": found, "knee_caveat": knee_caveat(points, found), "slo_set": has_slo,
               "slo": {"ttft_p95_ms": cfg["slo_ttft_p95_ms"], "tpot_p95_ms": cfg["slo_tpot_p95_ms"]},
               "levels": levels, "interrupted": interrupted,
               "config": {k: cfg[k] for k in ("input_tokens", "output_tokens", "endpoint", "warmup")}

@@ -16,20 +16,40 @@ Weights and the activation terms are estimates (about +-0.5 GiB); given the KV s
 SGLang: KV = total x mem_fraction_static - weights - context overhead, no blocks (from its
 documented formula; SGLang is not run here).
 
+"Max concurrency" counts requests of the FULL context (CTX). The answer also gives how many fit
+at once at a typical length (--typical-tokens, TYPICAL, default 2,048: prompt and answer of a
+chat turn with some history), which is what "users" usually means. A verdict within 25% of one
+full-context request (0.8x to 1.25x) or 1 GiB of KV space (twice the estimate's error) is
+marginal: the answer says so and which gpu_memory_utilization flips it.
+
+--url URL sizes the model a running vLLM serves (without MODEL; the task passes INFER_URL when
+MODEL is empty): /v1/models gives the model's root (its config.json is read from the Hugging Face
+id, or from the path when this machine can read it) and max_model_len (CTX); /metrics gives
+vllm:cache_config_info (block size, gpu_memory_utilization, KV-cache tokens), and the server's
+own KV-cache size is printed beside the estimate. Without GPU or GPU_GB the server's KV tokens
+fix the KV space. When the root is a path on the server, pass MODEL (a catalog name, the Hugging
+Face id, or a local copy of its config.json) with --url.
+
 Examples:
   vram.py --model qwen3-32b --gpu h100 --ctx 32768
   vram.py --model Qwen/Qwen3-32B-FP8 --gpu H100 --kv-dtype fp8 --json
   vram.py --model deepseek-r1 --gpu h200 --tp 8 --ctx 65536
   vram.py --model ~/.cache/roofline/models/tiny-llama --kv-cache-bytes 1073741824 --platform cpu --ctx 2048
   vram.py --model llama-3.1-70b --gpu-gb 47.5 --tp 2 --engine sglang
+  vram.py --model qwen3-32b --gpu h100 --ctx 32768 --typical-tokens 4096
+  vram.py --url http://10.0.0.5:8000 --gpu h100
   task infer:vram MODEL=qwen3-32b GPU=h100 CTX=32768 KV_DTYPE=fp8
+  task infer:vram INFER_URL=http://10.0.0.5:8000 GPU=h100 TYPICAL=4096
 
 Exit codes: 0 fits (at least one request of CTX tokens), 1 does not fit (the levers say what
 would), 2 bad input (unknown model or GPU, CTX beyond the model's limit, TP that does not divide
-the heads, a number out of range), 3 fetching config.json failed.
+the heads, a number out of range, a served model whose config is not readable here), 3 fetching
+config.json or the server failed.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -37,20 +57,114 @@ from typing import Any, Mapping, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import physics  # noqa: E402
+import served  # noqa: E402
 import sizing  # noqa: E402
 from sizing import Inputs  # noqa: E402
+
+
+TYPICAL_TOKENS = 2048  # prompt + answer of a chat turn with some history: the default "typical" request
+MARGINAL_RATIO = (0.8, 1.25)  # full-context requests: a verdict this close to 1x is marginal
+MARGINAL_KV_GIB = 1.0  # or this close in KV space: twice the estimate's stated +-0.5 GiB
 
 
 def _gib(value: float) -> str:
     return f"{value:.2f} GiB"
 
 
+def typical_concurrency(inp: Inputs, result: Mapping[str, Any], typical: int) -> dict[str, Any]:
+    """Requests of `typical` tokens the same KV space holds at once (vLLM's block count per request)."""
+    space = int(max(0.0, result["kv_cache_gib"]) * sizing.GIB)
+    at = sizing.estimate(dataclasses.replace(inp, ctx=min(typical, result["ctx"]), kv_cache_bytes=space))
+    return {"tokens": typical, "max_concurrency": at["max_concurrency"]}
+
+
+def marginal(inp: Inputs, result: Mapping[str, Any]) -> dict[str, Any] | None:
+    """How close the verdict is to flipping, and the gpu_memory_utilization that flips it."""
+    ratio = result["max_concurrency"]
+    per_request = result["kv_cache_gib"] / ratio if ratio > 0 else None
+    margin = result["kv_cache_gib"] - per_request if per_request else None
+    close = MARGINAL_RATIO[0] <= ratio < MARGINAL_RATIO[1] or (margin is not None and abs(margin) <= MARGINAL_KV_GIB)
+    if not close:
+        return None
+    flip = None
+    if not result["kv_space_fixed"] and result.get("gpu_util"):
+        step = -0.01 if result["fits"] else 0.01
+        util = round(result["gpu_util"] + step, 2)
+        while 0.5 <= util <= 0.99:
+            if sizing.estimate(dataclasses.replace(inp, gpu_util=util))["fits"] != result["fits"]:
+                flip = util
+                break
+            util = round(util + step, 2)
+    return {"max_concurrency": ratio, "kv_margin_gib": margin, "flips_at_gpu_util": flip,
+            "estimate_error_gib": 0.5}
+
+
+def served_inputs(args, transport: Any = None) -> dict[str, Any]:
+    """Fill MODEL, CTX, GPU_UTIL, block size, KV dtype (and the KV space without a GPU) from the
+    server at --url; returns what the server said."""
+    settings = common.settings_from_args(args)
+    # The Taskfile hands INFER_API_KEY over as ROOFLINE_TASK_API_KEY, as for every server script.
+    api_key = settings.get("INFER_API_KEY", os.environ.get("ROOFLINE_TASK_API_KEY")) or None
+    facts = served.served_facts(common.normalize_url(args.url), api_key)
+    info, dep = facts["cache_config"], facts["deployment"]
+    if not settings.get("MODEL", args.model):
+        config, where = served.root_config(facts["root"], transport)
+        if config is None:
+            raise common.UsageError(f"cannot size {facts['model']}: {where}; pass MODEL=<catalog name, Hugging Face "
+                                    "id or a local copy of its config.json> with --url")
+        args.model = facts["root"]
+    if not settings.get("CTX", args.ctx) and facts["max_model_len"]:
+        args.ctx = str(facts["max_model_len"])
+    if not settings.get("GPU_UTIL", args.gpu_util) and dep.get("gpu_memory_utilization") is not None:
+        args.gpu_util = str(dep["gpu_memory_utilization"])
+    if not args.block_size and dep.get("block_size"):
+        args.block_size = str(dep["block_size"])
+    if not settings.get("KV_DTYPE", args.kv_dtype) and info.get("cache_dtype"):
+        args.kv_dtype = info["cache_dtype"]
+    no_gpu = not settings.get("GPU", args.gpu) and not settings.get("GPU_GB", args.gpu_gb)
+    if no_gpu and args.kv_cache_bytes is None and args.kv_cache_gib is None:
+        if not dep.get("kv_cache_tokens"):
+            raise common.UsageError("the server exports no vllm:cache_config_info: pass GPU=<name> or GPU_GB to size it")
+        # No GPU named: the server's own KV tokens fix the KV space (no budget to estimate).
+        m = sizing.resolve_model(settings.get("MODEL", args.model), transport)
+        tp = common.number("TP", settings.get("TP", args.tp)) or 1
+        kv_dtype = settings.get("KV_DTYPE", args.kv_dtype) or "auto"
+        per_layer = sizing.layer_token_bytes(m, tp, sizing.kv_dtype_bytes(m, kv_dtype), kv_dtype.lower())
+        attention_layers = sum(1 for layer in m.layers if layer.kind != "linear")
+        args.kv_cache_bytes = str(dep["kv_cache_tokens"] * per_layer * attention_layers)
+        args.platform = "cpu"  # no GPU catalog entry: a fixed KV space, the server's block size
+    return {"url": facts["url"], "model": facts["model"], "root": facts["root"],
+            "max_model_len": facts["max_model_len"], "deployment": dep}
+
+
 def render(r: Mapping[str, Any]) -> str:
     """The human answer: verdict first, then the budget, the KV cache, the levers, the roofline."""
     per = f"TP={r['tp']}" + (f" PP={r['pp']}" if r["pp"] > 1 else "")
     verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+    if r.get("marginal"):
+        verdict += " (marginal)"
     lines = [f"{verdict}: {r['model']} on {r['gpu']} ({per}), {r['engine']}, {r['ctx']:,} tokens per request: "
-             f"max concurrency {r['max_concurrency']:.2f}x"]
+             f"max concurrency {r['max_concurrency']:.2f}x requests of the full {r['ctx']:,} tokens"]
+    typical = r.get("typical")
+    if typical:
+        lines.append(f"  at a typical {typical['tokens']:,} tokens per request (TYPICAL, default {TYPICAL_TOKENS:,}): "
+                     f"{typical['max_concurrency']:,.1f} requests at once")
+    if r.get("marginal"):
+        m = r["marginal"]
+        flip = m["flips_at_gpu_util"]
+        text = (f"  marginal: {m['kv_margin_gib']:+.2f} GiB of KV space from one full-context request; the estimate "
+                f"is +-{m['estimate_error_gib']} GiB")
+        if flip:
+            text += (f"; it does not fit at gpu_memory_utilization {flip:g}" if r["fits"]
+                     else f"; it fits from gpu_memory_utilization {flip:g}")
+        lines.append(text + "; measure on the server (its log's \"Maximum concurrency\") before relying on it")
+    server = r.get("server")
+    if server:
+        dep = server["deployment"]
+        said = (f"{dep['kv_cache_tokens']:,} KV tokens, {dep['max_concurrency_at_max_model_len']:.2f}x at its "
+                f"max-model-len {server['max_model_len'] or 'n/a'}") if dep.get("kv_cache_tokens") else "no cache_config_info"
+        lines.append(f"  server    {server['url']} serves {server['model']} (root {server['root']}): {said}"
+                     + (f", KV cache sized by {dep['kv_cache_sized_by']}" if dep.get("kv_cache_sized_by") else ""))
     weights = f"weights {_gib(r['weights_gib'])} ({r['weights_quant']}, {_gib(r['weights_total_gib'])} in all)"
     if r["kv_space_fixed"]:
         lines.append(f"  memory    KV space fixed at {_gib(r['kv_cache_gib'])} per device (no profiling); {weights}")
@@ -86,10 +200,18 @@ def render(r: Mapping[str, Any]) -> str:
 
 
 def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
+    server = served_inputs(args, transport) if args.url else None
     inp = sizing.inputs_from_args(args, transport)
     result = sizing.estimate(inp)
+    if server and inp.gpu.get("id") == "cpu":
+        result["gpu"] = "the server's device (KV space from its metrics)"
     result["levers"] = sizing.levers(inp, result)
     result["fix"] = None if result["fits"] else sizing.smallest_fix(inp, result)
+    typical = common.number("TYPICAL", common.settings_from_args(args).get("TYPICAL", args.typical_tokens)) \
+        or TYPICAL_TOKENS
+    result["typical"] = typical_concurrency(inp, result, typical) if result["kv_cache_gib"] > 0 else None
+    result["marginal"] = marginal(inp, result)
+    result["server"] = server
     return result, inp
 
 
@@ -97,6 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = common.parser(__doc__)
     sizing.add_model_args(p)
     p.add_argument("--no-roofline", action="store_true", help="leave out the roofline summary")
+    p.add_argument("--typical-tokens", help=f"a typical request's tokens, prompt + answer (TYPICAL, default "
+                                            f"{TYPICAL_TOKENS:,}): how many such requests fit at once")
+    p.add_argument("--url", default="", help="size the model a running vLLM serves (its /v1/models and /metrics); "
+                                             "the task passes INFER_URL when MODEL is empty")
     common.add_output_args(p)
     args = p.parse_args(argv)
 

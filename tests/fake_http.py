@@ -3,7 +3,8 @@
 `serving(handle)` runs a threaded server on a free loopback port and yields its base URL.
 `handle(method, path, body)` returns (status, payload): a dict is sent as JSON, a list of dicts
 as a server-sent-event stream (`data: {...}` lines, then `data: [DONE]`), like vLLM streams;
-an `Events` list as named events (`event: <type>` before each `data:`), like Anthropic's Messages API.
+an `Events` list as named events (`event: <type>` before each `data:`), like Anthropic's Messages API;
+a str as plain text (a Prometheus /metrics page).
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def serving(handle: Handler) -> Iterator[str]:
             if isinstance(payload, Events):
                 data = "".join(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n" for event in payload)
                 content_type = "text/event-stream"
+            elif isinstance(payload, str):
+                data, content_type = payload, "text/plain; version=0.0.4"
             elif isinstance(payload, list):
                 data = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in payload) + "data: [DONE]\n\n"
                 content_type = "text/event-stream"

@@ -15,13 +15,16 @@ from fake_http import serving
 
 
 @contextmanager
-def deployment(*faults: str, nats: float = 0.0):
-    """A fake vLLM that both calls tools and scores text; `nats` raises every token's NLL."""
+def deployment(*faults: str, nats: float = 0.0, root: str | None = None):
+    """A fake vLLM that both calls tools and scores text; `nats` raises every token's NLL;
+    `root` is the /v1/models root (what vLLM loaded: a Hugging Face id or a path)."""
     tools = fake_toolcall_server.handler(set(faults))
     scorer = fake_ppl_server.handler("vllm", 4096, False, False, lambda position: -nats, [])
 
     def handle(method, path, body):
         status, payload = tools(method, path, body)
+        if path == "/v1/models" and root:
+            payload = {**payload, "data": [{**payload["data"][0], "root": root}]}
         return (status, payload) if status != 404 else scorer(method, path, body)
 
     with serving(handle) as url:
@@ -136,3 +139,67 @@ def test_an_unreachable_candidate_still_reports_the_base(capsys):
     assert result["reasons"][0].startswith("server failed: candidate (http://127.0.0.1:9): cannot reach http://127.0.0.1:9/v1/models")
     assert result["base"]["ppl"]["ppl"] > 1 and result["base"]["smoke"]["verdict"] == "PASS"
     assert "| perplexity | 152.8680 | - | - |" in result["log_entry"]
+
+
+# quantization_config as AutoAWQ writes it (Qwen/Qwen2.5-7B-Instruct-AWQ's config.json)
+AWQ_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "torch_dtype": "float16",
+              "quantization_config": {"bits": 4, "group_size": 128, "modules_to_not_convert": None,
+                                      "quant_method": "awq", "version": "gemm", "zero_point": True}}
+
+
+def test_an_awq_candidate_is_judged_by_the_4bit_levels_its_config_declares(capsys, tmp_path):
+    folder = tmp_path / "Qwen2.5-7B-Instruct-AWQ"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(AWQ_CONFIG))
+    with deployment() as base, deployment(nats=0.015, root=str(folder)) as candidate:
+        code, result, err = run(capsys, "--base", base, "--candidate", candidate, *FAST)
+    # +1.5%: a warning under FP8's levels, a pass under 4-bit's (3%/5%)
+    assert (code, result["verdict"]) == (0, "PASS")
+    assert result["scheme"] == {"scheme": "4bit", "inferred": True,
+                                "why": f"its config.json ({folder / 'config.json'}) declares awq weights (int4)"}
+    assert result["notes"][0].startswith("perplexity levels: 4-bit") and ": inferred, its config.json" in result["notes"][0]
+    assert "accept: 4-bit" in err
+
+
+def test_an_unreadable_server_path_falls_back_to_fp8_and_says_why(capsys):
+    with deployment() as base, deployment(nats=0.015, root="/models/served-on-the-server") as candidate:
+        _, result, _ = run(capsys, "--base", base, "--candidate", candidate, *FAST)
+    assert result["verdict"] == "WARN" and result["scheme"]["scheme"] == "fp8"
+    assert "a path on the server that this machine cannot read" in result["scheme"]["why"]
+    assert "pass --scheme 4bit for an AWQ/GPTQ candidate" in result["scheme"]["why"]
+    with deployment() as base, deployment(nats=0.015, root="/models/Qwen3-32B-AWQ") as candidate:
+        _, named, _ = run(capsys, "--base", base, "--candidate", candidate, *FAST)
+    assert named["scheme"]["scheme"] == "4bit" and "its name" in named["scheme"]["why"]
+
+
+def test_scheme_given_overrides_the_inference(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(AWQ_CONFIG))
+    with deployment() as base, deployment(nats=0.015, root=str(tmp_path)) as candidate:
+        _, result, _ = run(capsys, "--base", base, "--candidate", candidate, "--scheme", "fp8", *FAST)
+    assert result["verdict"] == "WARN" and result["scheme"] == {"scheme": "fp8", "inferred": False, "why": "given (--scheme)"}
+
+
+def test_the_users_own_tool_call_cases_are_a_step_of_acceptance(capsys, tmp_path):
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    (cases / "weather.yaml").write_text("""cases:
+  my_dallas_weather:
+    description: our agent's weather question
+    tools: [get_current_weather]
+    tool_choice: auto
+    messages:
+      - {role: user, content: "What is the weather in Dallas, Texas in Fahrenheit?"}
+    expect:
+      calls: [{name: get_current_weather, args: {city: [Dallas], unit: [fahrenheit]}}]
+""")
+    with deployment() as base, deployment() as candidate:
+        code, result, _ = run(capsys, "--base", base, "--candidate", candidate, "--cases-dir", str(cases), *FAST)
+    assert code == 0 and result["config"]["user_cases"] == ["my_dallas_weather"]
+    mine = [c for c in result["candidate"]["smoke"]["cases"] if c["case"] == "my_dallas_weather"]
+    assert mine and mine[0]["status"] == "PASS"
+    assert any(note.startswith(f"your tool-call cases from {cases}: my_dallas_weather") for note in result["notes"])
+    (cases / "broken.yaml").write_text("cases:\n  no_expect: {description: x, tools: [get_current_weather], "
+                                       "tool_choice: auto, messages: []}\n")
+    code, _, err = run(capsys, "--base", "http://127.0.0.1:9", "--candidate", "http://127.0.0.1:9",
+                        "--cases-dir", str(cases))
+    assert code == 2 and "case 'no_expect' lacks expect" in err and err.count("\n") == 1

@@ -529,6 +529,18 @@ def test_sweep_finds_the_knee(calibration, capsys):
         sweep.parse_levels("4,0")
 
 
+def test_sweep_knee_stops_below_an_invalid_run():
+    points = [{"concurrency": 1, "verdict": "PASS"}, {"concurrency": 4, "verdict": "INVALID"},
+              {"concurrency": 8, "verdict": "PASS"}]
+    found = sweep.knee(points, True)
+    assert found == {"concurrency": 1, "verdict": "PASS"}
+    caveat = sweep.knee_caveat(points, found)
+    assert "C = 4 was INVALID" in caveat and "C = 8 are not counted" in caveat
+    report = {"points": [], "knee": None, "knee_caveat": caveat, "slo_set": True, "interrupted": False}
+    assert "note: C = 4 was INVALID (the client could not keep up" in sweep.human(report)
+    assert sweep.knee_caveat([{"concurrency": 1, "verdict": "PASS"}], found) is None
+
+
 # ---------------------------------------------------------------------------------------------
 # The real CPU vLLM
 

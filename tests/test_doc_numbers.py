@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 import metrics
+import physics
 import smoke_toolcall
 from common import load_catalog
 from markdown_doc import REPO, Doc
@@ -20,6 +21,7 @@ SKILL = "SKILL.md"
 ROOFLINE = "references/roofline.md"
 QUANT = "references/quantization.md"
 FLAGS = "references/serving-flags.md"
+METRICS = "references/metrics.md"
 
 
 @lru_cache(maxsize=None)
@@ -43,6 +45,7 @@ QWEN_H100 = ("--model", "qwen3-32b", "--gpu", "h100", "--ctx", "32768")
 LLAMA_ROOFLINE = ("--model", "llama-3.1-8b", "--gpu", "h100", "--batch", "1", "--prompt-tokens", "2048")
 # The skill's worked example of "users" at a typical length: a 1,024-token prompt and 256 output tokens.
 TYPICAL_REQUEST_TOKENS = 1024 + 256
+QWEN_ROOFLINE = ("--model", "qwen3-32b", "--gpu", "h100", "--prompt-tokens", "1024")
 PPL_GATES = yaml.safe_load((REPO / "scripts" / "catalog" / "ppl_gates.yaml").read_text())
 
 # (claim, the number as the docs write it (normalized), where it is written, what the tool says)
@@ -108,6 +111,22 @@ CLAIMS = [
     ("metrics: low prefix-cache hit rate below, %", "20", [SKILL], lambda: metrics.PREFIX_LOW * 100),
     ("metrics: prefix finding from mean prompt tokens", "512", [SKILL], lambda: metrics.PREFIX_LONG_PROMPT),
     ("smoke: a case passes at this share of repeats, %", "80", [QUANT], lambda: smoke_toolcall.PASS_SHARE * 100),
+    ("Qwen3-32B H100 expected decode at batch 1, AWQ, ms", "6.18", [QUANT],
+     lambda: round(roofline(*QWEN_ROOFLINE, "--quant", "awq", "--batch", "1")["decode"]["step_ms_expected"], 2)),
+    ("Qwen3-32B H100 expected decode at batch 1, FP8, ms", "11.16", [QUANT],
+     lambda: round(roofline(*QWEN_ROOFLINE, "--quant", "fp8", "--batch", "1")["decode"]["step_ms_expected"], 2)),
+    ("Qwen3-32B H100 expected decode at batch 128, AWQ, ms", "29.99", [QUANT],
+     lambda: round(roofline(*QWEN_ROOFLINE, "--quant", "awq", "--batch", "128")["decode"]["step_ms_expected"], 2)),
+    ("Qwen3-32B H100 expected decode at batch 128, FP8, ms", "22.46", [QUANT],
+     lambda: round(roofline(*QWEN_ROOFLINE, "--quant", "fp8", "--batch", "128")["decode"]["step_ms_expected"], 2)),
+    ("Qwen3-32B H100 expected prefill of 1024 tokens, AWQ, ms", "148.9", [QUANT],
+     lambda: round(roofline(*QWEN_ROOFLINE, "--quant", "awq")["prefill"]["ttft_ms_expected"], 1)),
+    ("Qwen3-32B H100 expected prefill of 1024 tokens, FP8, ms", "45.8", [QUANT],
+     lambda: round(roofline(*QWEN_ROOFLINE, "--quant", "fp8")["prefill"]["ttft_ms_expected"], 1)),
+    ("W4A16 GEMM share of the 16-bit rate", "0.6", [QUANT, ROOFLINE], lambda: physics.W4A16_GEMM_SHARE),
+    ("metrics: default TTFT p95 target, s", "2", [METRICS], lambda: metrics.DEFAULT_TARGETS["ttft_p95_ms"] / 1000),
+    ("metrics: default TPOT p95 target, ms", "50", [METRICS], lambda: metrics.DEFAULT_TARGETS["tpot_p95_ms"]),
+    ("metrics: vLLM's smallest default max_num_seqs", "128", [METRICS], lambda: metrics.VLLM_DEFAULT_MAX_NUM_SEQS[0]),
     ("smoke: repeats per case by default", "3", [QUANT],
      lambda: smoke_toolcall.build_parser().get_default("repeat")),
 ]

@@ -239,10 +239,11 @@ def test_counter_reset_between_scrapes_is_detected_and_said():
 @pytest.mark.parametrize("name, engine, figures, bottlenecks", [
     ("sglang-0.5-tp2.txt", "sglang",
      {"running": 48, "waiting": 37, "preemptions": 12, "kv_cache_usage": 0.97, "prefix_cache_hit_rate": 20600 / 412000},
-     ["queue", "kv_cache", "preemptions", "prefix_cache"]),
+     ["queue", "decode", "kv_cache", "preemptions", "prefix_cache"]),  # decode: ITL p95 54 ms > the default 50
     ("sglang-0.4.txt", "sglang", {"running": 3, "waiting": 0, "kv_cache_usage": 0.12, "prefix_cache_hit_rate": 0.61}, []),
     ("vllm-v0.txt", "vllm", {"running": 24, "waiting": 9, "preemptions": 57, "kv_cache_usage": 0.99,
-                             "prefix_cache_hit_rate": None}, ["kv_cache", "preemptions"]),
+                             "prefix_cache_hit_rate": None},
+     ["prefill", "decode", "kv_cache", "preemptions"]),  # TTFT p95 2.12 s, ITL p95 95 ms: over the defaults
     ("vllm-0.32-idle.txt", "vllm", {"running": 0, "waiting": 0, "preemptions": 0, "prefix_cache_hit_rate": None}, []),
 ])
 def test_each_generation_is_read_and_diagnosed(name, engine, figures, bottlenecks):
@@ -274,6 +275,11 @@ def test_recorded_preemptions_are_named_as_a_full_kv_cache():
     assert r["kv_cache_tokens"] == 2048 and r["preemptions"] > 0
     named = [f["bottleneck"] for f in r["diagnosis"]]
     assert "kv_cache" in named and "preemptions" in named and "seqs_limit" not in named
+    # the deployment's own setting, read from vllm:cache_config_info, is named as the cause
+    assert r["deployment"]["kv_cache_memory_bytes"] == 4194304 and r["deployment"]["max_num_seqs"] is None
+    kv = next(f for f in r["diagnosis"] if f["bottleneck"] == "kv_cache")
+    assert "an explicit --kv-cache-memory-bytes of 4 MiB" in kv["evidence"] and "2,048 KV tokens" in kv["evidence"]
+    assert kv["levers"][0].startswith("raise --kv-cache-memory-bytes (now 4 MiB)")
 
 
 def test_old_generation_metric_names_are_reported_as_used():
@@ -423,13 +429,17 @@ def send_load(url: str, model: str, requests: int, concurrency: int, prompt_toke
             list(pool.map(one, prompts))
 
 
+# Targets no CPU run misses: these tests are about queues and caches, not CPU latency.
+CPU_SLO = metrics.Targets(ttft_p95_ms=600_000, tpot_p95_ms=600_000)
+
+
 def measured(url: str, load) -> dict:
     """The window report of what `load()` did (snapshots before and after, via the public API)."""
     text, at = metrics.scrape(url)
     before = metrics.snapshot(text, url, at)
     load()
     text, at = metrics.scrape(url)
-    return metrics.window(before, metrics.snapshot(text, url, at), gpu=H100)
+    return metrics.window(before, metrics.snapshot(text, url, at), gpu=H100, slo=CPU_SLO)
 
 
 @pytest.fixture(scope="class")
@@ -483,7 +493,8 @@ def test_queue_behind_max_num_seqs_is_named(vllm_factory, capsys):
     with vllm_factory(sets=["max_num_seqs=2"]) as server:
         load = threading.Thread(target=delayed_load)
         load.start()
-        code = metrics.main(["--url", server.url, "--window", "25", "--json"])
+        code = metrics.main(["--url", server.url, "--window", "25", "--json",
+                             "--slo-ttft-p95-ms", "600000", "--slo-tpot-p95-ms", "600000"])
         load.join()
         r = json.loads(capsys.readouterr().out)
     # On 2 cores the busy server may answer the gauge samples only after the load: the
@@ -504,3 +515,79 @@ def test_preemptions_from_a_small_kv_cache_are_named(vllm_factory):
     assert r["preemptions"] > 0
     named = [f["bottleneck"] for f in r["diagnosis"]]
     assert "kv_cache" in named and "preemptions" in named and "seqs_limit" not in named
+    # the deployment's own setting, read from vllm:cache_config_info, is named as the cause
+    assert r["deployment"]["kv_cache_memory_bytes"] == 4194304 and r["deployment"]["max_num_seqs"] is None
+    kv = next(f for f in r["diagnosis"] if f["bottleneck"] == "kv_cache")
+    assert "an explicit --kv-cache-memory-bytes of 4 MiB" in kv["evidence"] and "2,048 KV tokens" in kv["evidence"]
+    assert kv["levers"][0].startswith("raise --kv-cache-memory-bytes (now 4 MiB)")
+
+
+def test_without_targets_the_starting_defaults_judge_and_the_report_says_so():
+    snap = metrics.snapshot(fixture_text("vllm-v0.txt"))
+    default, given = metrics.report(snap), metrics.report(snap, slo=metrics.Targets(2000, 50))
+    assert default["slo_source"] == "default" and given["slo_source"] == "given"
+    assert default["slo"] == {"ttft_p95_ms": 2000.0, "tpot_p95_ms": 50.0}
+    # the prefill and decode findings are not dropped for want of an SLO
+    assert [f["bottleneck"] for f in default["diagnosis"]] == [f["bottleneck"] for f in given["diagnosis"]]
+    assert {"prefill", "decode"} <= {f["bottleneck"] for f in default["diagnosis"]}
+    text = metrics.format_report(default)
+    assert "targets: TTFT p95 2 s, TPOT p95 50 ms (starting defaults for interactive chat, not your SLO" in text
+    partly = metrics.report(snap, slo=metrics.Targets(tpot_p95_ms=200))
+    assert partly["slo_source"] == "partly default" and partly["slo_defaulted"] == ["ttft_p95_ms"]
+    assert "decode" not in [f["bottleneck"] for f in partly["diagnosis"]]
+
+
+def test_a_quantile_in_the_first_bucket_is_only_an_upper_bound():
+    r = recorded_window("queue")
+    itl = r["itl_ms"]
+    assert itl["p50"] is None and itl["at_most"] == {"p50": 10.0}  # vLLM's first ITL bucket is 10 ms
+    assert itl["mean"] is not None and "<=10 ms" in metrics.format_report(r)
+    json.dumps(r)  # JSON-ready
+
+
+def test_waiting_words_and_numbers_agree_on_two_saved_scrapes():
+    r = recorded_window("queue")
+    assert r["waiting_peak"] == 0 and r["waiting_mean"] > 3 and r["gauge_samples"] == 2
+    line = next(line for line in metrics.format_report(r).splitlines() if line.startswith("  running"))
+    assert (f"waiting 0 at the last scrape (peak 0 in 2 samples; mean {r['waiting_mean']:.2g} over the window "
+            "by the queue-time histograms: the samples missed the busy moments)") in line
+
+
+def test_the_deployments_own_settings_are_read_and_printed():
+    r = recorded_window("queue")
+    dep = r["deployment"]
+    assert dep["kv_cache_tokens"] == 524288 and dep["num_gpu_blocks"] == 4096 and dep["block_size"] == 128
+    assert dep["kv_cache_memory_bytes"] == 1 << 30 and dep["gpu_memory_utilization"] == 0.92
+    assert dep["max_concurrency_at_max_model_len"] == 128.0 and dep["max_model_len"] == 4096
+    assert dep["requests_of_mean_length"] == pytest.approx(524288 / 320)
+    assert dep["max_num_seqs"] is None and "unknown" in dep["max_num_seqs_note"]
+    text = metrics.format_report(r)
+    assert "deployment (vllm:cache_config_info): KV cache 524,288 tokens (4,096 blocks of 128) sized by an explicit " \
+           "--kv-cache-memory-bytes of 1 GiB" in text
+    assert "max-num-seqs unknown: no metric exports it" in text
+
+
+def small_kv(text: str) -> str:
+    """A scrape whose cache_config_info says 2,048 KV tokens from an explicit 4 MiB (the labels
+    the real preempt scenario's server exported, on the queue scenario's histograms)."""
+    for label, value in (("kv_cache_size_tokens", "2048"), ("num_gpu_blocks", "16"),
+                         ("kv_cache_memory_bytes", "4194304"), ("kv_cache_max_concurrency", "2.0")):
+        text = re.sub(rf'{label}="[^"]*"', f'{label}="{value}"', text)
+    return text
+
+
+def test_since_start_a_small_kv_cache_is_named_with_its_setting_not_guessed_as_seqs_limit():
+    r = metrics.report(metrics.snapshot(small_kv(fixture_text("vllm-0.32-queue-after.txt"))))
+    assert r["mode"] == "since_start" and r["preemptions"] == 0
+    kv = next(f for f in r["diagnosis"] if f["bottleneck"] == "kv_cache")
+    assert "seqs_limit" not in [f["bottleneck"] for f in r["diagnosis"]]
+    assert "the KV cache holds only 6.4 requests of the mean length (320 tokens)" in kv["evidence"]
+    assert "an explicit --kv-cache-memory-bytes of 4 MiB" in kv["evidence"]
+    assert "max-num-seqs is not exported" in kv["evidence"] and kv["confidence"].startswith("medium")
+
+
+def test_since_start_gauges_alone_never_name_the_running_cap():
+    r = metrics.report(metrics.snapshot(fixture_text("vllm-0.32-queue-after.txt")))
+    assert "seqs_limit" not in [f["bottleneck"] for f in r["diagnosis"]]
+    assert any("cannot show which limit held them" in w for w in r["warnings"])
+    assert all(f["confidence"] for f in r["diagnosis"])

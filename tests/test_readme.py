@@ -35,7 +35,7 @@ def test_main_job_runs_offline_on_the_embedded_default(tmp_path):
     result = subprocess.run([task_exe(), "-d", str(REPO), *args[1:]], capture_output=True, text=True,
                             env=env, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("FITS: qwen3-32b on NVIDIA H100 SXM 80GB (TP=1)")
+    assert result.stdout.startswith("FITS (marginal): qwen3-32b on NVIDIA H100 SXM 80GB (TP=1)")
 
 
 def install_commands() -> list[str]:
@@ -68,4 +68,4 @@ def test_install_section_skills_folder_commands_run(tmp_path):
     result = bash('task -t "${CLAUDE_SKILL_DIR}/../roofline-toolbox/Taskfile.yml" vram MODEL=qwen3-32b GPU=h100 CTX=32768',
                   home, CLAUDE_SKILL_DIR=str(skill_dir))
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("FITS: qwen3-32b on NVIDIA H100 SXM 80GB (TP=1)")
+    assert result.stdout.startswith("FITS (marginal): qwen3-32b on NVIDIA H100 SXM 80GB (TP=1)")

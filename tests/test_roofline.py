@@ -1,7 +1,9 @@
 """roofline.py: physics of decode and prefill against hand-derived figures."""
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -76,3 +78,49 @@ def test_cli_json(capsys):
 def test_cli_needs_bandwidth(capsys):
     assert roofline.main(["--model", "qwen3-32b", "--gpu-gb", "80"]) == common.EXIT_USAGE
     assert "needs a catalog GPU" in capsys.readouterr().err
+
+
+def test_fp8_vs_awq_direction_follows_the_kernels():
+    # Qwen3-32B on one H100 at 1,024 tokens: 4-bit reads half FP8's bytes, so it wins at batch 1;
+    # at batch 128 its Marlin GEMM (16-bit tensor cores, 0.6x cuBLAS) loses to FP8's tensor cores.
+    fp8, awq = physics("qwen3-32b", quant="fp8"), physics("qwen3-32b", quant="awq")
+    assert awq.decode(1, 1024)["step_ms_expected"] < fp8.decode(1, 1024)["step_ms_expected"]
+    assert awq.decode(128, 1024)["step_ms_expected"] > fp8.decode(128, 1024)["step_ms_expected"]
+    assert awq.prefill(2048)["ttft_ms_expected"] > 2 * fp8.prefill(2048)["ttft_ms_expected"]
+    # the bound stays physics: 4-bit weights at the bf16 peak, no kernel factor
+    assert awq.flops_peak == 989e12 and awq.decode(128, 1024)["step_ms_bound"] < fp8.decode(128, 1024)["step_ms_bound"]
+
+
+def test_expected_runs_linear_layers_and_attention_one_after_the_other():
+    p = physics("llama-3.1-8b")
+    step = p.decode(64, 8192)
+    assert step["step_ms_expected"] >= (step["memory_ms"] / 0.9) + 0.2
+
+
+def test_roofline_bench_checks_the_fp8_vs_4bit_direction(tmp_path, capsys):
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "roofline_bounds.py"
+    spec = importlib.util.spec_from_file_location("roofline_bounds", path)
+    roofline_bounds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(roofline_bounds)
+    assert roofline_bounds.main(["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {d["measured_winner"] for d in result["directions"]} == {"4-bit", "fp8"}
+    assert result["wrong_directions"] == 0
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("cases: []\ndirections:\n  - {id: x, model: llama-3.1-8b, gpu: h100-sxm, batch: 1, context: 1024,"
+                     " int4_speedup: 0.5, fp8_speedup: 1.5, source: test}\n")
+    assert roofline_bounds.main(["--fixture", str(wrong)]) == common.EXIT_CHECK_FAILED
+    assert "WRONG DIRECTION" in capsys.readouterr().out
+
+
+def test_roofline_names_the_batch_from_which_fp8_beats_4bit(capsys):
+    inp = sizing.Inputs(model=sizing.resolve_model("qwen3-32b"), gpu=sizing.resolve_gpu("h100", None), quant="awq")
+    crossover = phys.fp8_crossover_batch(inp, 1024)
+    fp8, awq = physics("qwen3-32b", quant="fp8"), physics("qwen3-32b", quant="awq")
+    assert 1 < crossover < 128
+    assert fp8.decode(crossover, 1024)["step_ms_expected"] < awq.decode(crossover, 1024)["step_ms_expected"]
+    assert fp8.decode(crossover - 1, 1024)["step_ms_expected"] >= awq.decode(crossover - 1, 1024)["step_ms_expected"]
+    a100 = sizing.Inputs(model=sizing.resolve_model("qwen3-32b"), gpu=sizing.resolve_gpu("a100-80gb", None), quant="awq")
+    assert phys.fp8_crossover_batch(a100, 1024) is None  # no FP8 tensor cores: FP8 is weight-only there too
+    assert roofline.main(["--model", "qwen3-32b", "--gpu", "h100", "--quant", "awq"]) == 0
+    assert f"the same model in FP8 is expected faster from batch {crossover}" in capsys.readouterr().out

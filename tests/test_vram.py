@@ -251,8 +251,28 @@ def test_task_vram_prints_a_human_answer():
                            f"PYTHON={sys.executable}"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     first = proc.stdout.splitlines()[0]
-    assert first.startswith("FITS: qwen3-32b on NVIDIA H100") and "max concurrency" in first
+    # the issue-17 case: 1.17x at vLLM's default 0.92, 0.97x at 0.9
+    assert first.startswith("FITS (marginal): qwen3-32b on NVIDIA H100") and "max concurrency" in first
+    assert "requests of the full 32,768 tokens" in first
+    assert "at a typical 2,048 tokens per request (TYPICAL, default 2,048): 18.7 requests at once" in proc.stdout
+    assert "it does not fit at gpu_memory_utilization 0.9;" in proc.stdout
     assert "levers" in proc.stdout and "roofline" in proc.stdout
+
+
+def test_a_marginal_verdict_says_what_flips_it(capsys):
+    code, result = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "32768", "--gpu-util", "0.9"], capsys)
+    assert code == common.EXIT_CHECK_FAILED and round(result["max_concurrency"], 2) == 0.97
+    assert result["marginal"]["flips_at_gpu_util"] == 0.91 and result["marginal"]["kv_margin_gib"] < 0
+    code, roomy = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "8192"], capsys)
+    assert code == 0 and roomy["marginal"] is None
+
+
+def test_typical_length_concurrency_is_not_the_full_context(capsys):
+    _, result = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "32768", "--typical-tokens", "4096"], capsys)
+    assert result["typical"]["tokens"] == 4096
+    # the same KV space, 4,096-token requests: 38,224 tokens / 4,096 = 9.3
+    assert result["typical"]["max_concurrency"] == pytest.approx(result["kv_cache_tokens"] / 4096, rel=0.01)
+    assert result["typical"]["max_concurrency"] > 7 * result["max_concurrency"]
 
 
 def test_does_not_fit_names_the_smallest_fix(capsys):
@@ -411,3 +431,48 @@ def test_sglang_defaults_follow_its_memory_heuristic(gpu, tp, fraction, chunk):
     assert (d["mem_fraction_static"], d["chunked_prefill_size"]) == (fraction, chunk)
     result = sizing.estimate(_inp("llama-3.1-8b", gpu, tp=tp, ctx=8192, engine="sglang"))
     assert result["gpu_util"] == fraction and result["max_num_batched_tokens"] == chunk
+
+
+@pytest.mark.real_vllm
+def test_real_vllm_url_sizes_the_served_model(vllm_server, capsys):
+    # No MODEL, no GPU: the model from /v1/models' root, CTX from its max_model_len, the KV space
+    # from the KV tokens vllm:cache_config_info exports.
+    code, result = run_json(["--url", vllm_server.url], capsys)
+    served = httpx.get(f"{vllm_server.url}/v1/models").json()["data"][0]
+    dep = result["server"]["deployment"]
+    assert code == 0 and result["server"]["root"] == served["root"]
+    assert result["ctx"] == served["max_model_len"] and result["block_size"] == dep["block_size"] == 128
+    assert result["kv_cache_tokens"] == dep["kv_cache_tokens"]
+    assert result["max_concurrency"] == pytest.approx(dep["max_concurrency_at_max_model_len"], rel=0.01)
+    assert result["server"]["deployment"]["max_num_seqs"] is None
+
+
+def fake_vllm(root: str):
+    """/v1/models with `root`, /metrics from a real vLLM 0.32 scrape (block 128, utilization 0.92)."""
+    from fake_http import serving
+    scrape = (REPO / "tests" / "fixtures" / "metrics" / "vllm-0.32-queue-after.txt").read_text()
+
+    def handle(method, path, body):
+        if path == "/v1/models":
+            return 200, {"data": [{"id": "qwen3-32b", "root": root, "max_model_len": 32768}]}
+        return (200, scrape) if path == "/metrics" else (404, {})
+
+    return serving(handle)
+
+
+def test_url_whose_root_is_a_server_path_names_the_flag_that_supplies_it(capsys):
+    with fake_vllm("/srv/models/qwen3-32b") as url:
+        code = vram.main(["--url", url, "--gpu", "h100"])
+    err = capsys.readouterr().err
+    assert code == common.EXIT_USAGE and err.count("\n") == 1
+    assert "a path on the server that this machine cannot read; pass MODEL=<catalog name" in err
+
+
+def test_url_with_model_takes_the_servers_limits(capsys):
+    with fake_vllm("/srv/models/qwen3-32b") as url:
+        code, result = run_json(["--url", url, "--model", "qwen3-32b", "--gpu", "h100"], capsys)
+    assert code == 0 and result["ctx"] == 32768 and result["gpu_util"] == 0.92 and result["block_size"] == 128
+    assert result["server"]["deployment"]["kv_cache_tokens"] == 524288
+    with fake_vllm("/srv/models/qwen3-32b") as url:
+        assert vram.main(["--url", url, "--model", "qwen3-32b", "--gpu", "h100"]) == 0
+    assert "  server    " in capsys.readouterr().out

@@ -1,0 +1,68 @@
+"""What a running vLLM server says about itself: the served model, its config, its limits.
+
+Shared by vram.py (--url: size the served model) and accept.py (the candidate's quantization).
+/v1/models gives the model's id, `root` (the Hugging Face id or the path the server loaded) and
+max_model_len; /metrics gives vllm:cache_config_info (block size, gpu_memory_utilization, KV-cache
+tokens and bytes). The config.json behind `root` is read here when `root` is a Hugging Face id
+or a path this machine can read; a path on the server is not, and the caller says which flag
+supplies it instead.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import metrics  # noqa: E402
+import sizing  # noqa: E402
+
+# The acceptance levels (scripts/catalog/ppl_gates.yaml) of each weight format sizing names.
+SCHEME_OF_QUANT = {"int4": "4bit", "mxfp4": "4bit", "nvfp4": "4bit", "fp8": "fp8", "int8": "int8"}
+
+
+def served_facts(url: str, api_key: str | None = None, timeout: float = 30.0,
+                 wanted_model: str | None = None) -> dict[str, Any]:
+    """The served model's /v1/models entry and the deployment's cache_config_info settings."""
+    with common.client(url, api_key, timeout) as http:
+        entry = common.served_model(http, wanted_model)
+    try:
+        text, _ = metrics.scrape(url, api_key, timeout)
+        info = metrics.snapshot(text, url)["cache_config"]
+    except (common.ServerError, metrics.InvalidScrape):
+        info = {}
+    return {"url": url, "model": entry["id"], "root": entry.get("root") or entry["id"],
+            "max_model_len": entry.get("max_model_len"), "cache_config": info,
+            "deployment": metrics.deployment_config(info, None)}
+
+
+def root_config(root: str, transport: Any = None) -> tuple[dict[str, Any] | None, str]:
+    """(config.json, where it came from) for a served root, or (None, why it cannot be read here)."""
+    path = Path(root).expanduser()
+    file = path / "config.json" if path.is_dir() else path
+    if file.is_file():
+        try:
+            return json.loads(file.read_text()), str(file)
+        except (OSError, ValueError):
+            return None, f"{file} is not readable JSON"
+    if root.startswith(("/", "~", ".")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", root):
+        return None, f"the server loaded {root!r}, a path on the server that this machine cannot read"
+    try:
+        config, _ = sizing.fetch_hf_config(root, transport)
+    except (common.ServerError, common.UsageError) as exc:
+        return None, str(exc)
+    return config, f"{sizing.HF_URL}/{root}"
+
+
+def scheme_of(quant: str) -> str | None:
+    """The acceptance scheme of a weight format (None: not quantized)."""
+    return SCHEME_OF_QUANT.get(quant)
+
+
+def quant_of_profile(profile: Mapping[str, Any]) -> str | None:
+    """The weight format a serve profile asks vLLM for with --quantization, if it does."""
+    method = str(profile.get("quantization") or "").lower()
+    return sizing.QUANT_ALIASES.get(method) if method else None
