@@ -123,7 +123,8 @@ def run(args: Any) -> int:
             interrupted = True
             break
     has_slo = bool(points) and bool(result["slo"])
-    report = {"points": points, "knee": knee(points, has_slo), "slo_set": has_slo,
+    report = {"kind": "sweep", "schema_version": 1,
+              "points": points, "knee": knee(points, has_slo), "slo_set": has_slo,
               "slo": {"ttft_p95_ms": cfg["slo_ttft_p95_ms"], "tpot_p95_ms": cfg["slo_tpot_p95_ms"]},
               "levels": levels, "interrupted": interrupted,
               "config": {k: cfg[k] for k in ("input_tokens", "output_tokens", "endpoint", "warmup")}

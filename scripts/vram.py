@@ -1013,6 +1013,7 @@ def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
     result = estimate(inp)
     result["levers"] = levers(inp, result)
     result["fix"] = None if result["fits"] else smallest_fix(inp, result)
+    result |= {"kind": "vram", "schema_version": 1}
     return result, inp
 
 
