@@ -288,6 +288,7 @@ class Series:
     dash: bool = False
     step: bool = False
     notes: dict[int, str] = field(default_factory=dict)  # tooltip per index
+    labels: dict[int, str] = field(default_factory=dict)  # text beside a dot
 
 
 @dataclass
@@ -310,7 +311,7 @@ def plot_area(height: int = HEIGHT) -> dict[str, float]:
 def xy_svg(series: Sequence[Series], x_label: str, y_label: str, *, log_x: bool = False, log_y: bool = False,
            x_range: tuple[float, float] | None = None, y_range: tuple[float, float] | None = None,
            hlines: Sequence[tuple[float, str]] = (), vlines: Sequence[tuple[float, str]] = (),
-           height: int = HEIGHT, y_zero: bool = True) -> dict[str, Any]:
+           height: int = HEIGHT, y_zero: bool = True, x_ticks_at: Sequence[float] = ()) -> dict[str, Any]:
     """The marks of an x-y chart in pixels, for the template (which escapes every text)."""
     area = plot_area(height)
     xs = [x for s in series for x, _ in s.points] + [v for v, _ in vlines]
@@ -336,14 +337,15 @@ def xy_svg(series: Sequence[Series], x_label: str, y_label: str, *, log_x: bool 
             if y is None:
                 crosses.append({"x": sx(x), "y": bottom, "title": s.notes.get(i, f"{s.name}: x {fmt(x)} failed")})
             elif show_dots or i in s.invalid:
-                dots.append({"x": sx(x), "y": sy(y), "hollow": i in s.invalid,
+                dots.append({"x": sx(x), "y": sy(y), "hollow": i in s.invalid, "label": s.labels.get(i, ""),
                              "title": s.notes.get(i, f"{s.name}: {fmt(x)}, {fmt(y)}")})
         drawn.append({"name": s.name, "cls": f"s{number_ % 6}", "path": path, "dash": s.dash, "dots": dots,
                       "crosses": crosses, "total": len(s.points), "drawn_points": len(line)})
     return {**area, "kind": "xy", "x_label": x_label, "y_label": y_label, "series": drawn,
-            "xticks": sx.ticks(), "yticks": sy.ticks(),
+            "xticks": [(sx(v), tick_label(v)) for v in x_ticks_at] if x_ticks_at else sx.ticks(), "yticks": sy.ticks(),
             "hlines": [{"y": sy(v), "label": label} for v, label in hlines if not log_y or v > 0],
-            "vlines": [{"x": sx(v), "label": label} for v, label in vlines if not log_x or v > 0]}
+            "vlines": [{"x": sx(v), "label": label, "end": sx(v) > area["x"] + area["w"] * 0.7}
+                       for v, label in vlines if not log_x or v > 0]}
 
 
 def legend_of(svg: dict[str, Any], extra: Sequence[tuple[str, str]] = ()) -> list[dict[str, str]]:
@@ -405,6 +407,7 @@ def sweep_charts(results: Sequence[Result], knees: dict[str, Any]) -> list[Chart
     x_name, curves, slo = sweep_points(results)
     xs = [p["x"] for _, points in curves for p in points]
     log_x = bool(xs) and min(xs) > 0 and max(xs) / min(xs) >= 8
+    level_ticks = sorted(set(xs)) if len(set(xs)) <= 12 else []
     charts = []
     for key, name, slo_key in (("ttft_ms", "TTFT", "ttft_p95_ms"), ("tpot_ms", "TPOT", "tpot_p95_ms")):
         series = []
@@ -420,7 +423,7 @@ def sweep_charts(results: Sequence[Result], knees: dict[str, Any]) -> list[Chart
         hlines = [(slo[slo_key], f"SLO p95 {fmt(slo[slo_key])} ms")] if slo.get(slo_key) else []
         vlines = [(k["concurrency"], f"knee C={k['concurrency']}") for k in knees.values() if k]
         svg = xy_svg(series, x_name, f"{name} (ms)", log_x=log_x, hlines=hlines,
-                     vlines=vlines if x_name == "concurrency" else [])
+                     vlines=vlines if x_name == "concurrency" else [], x_ticks_at=level_ticks)
         rows = [[label, fmt(p["x"]), *(fmt((p.get(key) or {}).get(q)) for q in ("p50", "p95", "p99")),
                  point_verdict(p)]
                 for label, points in curves for p in points]
@@ -437,7 +440,8 @@ def sweep_charts(results: Sequence[Result], knees: dict[str, Any]) -> list[Chart
         series.append(Series(label, [xy for _, xy in keep],
                              {n for n, (i, _) in enumerate(keep) if point_invalid(points[i])},
                              notes={n: f"{label} at {x_name} {fmt(points[i]['x'])}: TPOT p95 {fmt(xy[0])} ms, "
-                                       f"{fmt(xy[1])} output tok/s" for n, (i, xy) in enumerate(keep)}))
+                                       f"{fmt(xy[1])} output tok/s" for n, (i, xy) in enumerate(keep)},
+                             labels={n: fmt(points[i]["x"]) for n, (i, _) in enumerate(keep)} if len(keep) <= 30 else {}))
     vlines = [(slo["tpot_p95_ms"], f"SLO TPOT p95 {fmt(slo['tpot_p95_ms'])} ms")] if slo.get("tpot_p95_ms") else []
     svg = xy_svg(series, "TPOT p95 (ms per output token)", "output tok/s", vlines=vlines)
     rows = [[label, fmt(p["x"]), fmt((p.get("tpot_ms") or {}).get("p95")), fmt(p.get("output_tok_s")),
@@ -964,7 +968,7 @@ def build_parser():
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # files may come after --records
 
     def body() -> int:
         if not args.files:

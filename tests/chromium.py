@@ -132,7 +132,9 @@ def inspect_page(exe: str, html: Path, shots: Path, widths=(1280, 390)) -> dict[
             browser.call("Emulation.setDeviceMetricsOverride",
                          {"width": width, "height": 2000, "deviceScaleFactor": 1, "mobile": width < 600}, session)
             browser.events.clear()
-            browser.call("Page.navigate", {"url": html.resolve().as_uri()}, session)
+            opened = browser.call("Page.navigate", {"url": html.resolve().as_uri()}, session)
+            if opened.get("errorText"):
+                raise RuntimeError(f"Chromium could not open {html}: {opened['errorText']}")
             browser.wait_for("Page.loadEventFired", session)
             measured = browser.call("Runtime.evaluate", {"expression": MEASURE, "returnByValue": True},
                                     session)["result"]["value"]
