@@ -367,7 +367,7 @@ def sweep_points(results: Sequence[Result]) -> tuple[str, list[tuple[str, list[d
     benches = [r for r in results if r.kind == "bench"]
     for r in results:
         if r.kind == "sweep":
-            points = [{**p, "x": p["concurrency"]} for p in r.doc.get("points") or []]
+            points = [{**p, "x": p["concurrency"], "batch": p["concurrency"]} for p in r.doc.get("points") or []]
             curves.append((r.label, points))
             slo = slo or (r.doc.get("slo") or {})
     x_name = "concurrency"
@@ -377,7 +377,11 @@ def sweep_points(results: Sequence[Result]) -> tuple[str, list[tuple[str, list[d
         points = []
         for b in benches:
             cfg, doc = b.doc.get("config") or {}, b.doc
-            points.append({"x": cfg.get("rate") if by_rate else cfg.get("concurrency"), "verdict": doc.get("verdict"),
+            # An open-loop run has no set batch: the mean number of requests in flight stands for it.
+            batch = cfg.get("concurrency") if not cfg.get("rate") else (doc.get("throughput") or {}).get(
+                "effective_concurrency")
+            points.append({"x": cfg.get("rate") if by_rate else cfg.get("concurrency"), "batch": batch,
+                           "verdict": doc.get("verdict"),
                            "reasons": doc.get("verdict_reasons") or [], "failed": (doc.get("requests") or {}).get("failed"),
                            "ttft_ms": doc.get("ttft_ms") or {}, "tpot_ms": doc.get("tpot_ms") or {},
                            "output_tok_s": (doc.get("throughput") or {}).get("output_tok_s"),
@@ -617,15 +621,13 @@ def bench_facts(result: Result) -> list[tuple[str, str]]:
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL")):
         s = doc.get(key) or {}
         facts.append((f"{name} ms", f"p50 {fmt(s.get('p50'))}, p95 {fmt(s.get('p95'))}, p99 {fmt(s.get('p99'))}"))
-    facts += [("reason", r) for r in doc.get("verdict_reasons") or []]
     facts += [("warning", w) for w in doc.get("warnings") or []]
     return facts
 
 
 # ---------------------------------------------------------------- comparison and acceptance
 
-def interval_chart(cid: str, title: str, caption: str, rows: Sequence[dict[str, Any]],
-                   rules: Sequence[tuple[float, str]] = ()) -> dict[str, Any]:
+def interval_chart(rows: Sequence[dict[str, Any]], rules: Sequence[tuple[float, str]] = ()) -> dict[str, Any]:
     """One row per measure: the change in % as a dot, its 95% interval as a whisker, 0 as a rule."""
     lane = 30
     height = MARGIN["top"] + MARGIN["bottom"] + lane * max(1, len(rows))
@@ -657,7 +659,7 @@ def compare_chart(result: Result) -> Chart:
              "ci": [number(v) for v in m["ci95_pct"]] if m.get("ci95_pct") and None not in m["ci95_pct"] else None,
              "cls": VERDICT_CLASS.get(str(m.get("verdict")), "neutral")} for m in metrics]
     a, b = doc.get("a") or {}, doc.get("b") or {}
-    svg = interval_chart("compare", "", "", rows)
+    svg = interval_chart(rows)
     table = [[str(m.get("name")), fmt(m.get("a")), fmt(m.get("b")), signed_pct(number(m.get("change_pct"))),
               " .. ".join(signed_pct(number(v)) for v in m["ci95_pct"]) if m.get("ci95_pct") else "-",
               str(m.get("verdict"))] for m in metrics]
@@ -703,7 +705,7 @@ def accept_chart(result: Result) -> Chart:
         rows.append({"name": name, "change": value, "ci": None, "cls": cls})
     rules = [(number(levels[k]), f"{k.split('_')[0]} +{fmt(levels[k])}%") for k in ("warn_pct", "fail_pct")
              if number(levels.get(k)) is not None]
-    svg = interval_chart("accept", "", "", rows, rules)
+    svg = interval_chart(rows, rules)
     svg["x_label"] = "change from base to candidate (%)"
     table = [[r.get("measure", ""), r.get("base", ""), r.get("candidate", ""), r.get("change", "")]
              for r in doc.get("rows") or []]
@@ -738,8 +740,8 @@ def physics_chart(measured: Sequence[Result], roofline: Result) -> Chart:
     doc = roofline.doc
     table = doc.get("table") or []
     _, curves, _ = sweep_points(measured)
-    points = [(p["x"], number((p.get("tpot_ms") or {}).get("p50")), label, p) for label, pts in curves for p in pts
-              if p["x"]]
+    points = [(p["batch"], number((p.get("tpot_ms") or {}).get("p50")), label, p) for label, pts in curves
+              for p in pts if p.get("batch")]
     series = [Series("measured TPOT p50", [(x, y) for x, y, _, _ in points],
                      {i for i, (*_, p) in enumerate(points) if point_invalid(p)}, line=False),
               Series("roofline bound", [(r["batch"], r.get("step_ms_bound")) for r in table], dots=False),
@@ -868,13 +870,13 @@ def build_sections(results: Sequence[Result], records: Sequence[dict[str, Any]] 
     for roof in by_kind.get("roofline", []):
         measured = sweeps + benches
         if measured:
-            sections.append(Section("physics", "Physics: measured against the roofline", [
+            sections.append(Section(f"physics-{len(sections)}", "Physics: measured against the roofline", [
                 ("bound at batch 1", f"{fmt((roof.doc.get('decode') or {}).get('step_ms_bound'))} ms per token "
                                      f"({(roof.doc.get('decode') or {}).get('bound_by')}-bound)"),
                 ("turns compute-bound at batch", fmt(roof.doc.get("compute_bound_from_batch")))],
                 [physics_chart(measured, roof)]))
         else:
-            sections.append(Section("physics", "Physics: the roofline", roofline_facts(roof)))
+            sections.append(Section(f"physics-{len(sections)}", "Physics: the roofline", roofline_facts(roof)))
     for r in by_kind.get("vram", []):
         doc = r.doc
         sections.append(Section(f"sizing-{len(sections)}", f"Sizing: {doc.get('model')} on {doc.get('gpu')}", [
@@ -897,6 +899,16 @@ def build_sections(results: Sequence[Result], records: Sequence[dict[str, Any]] 
         reasons = [f"{d.get('bottleneck')}: {d.get('evidence')}" for d in doc.get("diagnosis") or []]
         sections.append(Section(f"metrics-{len(sections)}", f"Server metrics: {r.label}", facts, [],
                                 None, reasons))
+    return unique_ids(sections)
+
+
+def unique_ids(sections: list[Section]) -> list[Section]:
+    """Two bench runs or two sizings give charts of the same name: number the later ones."""
+    seen: dict[str, int] = {}
+    for chart in (c for s in sections for c in s.charts):
+        seen[chart.id] = seen.get(chart.id, 0) + 1
+        if seen[chart.id] > 1:
+            chart.id = f"{chart.id}-{seen[chart.id]}"
     return sections
 
 
