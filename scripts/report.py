@@ -56,6 +56,7 @@ MAX_RECORDS_BYTES = 512 * 1024 * 1024
 MAX_LINE_POINTS = 400
 MAX_DOTS = 200
 MAX_BARS = 300
+MAX_PREEMPTION_LINES = 20
 CDF_POINTS = 200
 TABLE_ROWS = 40
 WIDTH, HEIGHT = 720, 260
@@ -174,7 +175,9 @@ def server_of(result: Result) -> str:
         info = (doc.get("server") or {}).get("info") or {}
         cfg = doc.get("config") or {}
         version = info.get("engine_version")
-        return f"{cfg.get('model') or info.get('model')} at {cfg.get('url')}" + (f" (vLLM {version})" if version else "")
+        owner = info.get("owned_by")  # "vllm" or "sglang": /v1/models says which engine answered
+        return f"{cfg.get('model') or info.get('model')} at {cfg.get('url')}" + (
+            f" ({owner or 'engine'} {version})" if version else "")
     if result.kind == "sweep":
         cfg = doc.get("config") or {}
         return f"{cfg.get('model')} at {cfg.get('url')}"
@@ -246,7 +249,7 @@ class Scale:
 
 def tick_label(value: float) -> str:
     """Short axis labels (300k, 1.5M) so that they fit beside the axis."""
-    for size, suffix in ((1e9, "G"), (1e6, "M"), (1e4, "k")):
+    for size, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(value) >= size:
             return f"{value / size:.3g}{suffix}"
     return fmt(round(value, 10))
@@ -350,6 +353,15 @@ def xy_svg(series: Sequence[Series], x_label: str, y_label: str, *, log_x: bool 
 
 def legend_of(svg: dict[str, Any], extra: Sequence[tuple[str, str]] = ()) -> list[dict[str, str]]:
     return [{"name": s["name"], "cls": s["cls"]} for s in svg["series"]] + [{"name": n, "cls": c} for n, c in extra]
+
+
+def every_nth(rows: list[list[str]], limit: int = TABLE_ROWS) -> tuple[list[list[str]], str]:
+    """A long time series as at most `limit` evenly spaced rows, the last one included."""
+    if len(rows) <= limit:
+        return rows, ""
+    step = math.ceil((len(rows) - 1) / (limit - 1))
+    kept = rows[::step] + ([rows[-1]] if (len(rows) - 1) % step else [])
+    return kept, f"the table shows every {step}th of {len(rows)} samples"
 
 
 def cap_rows(rows: list[list[str]], limit: int = TABLE_ROWS) -> tuple[list[list[str]], str]:
@@ -579,7 +591,8 @@ def server_timeline_charts(result: Result, samples: Sequence[dict[str, Any]], x_
         return [(s["t_s"], None if number(s.get(key)) is None else s[key] * scale) for s in samples]
 
     queue = [Series("running", line("running"), dots=False, step=True),
-             Series("waiting", line("waiting"), dots=False, step=True)]
+             Series("waiting", line("waiting"), dots=False, step=True),
+             Series("preempted (total)", line("preemptions"), dots=False, step=True, dash=True)]
     preempted, last = [], 0.0
     for s in samples:
         total = number(s.get("preemptions"))
@@ -588,7 +601,9 @@ def server_timeline_charts(result: Result, samples: Sequence[dict[str, Any]], x_
             last = total
     for s in queue:  # an unexported gauge is a gap, not zeros: no crosses for a timeline
         s.points = [(x, y) for x, y in s.points if y is not None]
-    svg = xy_svg(queue, "seconds since the run started", "requests", x_range=x_range, vlines=preempted[:MAX_DOTS])
+    # A few preemptions get a line each; a storm shows as the steep rise of the total.
+    svg = xy_svg(queue, "seconds since the run started", "requests", x_range=x_range,
+                 vlines=preempted if len(preempted) <= MAX_PREEMPTION_LINES else [])
     kv = [Series("KV cache usage", [(x, y) for x, y in line("kv_cache_usage_perc", 100) if y is not None],
                  dots=False, step=True)]
     kv_svg = xy_svg(kv, "seconds since the run started", "KV cache used (%)", x_range=x_range, y_range=(0, 100),
@@ -596,11 +611,11 @@ def server_timeline_charts(result: Result, samples: Sequence[dict[str, Any]], x_
     table = [[fmt(s["t_s"]), fmt(s.get("running")), fmt(s.get("waiting")),
               fmt(None if number(s.get("kv_cache_usage_perc")) is None else s["kv_cache_usage_perc"] * 100),
               fmt(s.get("preemptions")), fmt(s.get("generation_tok_s"))] for s in samples]
-    table, note = cap_rows(table)
+    table, note = every_nth(table)
     missing = [k for k in ("running", "waiting", "kv_cache_usage_perc", "preemptions")
                if all(number(s.get(k)) is None for s in samples)]
     notes = [note, f"not exported by this server: {', '.join(missing)}" if missing else "",
-             f"{len(preempted)} moments with preemptions (vertical lines)" if preempted else "no preemptions"]
+             f"preemptions rose at {len(preempted)} samples" if preempted else "no preemptions"]
     caption = (f"scraped every {fmt(interval)} s, {len(samples)} samples: {where}")
     return [Chart("run-server", "Server timeline: running, waiting, preemptions", caption,
                   ["t (s)", "running", "waiting", "KV used (%)", "preemptions (total)", "generation tok/s"], table,
@@ -649,7 +664,9 @@ def interval_chart(rows: Sequence[dict[str, Any]], rules: Sequence[tuple[float, 
         marks.append(mark)
     return {**area, "kind": "intervals", "x_label": "change from A to B (%)", "y_label": "", "marks": marks,
             "zero": sx(0.0), "xticks": sx.ticks(), "yticks": [], "series": [], "hlines": [],
-            "vlines": [{"x": sx(v), "label": label} for v, label in rules]}
+            # Two close rules (warn, fail): the first one's label goes to its left.
+            "vlines": [{"x": sx(v), "label": label, "end": i == 0 and len(rules) > 1}
+                       for i, (v, label) in enumerate(rules)]}
 
 
 def compare_chart(result: Result) -> Chart:
@@ -709,9 +726,11 @@ def accept_chart(result: Result) -> Chart:
     svg["x_label"] = "change from base to candidate (%)"
     table = [[r.get("measure", ""), r.get("base", ""), r.get("candidate", ""), r.get("change", "")]
              for r in doc.get("rows") or []]
-    return Chart("accept", "Candidate against base", f"base {base.get('model')} at {base.get('url')} "
-                 f"({base.get('source')}), candidate {cand.get('model')} at {cand.get('url')} ({cand.get('source')}); "
-                 f"bench {' '.join((doc.get('config') or {}).get('bench_args') or []) or 'skipped'}",
+    def side(role: str, s: dict[str, Any]) -> str:
+        source = "" if s.get("source") == s.get("url") else f" (profile {s.get('source')})"
+        return f"{role} {s.get('model')} at {s.get('url')}{source}"
+
+    return Chart("accept", "Candidate against base", f"{side('base', base)}, {side('candidate', cand)}; bench {' '.join((doc.get('config') or {}).get('bench_args') or []) or 'skipped'}",
                  ["measure", "base", "candidate", "change"], table, svg,
                  [{"name": "better", "cls": "better"}, {"name": "worse", "cls": "worse"},
                   {"name": "within noise / not judged", "cls": "neutral"}],

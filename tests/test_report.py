@@ -94,15 +94,17 @@ def outcome(index: int, sent_ms: float, ttft_ms: float, tpot_ms: float, tokens: 
 
 def bench_run(requests: int, model: str = "tiny-qwen3", concurrency: int = 4, failed: int = 0,
               lag_ms: tuple = (0.01,), samples: int = 0, seed: int = 0) -> tuple[dict, list[dict]]:
-    """A bench result and its records, through bench.analyse (the real code) on made-up requests."""
+    """A bench result and its records, through bench.analyse (the real code) on made-up requests;
+    with `samples`, a server timeline scraped every 2 s over the same span as the requests."""
     rng = random.Random(seed)
-    outcomes = [outcome(i, 1000 + i * 5, 40 + rng.random() * 60, 8 + rng.random() * 4, 16, failed=i < failed)
-                for i in range(requests)]
+    spacing_ms = 2000 * samples / requests if samples else 5
+    outcomes = [outcome(i, 1000 + i * spacing_ms, 40 + rng.random() * 60, 8 + rng.random() * 4, 16,
+                        failed=i < failed) for i in range(requests)]
     config = {**WORKLOAD, "num_requests": requests, "concurrency": concurrency, "rate": None,
               "slo_ttft_p95_ms": 200.0, "slo_tpot_p95_ms": 20.0, "model": model, "url": "http://127.0.0.1:8000",
               "load": f"closed loop, {concurrency} in flight, {requests} requests"}
     doc = bench.analyse(outcomes, config, list(lag_ms), 1, 2)
-    doc["server"] = {"info": {"model": model, "engine_version": "0.32.0"}}
+    doc["server"] = {"info": {"model": model, "engine_version": "0.32.0", "owned_by": "vllm"}}
     if samples:
         doc["timeline"] = {"interval_s": 2.0, "samples": [
             {"t_s": 2.0 * i, "running": min(i, 8), "waiting": max(0, i - 8), "kv_cache_usage_perc": min(1, i / 20),
@@ -218,8 +220,8 @@ def test_a_run_with_a_server_timeline_shares_the_time_axis(browser, capsys, tmp_
     html, _ = render(tmp_path, capsys, "timeline", write(tmp_path, "bench.json", doc), "--records", str(records_file))
     page = browse(browser, html)
     found = charts(page)
-    running, waiting = found["run-server"]["series"]
-    assert (running["name"], running["total"], waiting["name"]) == ("running", 30, "waiting")
+    assert [s["name"] for s in found["run-server"]["series"]] == ["running", "waiting", "preempted (total)"]
+    assert all(s["total"] == s["drawn"] == 30 for s in found["run-server"]["series"])
     assert found["run-server"]["rules"] == 2  # the preemption count rises at t = 20 s and 40 s
     assert found["run-kv"]["series"][0]["total"] == 30
     assert found["run-requests"]["bars"] == 40
@@ -243,6 +245,7 @@ def test_from_one_to_ten_thousand_points(browser, capsys, tmp_path, requests):
     assert ttft["total"] == min(requests, report.CDF_POINTS) and ttft["drawn"] <= report.MAX_LINE_POINTS
     assert found["run-server"]["series"][0]["drawn"] <= report.MAX_LINE_POINTS
     assert found["run-server"]["rows"] == min(requests, report.TABLE_ROWS)
+    assert found["run-server"]["rules"] == (0 if requests > report.MAX_PREEMPTION_LINES else requests // 10)
     # The counts stay honest: the table has every request, the note says what was drawn.
     assert f"TTFT  {report.fmt(doc['ttft_ms']['p50'])}" in text and f"  {report.fmt(requests)}" in text
     if requests > report.MAX_BARS:
