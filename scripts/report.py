@@ -910,11 +910,11 @@ def build_sections(results: Sequence[Result], records: Sequence[dict[str, Any]] 
                  ("KV cache usage (max)", fmt(number(doc.get("kv_cache_usage_max")))),
                  ("preemptions", fmt(doc.get("preemptions"))),
                  ("prompt / generation tok/s", f"{fmt(doc.get('prompt_tok_s'))} / {fmt(doc.get('gen_tok_s'))}")]
-        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms"):
+        for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "e2e"),
+                          ("queue_ms", "queue")):
             s = doc.get(key) or {}
             if s.get("n"):
-                facts.append((key.replace("_ms", " ms").upper().replace(" MS", " ms"),
-                              f"p50 {fmt(s.get('p50'))}, p95 {fmt(s.get('p95'))}, p99 {fmt(s.get('p99'))}"))
+                facts.append((f"{name} ms", f"p50 {fmt(s.get('p50'))}, p95 {fmt(s.get('p95'))}, p99 {fmt(s.get('p99'))}"))
         reasons = [f"{d.get('bottleneck')}: {d.get('evidence')}" for d in doc.get("diagnosis") or []]
         sections.append(Section(f"metrics-{len(sections)}", f"Server metrics: {r.label}", facts, [],
                                 None, reasons))

@@ -26,9 +26,9 @@ TIMEOUT_S = 120.0
 MEASURE = """(() => {
   const doc = document.documentElement;
   const texts = [...document.querySelectorAll('h1,h2,p,li,dt,dd,figcaption,th,td,span')]
-    .filter(e => !e.closest('.table-wrap') && e.scrollWidth > e.clientWidth + 1 && getComputedStyle(e).display !== 'inline')
+    .filter(e => !e.closest('.table-wrap, .plot-wrap') && e.scrollWidth > e.clientWidth + 1 && getComputedStyle(e).display !== 'inline')
     .map(e => e.tagName + ': ' + e.textContent.slice(0, 60));
-  const outside = [...document.querySelectorAll('figure, section, dl, .table-wrap, svg')]
+  const outside = [...document.querySelectorAll('figure, section, dl, .table-wrap, .plot-wrap')]
     .filter(e => e.getBoundingClientRect().right > doc.clientWidth + 1).map(e => e.tagName + '#' + (e.id || e.className));
   const charts = [...document.querySelectorAll('figure.chart')].map(f => ({
     id: f.id,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -355,3 +356,16 @@ def test_help_has_examples(capsys):
     with pytest.raises(SystemExit) as exit_:
         report.main(["--help"])
     assert exit_.value.code == 0 and "report.py sweep.json --out report.html" in capsys.readouterr().out
+
+
+def test_server_metrics_show_their_diagnosis(browser, capsys, tmp_path):
+    import metrics
+
+    fixtures = REPO / "tests" / "fixtures" / "metrics"
+    assert metrics.main(["--file", str(fixtures / "vllm-0.32-queue-before.txt"),
+                         "--file", str(fixtures / "vllm-0.32-queue-after.txt"), "--window", "30", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    html, text = render(tmp_path, capsys, "metrics", write(tmp_path, "metrics.json", doc))
+    browse(browser, html)
+    assert text.startswith("== Server metrics: metrics\n  - queue: requests wait for a slot: queue p95 14.3 s")
+    assert re.search(r"\n  TTFT ms +p50 7,500, p95 18,667, p99 19,733\n", text) and "\n  queue ms " in text
