@@ -51,7 +51,7 @@ KIND_KEYS = [("compare", ("metrics", "verdict", "a", "b")), ("accept", ("ppl_cha
              ("sweep", ("points", "levels")), ("bench", ("ttft_ms", "throughput", "requests")),
              ("vram", ("kv_cache_gib", "levers")), ("roofline", ("table", "peak_tflops", "decode")),
              ("metrics", ("diagnosis", "mode"))]
-MAX_RECORDS_BYTES = 512 * 1024 * 1024
+MAX_INPUT_BYTES = 512 * 1024 * 1024
 # Marks drawn per chart: enough to see a shape, few enough for a browser and a reader.
 MAX_LINE_POINTS = 400
 MAX_DOTS = 200
@@ -108,8 +108,8 @@ def parse_result(text: str, path: str) -> Result:
 def read_text(path: str, what: str) -> str:
     try:
         file = Path(path)
-        if file.stat().st_size > MAX_RECORDS_BYTES:
-            raise UsageError(f"{what} {path} is over {MAX_RECORDS_BYTES >> 20} MiB: pass a smaller run")
+        if file.stat().st_size > MAX_INPUT_BYTES:
+            raise UsageError(f"{what} {path} is over {MAX_INPUT_BYTES >> 20} MiB: pass a smaller run")
         return file.read_text(encoding="utf-8")
     except OSError as exc:
         raise UsageError(f"cannot read {what} {path}: {exc.strerror}")

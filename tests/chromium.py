@@ -30,6 +30,10 @@ MEASURE = """(() => {
     .map(e => e.tagName + ': ' + e.textContent.slice(0, 60));
   const outside = [...document.querySelectorAll('figure, section, dl, .table-wrap, .plot-wrap')]
     .filter(e => e.getBoundingClientRect().right > doc.clientWidth + 1).map(e => e.tagName + '#' + (e.id || e.className));
+  const clipped = [...document.querySelectorAll('svg.plot text')].filter(t => {
+    const box = t.getBoundingClientRect(), svg = t.ownerSVGElement.getBoundingClientRect();
+    return box.width > 0 && (box.left < svg.left - 1 || box.right > svg.right + 1 || box.top < svg.top - 1 || box.bottom > svg.bottom + 1);
+  }).map(t => t.closest('figure').id + ': ' + t.textContent.slice(0, 60));
   const charts = [...document.querySelectorAll('figure.chart')].map(f => ({
     id: f.id,
     series: [...f.querySelectorAll('g.series')].map(g => ({
@@ -42,7 +46,7 @@ MEASURE = """(() => {
     segments: f.querySelectorAll('rect.segment').length, columns: f.querySelectorAll('rect.column').length,
     rules: f.querySelectorAll('line.rule').length, rows: f.querySelectorAll('tbody tr').length,
     caption: f.querySelector('figcaption').textContent}));
-  return {page_overflow: doc.scrollWidth - doc.clientWidth, texts, outside, charts,
+  return {page_overflow: doc.scrollWidth - doc.clientWidth, texts, outside, clipped, charts,
           scripts: document.querySelectorAll('script').length, text: document.body.innerText,
           pwned: window.__pwned === undefined ? null : String(window.__pwned)};
 })()"""

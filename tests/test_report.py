@@ -49,6 +49,7 @@ def browse(exe: str, html: Path) -> dict:
     for width, page in found["widths"].items():
         assert page["page_overflow"] <= 0, f"{width} px: the page scrolls sideways by {page['page_overflow']} px"
         assert page["texts"] == [] and page["outside"] == [], (width, page["texts"], page["outside"])
+        assert page["clipped"] == [], f"{width} px: chart text cut at the edge: {page['clipped']}"
         assert page["scripts"] == 0 and page["pwned"] is None
         assert Path(page["screenshot"]).stat().st_size > 5000
     return found["widths"][1280]
@@ -369,3 +370,21 @@ def test_server_metrics_show_their_diagnosis(browser, capsys, tmp_path):
     browse(browser, html)
     assert text.startswith("== Server metrics: metrics\n  - queue: requests wait for a slot: queue p95 14.3 s")
     assert re.search(r"\n  TTFT ms +p50 7,500, p95 18,667, p99 19,733\n", text) and "\n  queue ms " in text
+
+
+def test_two_sweeps_share_the_charts_and_open_loop_runs_make_a_curve(browser, capsys, tmp_path):
+    files = [write(tmp_path, f"{name}.json", sweep_doc()) for name in ("bf16", "fp8")]
+    html, _ = render(tmp_path, capsys, "two-sweeps", *files)
+    found = charts(browse(browser, html))
+    assert [s["name"] for s in found["sweep-ttft_ms"]["series"]] == [
+        "bf16 p50", "bf16 p95", "bf16 p99", "fp8 p50", "fp8 p95", "fp8 p99"]
+    assert [s["name"] for s in found["sweep-tradeoff"]["series"]] == ["bf16", "fp8"]
+    runs = []
+    for rate in (2.0, 0.5, 1.0):
+        doc, _ = bench_run(8, seed=int(rate * 10))
+        doc["config"]["rate"] = rate
+        runs.append(write(tmp_path, f"rate-{rate}.json", doc))
+    assert report.main([*runs, "--format", "text"]) == 0
+    text = capsys.readouterr().out
+    assert "  -- TTFT against rate (req/s)\n    run         rate (req/s)  p50" in text
+    assert [line.split()[2] for line in text.splitlines() if line.startswith("    bench runs")][:3] == ["0.5", "1", "2"]
