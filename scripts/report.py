@@ -325,7 +325,7 @@ def xy_svg(series: Sequence[Series], x_label: str, y_label: str, *, log_x: bool 
     sy = Scale(y_lo, y_hi, area["y"] + area["h"], area["y"], log_y)
     bottom = area["y"] + area["h"]
     drawn = []
-    for number_, s in enumerate(series):
+    for index, s in enumerate(series):
         known = [(x, y) for x, y in s.points if y is not None and (not log_x or x > 0) and (not log_y or y > 0)]
         line = thin(known) if s.line else []
         path = ""
@@ -342,7 +342,7 @@ def xy_svg(series: Sequence[Series], x_label: str, y_label: str, *, log_x: bool 
             elif show_dots or i in s.invalid:
                 dots.append({"x": sx(x), "y": sy(y), "hollow": i in s.invalid, "label": s.labels.get(i, ""),
                              "title": s.notes.get(i, f"{s.name}: {fmt(x)}, {fmt(y)}")})
-        drawn.append({"name": s.name, "cls": f"s{number_ % 6}", "path": path, "dash": s.dash, "dots": dots,
+        drawn.append({"name": s.name, "cls": f"s{index % 6}", "path": path, "dash": s.dash, "dots": dots,
                       "crosses": crosses, "total": len(s.points), "drawn_points": len(line)})
     return {**area, "kind": "xy", "x_label": x_label, "y_label": y_label, "series": drawn,
             "xticks": [(sx(v), tick_label(v)) for v in x_ticks_at] if x_ticks_at else sx.ticks(), "yticks": sy.ticks(),
