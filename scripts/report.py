@@ -13,7 +13,7 @@ and the server, and a table of its data. Verdicts come first (compare, accept), 
   physics   measured time per output token against the roofline bound for that batch
             (a bench or sweep with a roofline file);
   sizing    the GPU memory budget as a stacked bar (weights, activation, graphs, KV) and the levers.
-Charts draw at most a few hundred marks (thinned or sampled, said so); tables count everything.
+Charts draw at most a few hundred marks (thinned or sampled, and said so); tables keep the counts.
 Results of different workloads (prompt/output tokens, endpoint) cannot share a chart: exit 2.
 
 Examples:
