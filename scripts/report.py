@@ -979,6 +979,9 @@ def write_atomically(path: str, text: str) -> None:
     try:
         with handle:
             handle.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(handle.name, 0o666 & ~umask)  # a temporary file is private; a report is not
         os.replace(handle.name, target)
     except BaseException:
         Path(handle.name).unlink(missing_ok=True)

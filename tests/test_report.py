@@ -7,6 +7,7 @@ name, bad input (one line, exit 2) and the text summary."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from pathlib import Path
@@ -351,6 +352,9 @@ def test_text_summary_and_json(capsys, tmp_path):
     assert f"  TTFT ms     p50 {report.fmt(doc['ttft_ms']['p50'])}, p95 {report.fmt(doc['ttft_ms']['p95'])}" in text
     assert report.main([path, "--out", str(tmp_path / "r.html"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "r.html").stat().st_mode & 0o777 == 0o666 & ~umask
     assert summary["out"] == str(tmp_path / "r.html") and summary["inputs"] == [{"file": path, "kind": "bench"}]
     assert summary["sections"][0]["verdict"] == doc["verdict"]
 
