@@ -901,6 +901,7 @@ def build_sections(results: Sequence[Result], records: Sequence[dict[str, Any]] 
         sections.append(Section(f"sizing-{len(sections)}", f"Sizing: {doc.get('model')} on {doc.get('gpu')}", [
             ("fits", "yes" if doc.get("fits") else "no"), ("KV cache tokens", fmt(doc.get("kv_cache_tokens"))),
             ("max concurrency at full context", fmt(doc.get("max_concurrency"))),
+            *((("smallest change that fits", str(doc["fix"].get("change"))),) if doc.get("fix") else ()),
             *((f"lever {lever.get('lever')}", f"{lever.get('change')}: {fmt(lever.get('kv_cache_tokens'))} KV tokens")
               for lever in doc.get("levers") or [])], sizing_charts(r), "fits" if doc.get("fits") else "does not fit"))
     for r in by_kind.get("metrics", []):

@@ -294,6 +294,13 @@ def test_sizing_shows_the_budget_and_the_levers(browser, capsys, tmp_path):
     assert found["sizing-budget"]["segments"] == len(report.BUDGET) + 1
     assert found["sizing-levers"]["columns"] == len(doc["levers"]) + 1
     assert f"KV cache tokens                  {doc['kv_cache_tokens']:,}" in text
+    assert vram.main(["--model", "qwen3-32b", "--gpu", "l4", "--json"]) == 1
+    short = json.loads(capsys.readouterr().out)
+    html, text = render(tmp_path, capsys, "sizing-short", write(tmp_path, "short.json", short))
+    assert charts(browse(browser, html))["sizing-budget"]["segments"] == len(report.BUDGET) + 1
+    assert text.startswith("== Sizing: qwen3-32b on NVIDIA L4: does not fit\n")
+    assert f"  smallest change that fits        {short['fix']['change']}\n" in text
+    assert f"(short by {-short['kv_cache_gib']:.2f} GiB: it does not fit)" in text
 
 
 # ---------------------------------------------------------------- input, output
