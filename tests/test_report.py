@@ -215,6 +215,10 @@ def test_comparison_puts_the_verdict_first_with_intervals(browser, capsys, tmp_p
     assert "not measured" in page["text"]  # the metric without a value is named, not dropped
     assert text.splitlines()[0] == "== Comparison: compare: mixed"
     assert "    tpot_ms.p95   20   22   +10.0%  +4.0% .. +16.0%  worse" in text
+    faster = compare_doc()  # every change below zero: "not measured" must stay inside the chart
+    faster["metrics"] = [m for m in faster["metrics"] if m["name"] in ("ttft_ms.p95", "e2e_ms.p99")]
+    html, _ = render(tmp_path, capsys, "compare-faster", write(tmp_path, "faster.json", faster))
+    assert charts(browse(browser, html))["compare"]["intervals"] == 2
 
 
 def test_a_run_with_a_server_timeline_shares_the_time_axis(browser, capsys, tmp_path):
