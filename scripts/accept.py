@@ -360,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if failure:
             verdict, reasons = "FAIL", [f"server failed: {failure}"] + reasons
         result = {
+            "kind": "accept", "schema_version": 1,
             "started_at": started, "verdict": verdict, "reasons": reasons, "notes": notes,
             "interrupted": interrupted, "ppl_change": ppl_result, "scheme": scheme_used,
             "config": {"text": path, "text_bytes": len(text.encode("utf-8")), "api": args.api, "levels": levels,

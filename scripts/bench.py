@@ -1089,6 +1089,7 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
     else:
         verdict = "PASS" if slo else "NO SLO"
     return {
+        "kind": "bench",
         "schema_version": SCHEMA_VERSION,
         "verdict": verdict,
         "verdict_reasons": invalid_reasons + reasons if verdict == "INVALID" else reasons,

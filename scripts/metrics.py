@@ -628,6 +628,7 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
         return value / seconds if value is not None and seconds else None
 
     result: dict[str, Any] = {
+        "kind": "metrics", "schema_version": 1,
         "engine": snap["engine"], "source": snap["source"], "models": snap["models"],
         "engines": snap["engines"], "mode": "window" if windowed else "since_start",
         "seconds": seconds, "warnings": list(snap["warnings"]),

@@ -150,7 +150,8 @@ def run(args: Any) -> int:
             break
     has_slo = bool(points) and bool(result["slo"])
     found = knee(points, has_slo)
-    report = {"points": points, "knee": found, "knee_caveat": knee_caveat(points, found), "slo_set": has_slo,
+    report = {"kind": "sweep", "schema_version": 1,
+              "points": points, "knee": found, "knee_caveat": knee_caveat(points, found), "slo_set": has_slo,
               "slo": {"ttft_p95_ms": cfg["slo_ttft_p95_ms"], "tpot_p95_ms": cfg["slo_tpot_p95_ms"]},
               "levels": levels, "interrupted": interrupted,
               "config": {k: cfg[k] for k in ("input_tokens", "output_tokens", "endpoint", "warmup")}

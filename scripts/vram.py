@@ -212,6 +212,7 @@ def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
     result["typical"] = typical_concurrency(inp, result, typical) if result["kv_cache_gib"] > 0 else None
     result["marginal"] = marginal(inp, result)
     result["server"] = server
+    result |= {"kind": "vram", "schema_version": 1}
     return result, inp
 
 

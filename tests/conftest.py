@@ -59,6 +59,13 @@ def vllm_factory(tmp_path_factory):
     return factory
 
 
+def pytest_collection_modifyitems(items):
+    """A test that opens pages in Chromium needs a program the test set-up installs."""
+    for item in items:
+        if "browser" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.external)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """In CI a skipped real-vLLM test is a failure, whatever made it skip."""
