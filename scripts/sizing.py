@@ -686,6 +686,23 @@ def activation_bytes(m: Model, tp: int, tokens: int, seqs: int, quant: str, samp
     return max(forward, rows * m.vocab * SAMPLER_BYTES_PER_LOGIT[sampler]) + 0.3 * GIB
 
 
+# GPUs with NVLink multicast (Hopper, Blackwell): vLLM's symmetric-memory all-reduce and its
+# fused all-reduce + RMSNorm run there.
+SYMMETRIC_MEMORY_GPUS = ("h100", "h200", "h20", "h800", "b200", "b300", "gb200", "gb300")
+
+
+def non_torch_bytes(inp: Inputs, version: tuple[int, ...]) -> float:
+    """Memory the profile run allocates outside torch's allocator: cuBLAS/NCCL workspaces, ~0.25 GiB
+    alone and ~0.4 GiB at TP > 1; on Hopper/Blackwell with TP > 1, vLLM >= 0.19 adds the buffers of
+    its symmetric-memory all-reduce and allreduce_rms fusion (the llm-d-planner v0.19 H100 logs of
+    benchmarks/vram_accuracy.py: "Enabled custom fusions: allreduce_rms", VLLM_ALLREDUCE_USE_SYMM_MEM
+    True, and "non-torch forward increase memory" 2.07-2.17 GiB at TP 2 and 4, 0.25 at TP 1)."""
+    if inp.tp == 1:
+        return 0.25 * GIB
+    symmetric = str(inp.gpu.get("id", "")).startswith(SYMMETRIC_MEMORY_GPUS)
+    return (2.1 if symmetric and version >= (0, 19) else 0.4) * GIB
+
+
 def cudagraph_bytes(m: Model) -> float:
     """The CUDA-graph memory estimate vLLM >= 0.21 subtracts ("Estimated CUDA graph memory: X GiB").
 
@@ -750,7 +767,7 @@ def budget(inp: Inputs, stage: int = 0) -> dict[str, Any]:
             sampler = default_sampler(version) if inp.sampler == "auto" else inp.sampler
             out["activation_bytes"] = activation_bytes(m, inp.tp, d["max_num_batched_tokens"], d["max_num_seqs"],
                                                        quant, sampler, runs_v0(inp), samples=stage == inp.pp - 1)
-            out["non_torch_bytes"] = (0.25 if inp.tp == 1 else 0.4) * GIB
+            out["non_torch_bytes"] = non_torch_bytes(inp, version)
             if version >= (0, 21) and not inp.enforce_eager and inp.platform == "gpu":
                 out["cudagraph_bytes"] = cudagraph_bytes(m)
     out["requested_bytes"] = requested
@@ -860,15 +877,15 @@ def estimate(inp: Inputs) -> dict[str, Any]:
 
 # How far the non-KV terms of a budget may be off, from the counted in-sample logs of
 # benchmarks/vram_accuracy.py (logged minus predicted "other" memory, and the weights against
-# "Model loading took"): 2% of the weights, 30% of the activation peak, non-torch and CUDA-graph
-# terms, plus 0.15 GiB. With that spread 9 in 10 in-sample logs fall inside the range.
-SPREAD_OF_WEIGHTS = 0.02
-SPREAD_OF_OVERHEADS = 0.30
-SPREAD_FIXED = 0.15 * GIB
+# "Model loading took"): 0.5% of the weights, 10% of the activation peak, non-torch and CUDA-graph
+# terms, plus 0.3 GiB. With that spread 50 of the 54 counted in-sample logs fall inside the range.
+SPREAD_OF_WEIGHTS = 0.005
+SPREAD_OF_OVERHEADS = 0.10
+SPREAD_FIXED = 0.3 * GIB
 # A multimodal checkpoint's profile run also encodes dummy images (vLLM's encoder cache budget,
 # gpu_model_runner "Encoder cache will be initialized with a budget of N tokens"); the Gemma 3
 # logs in the benchmark add ~0.3 GiB to the torch peak of their text-only Gemma 2 siblings.
-ENCODER_PROFILE_SPREAD = 0.5 * GIB
+ENCODER_PROFILE_SPREAD = 0.3 * GIB
 
 
 def non_kv_spread_bytes(inp: Inputs, b: Mapping[str, Any]) -> float:
@@ -1012,7 +1029,10 @@ def add_model_args(p) -> None:
     """
     p.add_argument("--model", help="catalog name, Hugging Face repo id, or local folder / config.json (MODEL)")
     p.add_argument("--gpu", help="catalog GPU name, e.g. h100, a100-80gb, l40s, mi300x (GPU)")
-    p.add_argument("--gpu-gb", help="GPU memory in GiB as the GPU reports its total, instead of a catalog GPU (GPU_GB)")
+    p.add_argument("--gpu-gb", help="GPU memory as marketed, e.g. 80 for an 80 GB card, instead of a catalog GPU (GPU_GB); "
+                                    "converted to the GiB total CUDA reports as an 80 GB H100 does (79.19)")
+    p.add_argument("--gpu-gib", help="GPU memory as vLLM logs its total (total_gpu_memory, 'Free memory on device (x/TOTAL "
+                                     "GiB)'), e.g. 79.19 (GPU_GIB); exact where GPU_GB is not (cards with ECC reserve)")
     p.add_argument("--tp", help="tensor-parallel size (TP, default 1)")
     p.add_argument("--pp", help="pipeline-parallel size (PP, default 1)")
     p.add_argument("--ctx", help="tokens per request = max_model_len (CTX, default the model's limit)")
@@ -1034,7 +1054,30 @@ def add_model_args(p) -> None:
                    help="top-k/top-p kernel vLLM warms up while profiling (its log names it); auto: the release's default")
     p.add_argument("--entrypoint", default="serve", choices=["serve", "llm"],
                    help="serve: vllm serve's batch defaults; llm: the offline LLM class's (larger profile batch)")
+    p.add_argument("--hf-overrides", help="vLLM's --hf-overrides as JSON, applied to config.json (HF_OVERRIDES), "
+                                          "e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                                          "\"original_max_position_embeddings\": 32768}}'")
+    p.add_argument("--rope-scaling", help="shorthand for --hf-overrides '{\"rope_scaling\": JSON}' (ROPE_SCALING); the context "
+                                          "limit becomes vLLM's: factor x original_max_position_embeddings for YaRN")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="vLLM --enable-expert-parallel: experts split over the TP ranks (same bytes per GPU); "
+                        "its all-to-all buffers are not modelled")
+    p.add_argument("--language-model-only", action="store_true",
+                   help="vLLM --language-model-only: a multimodal checkpoint without its vision tower and encoder profile")
     p.add_argument("--env-file", default=None, help="settings file (default ./inference.env)")
+
+
+def json_setting(name: str, raw: str | None) -> dict[str, Any] | None:
+    """A JSON object from a flag or setting (HF_OVERRIDES, ROPE_SCALING); None when not given."""
+    if raw in (None, ""):
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise UsageError(f"{name} is not valid JSON ({exc.msg}): quote it, e.g. '{{\"rope_type\": \"yarn\", \"factor\": 4.0}}'")
+    if not isinstance(value, dict):
+        raise UsageError(f"{name} must be a JSON object, got {raw!r}")
+    return value
 
 
 def inputs_from_args(args, transport: Any = None) -> Inputs:
@@ -1044,19 +1087,27 @@ def inputs_from_args(args, transport: Any = None) -> Inputs:
         return s.get(name, getattr(args, name.lower()))
 
     gpu_gb = common.number("GPU_GB", get("GPU_GB"), float)
+    gpu_gib = common.number("GPU_GIB", get("GPU_GIB"), float)
     kv_gib = common.number("--kv-cache-gib", args.kv_cache_gib, float)
     kv_bytes = common.number("--kv-cache-bytes", args.kv_cache_bytes, int)
     if kv_gib is not None:
         kv_bytes = int(kv_gib * GIB)
     gpu_name = get("GPU")
-    if args.platform == "cpu" and not gpu_name and gpu_gb is None:
+    if args.platform == "cpu" and not gpu_name and gpu_gb is None and gpu_gib is None:
         gpu = {"id": "cpu", "name": "CPU", "memory_gib": 0}
         if kv_bytes is None:
             raise UsageError("--platform cpu needs the KV space: --kv-cache-gib (VLLM_CPU_KVCACHE_SPACE) or --kv-cache-bytes")
     else:
-        gpu = resolve_gpu(gpu_name, gpu_gb)
+        gpu = resolve_gpu(gpu_name, gpu_gb, gpu_gib)
+    overrides = json_setting("HF_OVERRIDES", get("HF_OVERRIDES")) or {}
+    rope = json_setting("ROPE_SCALING", get("ROPE_SCALING"))
+    if rope is not None:
+        overrides = {**overrides, "rope_scaling": rope}
+    model = resolve_model(get("MODEL"), transport, hf_overrides=overrides)
+    if args.language_model_only:
+        model = replace(model, extra_params=0.0, multimodal=False)
     return Inputs(
-        model=resolve_model(get("MODEL"), transport), gpu=gpu,
+        model=model, gpu=gpu,
         tp=common.number("TP", get("TP")) or 1, pp=common.number("PP", get("PP")) or 1,
         ctx=common.number("CTX", get("CTX")), kv_dtype=get("KV_DTYPE") or "auto", quant=get("QUANT") or "auto",
         gpu_util=common.number("GPU_UTIL", get("GPU_UTIL"), float), engine=(get("ENGINE") or "vllm").lower(),
@@ -1064,4 +1115,5 @@ def inputs_from_args(args, transport: Any = None) -> Inputs:
         max_num_batched_tokens=common.number("MAX_NUM_BATCHED_TOKENS", get("MAX_NUM_BATCHED_TOKENS")),
         kv_cache_bytes=kv_bytes, block_size=common.number("--block-size", args.block_size),
         platform=args.platform, vllm_version=args.vllm_version, enforce_eager=args.enforce_eager,
-        entrypoint=args.entrypoint, vllm_engine=args.vllm_engine, sampler=args.sampler)
+        entrypoint=args.entrypoint, vllm_engine=args.vllm_engine, sampler=args.sampler,
+        expert_parallel=args.enable_expert_parallel)

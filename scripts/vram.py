@@ -11,7 +11,9 @@ gpu_memory_utilization x TOTAL memory; weights, the activation peak of the profi
 CUDA-graph estimate come out of it; what is left is split into blocks of `block_size` tokens per
 KV-cache group (sliding-window, Mamba/linear-attention and full-attention layers are grouped as
 vLLM groups them), and "Maximum concurrency" counts the blocks one request of max_model_len needs.
-Weights and the activation terms are estimates (about +-0.5 GiB); given the KV space
+Weights and the activation terms are estimates: every answer carries a low..high range of KV
+tokens from their spread, and a verdict that flips inside it (or with a 0.01 change of
+gpu_memory_utilization) is marked marginal with the setting that decides it. Given the KV space
 (--kv-cache-bytes, like vLLM's --kv-cache-memory-bytes), tokens and concurrency are exact.
 SGLang: KV = total x mem_fraction_static - weights - context overhead, no blocks (from its
 documented formula; SGLang is not run here).
@@ -21,12 +23,17 @@ Examples:
   vram.py --model Qwen/Qwen3-32B-FP8 --gpu H100 --kv-dtype fp8 --json
   vram.py --model deepseek-r1 --gpu h200 --tp 8 --ctx 65536
   vram.py --model ~/.cache/roofline/models/tiny-llama --kv-cache-bytes 1073741824 --platform cpu --ctx 2048
-  vram.py --model llama-3.1-70b --gpu-gb 47.5 --tp 2 --engine sglang
+  vram.py --model llama-3.1-70b --gpu-gb 48 --tp 2 --engine sglang
+  vram.py --model qwen3-32b --gpu-gb 80 --ctx 131072 --kv-dtype fp8 --tp 2 \
+          --rope-scaling '{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":32768}'
+  vram.py --model ./my-model/config.json --gpu-gib 22.08 --ctx 8192
   task infer:vram MODEL=qwen3-32b GPU=h100 CTX=32768 KV_DTYPE=fp8
 
 Exit codes: 0 fits (at least one request of CTX tokens), 1 does not fit (the levers say what
 would), 2 bad input (unknown model or GPU, CTX beyond the model's limit, TP that does not divide
-the heads, a number out of range), 3 fetching config.json failed.
+the heads, a number out of range, JSON that does not parse), 3 fetching config.json failed.
+JSON keys beyond the budget: kv_cache_tokens_low/high, max_concurrency_low/high, non_kv_spread_gib,
+marginal, marginal_reason, multimodal, expert_parallel.
 """
 from __future__ import annotations
 
@@ -48,7 +55,7 @@ def _gib(value: float) -> str:
 def render(r: Mapping[str, Any]) -> str:
     """The human answer: verdict first, then the budget, the KV cache, the levers, the roofline."""
     per = f"TP={r['tp']}" + (f" PP={r['pp']}" if r["pp"] > 1 else "")
-    verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+    verdict = ("FITS" if r["fits"] else "DOES NOT FIT") + (" (marginal)" if r.get("marginal") else "")
     lines = [f"{verdict}: {r['model']} on {r['gpu']} ({per}), {r['engine']}, {r['ctx']:,} tokens per request: "
              f"max concurrency {r['max_concurrency']:.2f}x"]
     weights = f"weights {_gib(r['weights_gib'])} ({r['weights_quant']}, {_gib(r['weights_total_gib'])} in all)"
@@ -63,6 +70,14 @@ def render(r: Mapping[str, Any]) -> str:
     if r.get("num_blocks") is not None:
         kv_line += f", {r['num_blocks']:,} blocks of {r['block_size']}"
     lines.append(kv_line)
+    if r.get("non_kv_spread_gib"):
+        lines.append(f"  range     {r['kv_cache_tokens_low']:,}-{r['kv_cache_tokens_high']:,} tokens, "
+                     f"{r['max_concurrency_low']:.2f}-{r['max_concurrency_high']:.2f}x "
+                     f"(weights and overheads +-{r['non_kv_spread_gib']:.2f} GiB)")
+    if r.get("marginal"):
+        lines.append(f"  marginal  {r['marginal_reason']}")
+    if r.get("expert_parallel"):
+        lines.append("  expert parallel: experts split over the TP ranks (same bytes per GPU); all-to-all buffers not modelled")
     if r.get("linear_state_bytes_per_request"):
         lines.append(f"            + {r['linear_state_bytes_per_request']:,} bytes of linear-attention state per request")
     if not r["fits"]:
