@@ -177,6 +177,27 @@ def render(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def load_cases(path: Path) -> list[dict[str, Any]]:
+    cases = yaml.safe_load(path.read_text())["cases"]
+    unknown = sorted({case.get("split", "in_sample") for case in cases} - set(SPLITS))
+    if unknown:
+        raise common.UsageError(f"{path}: unknown split {unknown}: use {' or '.join(SPLITS)}")
+    return cases
+
+
+def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every case evaluated, and the summary per split."""
+    rows = [evaluate(case) for case in cases]
+    if not any(row["error"] is not None for row in rows if not row["held_back"]):
+        raise common.UsageError("the fixture has no counted case with logged KV tokens: nothing to measure")
+    summary: dict[str, Any] = {"cases": len(rows), "sources": len({row["source_name"] for row in rows}),
+                               "tolerance": TOLERANCE, "target_share": TARGET_SHARE, "held_out_worst": HELD_OUT_WORST}
+    for name in SPLITS:
+        part = split_summary([row for row in rows if row["split"] == name])
+        summary[name] = {**part, "goal_met": goal_met(name, part)}
+    return {"cases": rows, "summary": summary}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = common.parser(__doc__)
     p.add_argument("--fixture", default=str(FIXTURE), help="cases file")
@@ -184,17 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> int:
-        cases = yaml.safe_load(Path(args.fixture).read_text())["cases"]
-        rows = [evaluate(case) for case in cases]
-        if not any(row["error"] is not None for row in rows if not row["held_back"]):
-            raise common.UsageError(f"{args.fixture} has no counted case with logged KV tokens: nothing to measure")
-        summary: dict[str, Any] = {"cases": len(rows), "sources": len({row["source_name"] for row in rows}),
-                                   "tolerance": TOLERANCE, "target_share": TARGET_SHARE, "held_out_worst": HELD_OUT_WORST}
-        for name in SPLITS:
-            part = split_summary([row for row in rows if row["split"] == name])
-            summary[name] = {**part, "goal_met": goal_met(name, part)}
-        common.emit({"cases": rows, "summary": summary}, render(rows, summary), args.json)
-        met = all(summary[name]["goal_met"] for name in SPLITS)
+        report = summarize(load_cases(Path(args.fixture)))
+        common.emit(report, render(report["cases"], report["summary"]), args.json)
+        met = all(report["summary"][name]["goal_met"] for name in SPLITS)
         return common.EXIT_OK if met else common.EXIT_CHECK_FAILED
 
     return common.run_main(body)
