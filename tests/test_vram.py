@@ -411,3 +411,99 @@ def test_sglang_defaults_follow_its_memory_heuristic(gpu, tp, fraction, chunk):
     assert (d["mem_fraction_static"], d["chunked_prefill_size"]) == (fraction, chunk)
     result = sizing.estimate(_inp("llama-3.1-8b", gpu, tp=tp, ctx=8192, engine="sglang"))
     assert result["gpu_util"] == fraction and result["max_num_batched_tokens"] == chunk
+
+
+def test_gpu_gb_is_the_marketed_size_and_gpu_gib_the_logged_total(capsys):
+    """An 80 GB card reports 79.19 GiB to CUDA (llm-d-planner H100 logs: "Free memory on device
+    (60.87/79.19 GiB)"); GPU_GB=80 must size like GPU=h100, GPU_GIB is taken as it is."""
+    catalog = run_json(["--model", "qwen3-8b", "--gpu", "h100", "--ctx", "8192"], capsys)[1]
+    marketed = run_json(["--model", "qwen3-8b", "--gpu-gb", "80", "--ctx", "8192"], capsys)[1]
+    logged = run_json(["--model", "qwen3-8b", "--gpu-gib", "79.19", "--ctx", "8192"], capsys)[1]
+    assert marketed["gpu_memory_gib"] == pytest.approx(79.19, abs=0.005) == logged["gpu_memory_gib"]
+    assert marketed["kv_cache_tokens"] == catalog["kv_cache_tokens"] == logged["kv_cache_tokens"]
+    code, err = run_error(["--model", "qwen3-8b", "--gpu-gb", "80", "--gpu-gib", "79"], capsys)
+    assert code == common.EXIT_USAGE and "give one" in err
+
+
+@pytest.mark.parametrize("rope, limit", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072),
+    ({"type": "linear", "factor": 2.0}, 81920),
+    ({"rope_type": "llama3", "factor": 8.0}, 40960),      # llama3 / longrope / su keep the limit
+])
+def test_rope_scaling_sets_the_limit_as_vllm_derives_it(rope, limit):
+    model = sizing.resolve_model("qwen3-32b", hf_overrides={"rope_scaling": rope})
+    assert model.max_len == limit
+
+
+def test_rope_scaled_context_is_answered_and_unscaled_is_refused_with_the_flag(capsys):
+    yarn = '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}'
+    code, err = run_error(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "131072"], capsys)
+    assert code == common.EXIT_USAGE and "ROPE_SCALING=" in err
+    code, result = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--tp", "2", "--ctx", "131072",
+                             "--kv-dtype", "fp8", "--rope-scaling", yarn], capsys)
+    assert code == 0 and result["ctx"] == 131072 and result["fits"]
+    same = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--tp", "2", "--ctx", "131072", "--kv-dtype", "fp8",
+                     "--hf-overrides", '{"rope_scaling": %s}' % yarn], capsys)[1]
+    assert same["kv_cache_tokens"] == result["kv_cache_tokens"]
+    code, err = run_error(["--model", "qwen3-32b", "--gpu", "h100", "--rope-scaling", "{yarn"], capsys)
+    assert code == common.EXIT_USAGE and "ROPE_SCALING is not valid JSON" in err
+
+
+def test_unknown_offline_model_points_at_a_config_json_on_disk(capsys):
+    code, err = run_error(["--model", "olmo-3-7b", "--gpu", "h100"], capsys)
+    assert code == common.EXIT_USAGE and "path of its config.json" in err
+
+
+def test_every_answer_carries_a_range(capsys):
+    result = run_json(["--model", "llama-3.1-8b", "--gpu", "h100", "--ctx", "8192"], capsys)[1]
+    assert result["kv_cache_tokens_low"] < result["kv_cache_tokens"] < result["kv_cache_tokens_high"]
+    assert result["max_concurrency_low"] < result["max_concurrency"] < result["max_concurrency_high"]
+    assert not result["marginal"] and result["marginal_reason"] is None
+
+
+def test_a_verdict_that_flips_inside_its_range_is_marginal_and_names_the_setting(capsys):
+    """Qwen3-32B on one H100 at 36,864 tokens: about 1.05 requests fit, the low end of the range
+    holds fewer than one."""
+    code, result = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "36864"], capsys)
+    assert result["max_concurrency_low"] < 1 <= result["max_concurrency"]
+    assert result["marginal"] and "--gpu-memory-utilization" in result["marginal_reason"]
+    safe_util = float(re.search(r"--gpu-memory-utilization ([\d.]+)", result["marginal_reason"]).group(1))
+    safer = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "36864", "--gpu-util", str(safe_util)],
+                     capsys)[1]
+    assert safer["max_concurrency_low"] >= 1 and not safer["marginal"]
+    human = subprocess.run([sys.executable, str(REPO / "scripts" / "vram.py"), "--model", "qwen3-32b", "--gpu",
+                            "h100", "--ctx", "36864", "--no-roofline"], capture_output=True, text=True)
+    assert human.stdout.startswith("FITS (marginal)") and "  marginal  " in human.stdout
+
+
+def test_utilization_one_point_away_from_the_edge_is_marginal():
+    """Where the verdict changes with gpu_memory_utilization +-0.01, the reason says so."""
+    model, gpu = sizing.resolve_model("llama-3.1-8b"), sizing.resolve_gpu("rtx-4090")
+    edge = next(u / 100 for u in range(50, 100)
+                if sizing.estimate(sizing.Inputs(model=model, gpu=gpu, ctx=8192, gpu_util=u / 100,
+                                                 vllm_version="0.19"))["fits"])
+    result = sizing.estimate(sizing.Inputs(model=model, gpu=gpu, ctx=8192, gpu_util=edge, vllm_version="0.19"))
+    assert result["marginal"] and "gpu_memory_utilization decides it" in result["marginal_reason"]
+
+
+def test_language_model_only_drops_the_vision_tower(capsys):
+    full = run_json(["--model", "gemma-3-27b", "--gpu", "h100", "--ctx", "8192"], capsys)[1]
+    text = run_json(["--model", "gemma-3-27b", "--gpu", "h100", "--ctx", "8192", "--language-model-only"], capsys)[1]
+    assert full["multimodal"] and not text["multimodal"]
+    assert text["weights_gib"] < full["weights_gib"] and text["kv_cache_tokens"] > full["kv_cache_tokens"]
+    assert text["non_kv_spread_gib"] < full["non_kv_spread_gib"]
+
+
+@pytest.mark.parametrize("gpu, tp, version, gib", [
+    ("h100", 1, "0.19", 0.25), ("h100", 2, "0.19", 2.1), ("h100", 2, "0.18", 0.4), ("l40s", 2, "0.19", 0.4),
+])
+def test_symmetric_memory_all_reduce_buffers_on_hopper_at_tp_above_one(gpu, tp, version, gib):
+    result = sizing.estimate(_inp("llama-3.3-70b-fp8", gpu, tp=max(tp, 2) if gpu == "l40s" else tp, ctx=8192,
+                                  vllm_version=version))
+    assert result["non_torch_gib"] == pytest.approx(gib)
+
+
+def test_expert_parallel_is_accepted_and_reported(capsys):
+    code, result = run_json(["--model", "qwen3-30b-a3b", "--gpu", "h100", "--tp", "2", "--ctx", "32768",
+                             "--enable-expert-parallel"], capsys)
+    assert code == 0 and result["expert_parallel"]
