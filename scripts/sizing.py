@@ -674,6 +674,14 @@ def activation_bytes(m: Model, tp: int, tokens: int, seqs: int, quant: str, samp
     mlp = (m.top_k * m.expert_intermediate + m.shared_intermediate) if m.experts else m.intermediate
     qkv = m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim if not m.mla else m.heads * (m.mla[2] + m.mla[3]) * 2
     forward = tokens * (3 * mlp + qkv) / tp * 2
+    if m.experts and quant == "int4":
+        # 4-bit experts (AWQ, GPTQ, compressed-tensors W4A16) run fused_marlin_moe, whose
+        # intermediate caches are M x top_k x (max(2N, K) + N) elements for N = the expert width per
+        # rank and K = hidden, which TP does not split (vllm/model_executor/layers/fused_moe/
+        # fused_marlin_moe.py: intermediate_cache13 and intermediate_cache2).
+        n = m.expert_intermediate / tp
+        routed = m.top_k * (max(2 * n, m.hidden) + n)
+        forward = tokens * (routed + (3 * m.shared_intermediate + qkv) / tp) * 2
     rows = min(seqs, tokens) if samples else 0
     if v0:
         # V0 (one execute_model call): forward + fp32 logits + workspaces, fitted to the V0 logs in

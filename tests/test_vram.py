@@ -507,3 +507,14 @@ def test_expert_parallel_is_accepted_and_reported(capsys):
     code, result = run_json(["--model", "qwen3-30b-a3b", "--gpu", "h100", "--tp", "2", "--ctx", "32768",
                              "--enable-expert-parallel"], capsys)
     assert code == 0 and result["expert_parallel"]
+
+
+def test_four_bit_moe_profiles_the_marlin_intermediate_caches():
+    """fused_marlin_moe keeps M x top_k x (max(2N, K) + N) activations; K (hidden) is not split by TP."""
+    model = sizing.resolve_model("qwen3-30b-a3b")
+    tokens, n = 8192, model.expert_intermediate / 4
+    marlin = sizing.activation_bytes(model, 4, tokens, 1, "int4", "flashinfer")
+    bf16 = sizing.activation_bytes(model, 4, tokens, 1, "bf16", "flashinfer")
+    qkv = model.heads * model.head_dim + 2 * model.kv_heads * model.head_dim
+    expected = tokens * (model.top_k * (max(2 * n, model.hidden) + n) + qkv / 4) * 2 + 0.15 * GIB
+    assert marlin == pytest.approx(expected) and marlin > bf16
