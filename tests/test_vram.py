@@ -44,26 +44,35 @@ def run_error(argv, capsys) -> tuple[int, str]:
     return code, err
 
 
-def cpu_estimate(config: dict, ctx: int, kv_bytes: int = GIB) -> dict:
+def cpu_estimate(config: dict, ctx: int, kv_bytes: int = GIB, block_size: int | None = None) -> dict:
     model = sizing.model_from_config(config, "tiny", "test")
     return sizing.estimate(sizing.Inputs(model=model, gpu={"name": "CPU", "memory_gib": 0}, ctx=ctx,
-                                     kv_cache_bytes=kv_bytes, platform="cpu"))
+                                     kv_cache_bytes=kv_bytes, platform="cpu", block_size=block_size))
 
 
-# ---- what the real CPU vLLM 0.32.0 logged (shared/notes/real-vllm-on-cpu.md), VLLM_CPU_KVCACHE_SPACE=1
+# ---- what the real CPU vLLM 0.32.0 logged with VLLM_CPU_KVCACHE_SPACE=1. MLA models get 16-token
+# blocks on CPUs without AMX and 128 with it (vllm/platforms/cpu.py); both were logged.
 
 
-@pytest.mark.parametrize("name, ctx, bytes_per_token, tokens, concurrency", [
-    ("tiny-qwen3", 4096, 2048, 524_288, "128.00"),
-    ("tiny-llama", 2048, 3072, 349_440, "170.62"),
-    ("tiny-gemma3", 2048, 3072, 332_222, "162.22"),      # hybrid: 5 sliding + 1 full layer, 6 groups
-    ("tiny-deepseek", 2048, 320, 3_355_392, "1638.38"),   # MLA: (64 + 16) x 2 bytes, no factor 2
+@pytest.mark.parametrize("name, ctx, block, bytes_per_token, tokens, concurrency", [
+    ("tiny-qwen3", 4096, None, 2048, 524_288, "128.00"),
+    ("tiny-llama", 2048, None, 3072, 349_440, "170.62"),
+    ("tiny-gemma3", 2048, None, 3072, 332_222, "162.22"),      # hybrid: 5 sliding + 1 full layer, 6 groups
+    ("tiny-deepseek", 2048, 128, 320, 3_355_392, "1638.38"),   # MLA: (64 + 16) x 2 bytes, no factor 2; AMX host
+    ("tiny-deepseek", 8192, 16, 320, 3_355_440, "409.60"),     # the same on a host without AMX
 ])
-def test_tiny_architectures_match_logged_cpu_vllm(name, ctx, bytes_per_token, tokens, concurrency):
-    result = cpu_estimate(TINY_CONFIGS[name], ctx)
+def test_tiny_architectures_match_logged_cpu_vllm(name, ctx, block, bytes_per_token, tokens, concurrency):
+    result = cpu_estimate(TINY_CONFIGS[name], ctx, block_size=block)
     assert result["kv_bytes_per_token"] == bytes_per_token
     assert result["kv_cache_tokens"] == tokens
     assert f"{result['max_concurrency']:.2f}" == concurrency
+
+
+@pytest.mark.parametrize("amx, block", [(True, 128), (False, 16)])
+def test_cpu_mla_block_follows_the_host(amx, block, monkeypatch):
+    monkeypatch.setattr(sizing, "host_cpu_has_amx", lambda: amx)
+    assert cpu_estimate(TINY_CONFIGS["tiny-deepseek"], 2048)["block_size"] == block
+    assert cpu_estimate(TINY_CONFIGS["tiny-llama"], 2048)["block_size"] == 128
 
 
 def test_sliding_window_layers_cost_the_window_not_the_context():
