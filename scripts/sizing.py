@@ -47,9 +47,11 @@ KV_DTYPES = {"auto": None, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "h
              "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_ds_mla": 1}
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # GiB that CUDA reports per marketed GB of an HBM card: an "80 GB" H100 reports 79.19 GiB as its
-# total (0.95 x 79.19 = 75.23 GiB = weights + non-KV + KV in the llm-d-planner v0.19 H100 logs of
-# benchmarks/vram_accuracy.py). Cards that reserve memory for ECC report less (L4 22.08, L40S
-# 44.42): the GPU catalog, or --gpu-gib with the total vLLM logs, is exact for them.
+# total ("Free memory on device cuda:1 (60.87/79.19 GiB)", llm-d-incubation/llm-d-planner@d3121e0
+# accuracy/results/v0.19.0/logs/codellama-codellama-34b---h100-80gb--tp2pp1dp1--8192.FAILED.log;
+# 0.95 x 79.19 = 75.23 GiB in the other logs of that run). Cards that reserve memory for ECC
+# report less (L4 22.08, L40S 44.42): the GPU catalog, or --gpu-gib with the total vLLM logs, is
+# exact for them.
 REPORTED_GIB_PER_MARKETED_GB = 79.19 / 80
 # rope_scaling types whose factor does not raise vLLM's max_model_len limit
 # (vllm/config/model.py _get_and_verify_max_len).
