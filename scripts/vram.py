@@ -11,7 +11,9 @@ gpu_memory_utilization x TOTAL memory; weights, the activation peak of the profi
 CUDA-graph estimate come out of it; what is left is split into blocks of `block_size` tokens per
 KV-cache group (sliding-window, Mamba/linear-attention and full-attention layers are grouped as
 vLLM groups them), and "Maximum concurrency" counts the blocks one request of max_model_len needs.
-Weights and the activation terms are estimates (about +-0.5 GiB); given the KV space
+Weights and the activation terms are estimates: every answer carries a low..high range of KV
+tokens from their spread, and a verdict that flips inside it (or with a 0.01 change of
+gpu_memory_utilization) is marked marginal with the setting that decides it. Given the KV space
 (--kv-cache-bytes, like vLLM's --kv-cache-memory-bytes), tokens and concurrency are exact.
 SGLang: KV = total x mem_fraction_static - weights - context overhead, no blocks (from its
 documented formula; SGLang is not run here).
@@ -35,16 +37,21 @@ Examples:
   vram.py --model Qwen/Qwen3-32B-FP8 --gpu H100 --kv-dtype fp8 --json
   vram.py --model deepseek-r1 --gpu h200 --tp 8 --ctx 65536
   vram.py --model ~/.cache/roofline/models/tiny-llama --kv-cache-bytes 1073741824 --platform cpu --ctx 2048
-  vram.py --model llama-3.1-70b --gpu-gb 47.5 --tp 2 --engine sglang
+  vram.py --model llama-3.1-70b --gpu-gb 48 --tp 2 --engine sglang
   vram.py --model qwen3-32b --gpu h100 --ctx 32768 --typical-tokens 4096
+  vram.py --model qwen3-32b --gpu-gb 80 --ctx 131072 --kv-dtype fp8 --tp 2 \
+          --rope-scaling '{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":32768}'
+  vram.py --model ./my-model/config.json --gpu-gib 22.08 --ctx 8192
   vram.py --url http://10.0.0.5:8000 --gpu h100
   task infer:vram MODEL=qwen3-32b GPU=h100 CTX=32768 KV_DTYPE=fp8
   task infer:vram INFER_URL=http://10.0.0.5:8000 GPU=h100 TYPICAL=4096
 
 Exit codes: 0 fits (at least one request of CTX tokens), 1 does not fit (the levers say what
 would), 2 bad input (unknown model or GPU, CTX beyond the model's limit, TP that does not divide
-the heads, a number out of range, a served model whose config is not readable here), 3 fetching
-config.json or the server failed.
+the heads, a number out of range, JSON that does not parse, a served model whose config is not
+readable here), 3 fetching config.json or the server failed.
+JSON keys beyond the budget: kv_cache_tokens_low/high, max_concurrency_low/high, non_kv_spread_gib,
+marginal, marginal_reason, flips_at_gpu_util, multimodal, expert_parallel, typical, server.
 """
 from __future__ import annotations
 
@@ -78,25 +85,34 @@ def typical_concurrency(inp: Inputs, result: Mapping[str, Any], typical: int) ->
     return {"tokens": typical, "max_concurrency": at["max_concurrency"]}
 
 
-def marginal(inp: Inputs, result: Mapping[str, Any]) -> dict[str, Any] | None:
-    """How close the verdict is to flipping, and the gpu_memory_utilization that flips it."""
+def flip_util(inp: Inputs, result: Mapping[str, Any]) -> float | None:
+    """The nearest gpu_memory_utilization (0.50-0.99, in steps of 0.01) that flips the verdict."""
+    if result["kv_space_fixed"] or not result.get("gpu_util"):
+        return None
+    step = -0.01 if result["fits"] else 0.01
+    util = round(result["gpu_util"] + step, 2)
+    while 0.5 <= util <= 0.99:
+        if sizing.estimate(dataclasses.replace(inp, gpu_util=util))["fits"] != result["fits"]:
+            return util
+        util = round(util + step, 2)
+    return None
+
+
+def near_one_request(inp: Inputs, result: Mapping[str, Any]) -> None:
+    """A verdict close to 1x full-context requests is marginal even when the estimate's range holds
+    it (sizing marks the flips inside the range): say which utilization flips it."""
     ratio = result["max_concurrency"]
     per_request = result["kv_cache_gib"] / ratio if ratio > 0 else None
     margin = result["kv_cache_gib"] - per_request if per_request else None
     close = MARGINAL_RATIO[0] <= ratio < MARGINAL_RATIO[1] or (margin is not None and abs(margin) <= MARGINAL_KV_GIB)
-    if not close:
-        return None
-    flip = None
-    if not result["kv_space_fixed"] and result.get("gpu_util"):
-        step = -0.01 if result["fits"] else 0.01
-        util = round(result["gpu_util"] + step, 2)
-        while 0.5 <= util <= 0.99:
-            if sizing.estimate(dataclasses.replace(inp, gpu_util=util))["fits"] != result["fits"]:
-                flip = util
-                break
-            util = round(util + step, 2)
-    return {"max_concurrency": ratio, "kv_margin_gib": margin, "flips_at_gpu_util": flip,
-            "estimate_error_gib": 0.5}
+    flip = flip_util(inp, result) if close or result["marginal"] else None
+    result["flips_at_gpu_util"] = flip
+    if close and not result["marginal"]:
+        said = f"{ratio:.2f}x requests of the full context ({margin:+.2f} GiB of KV space beyond one request)"
+        if flip:
+            said += (f"; it does not fit at gpu_memory_utilization {flip:g}" if result["fits"]
+                     else f"; it fits from gpu_memory_utilization {flip:g}")
+        result["marginal"], result["marginal_reason"] = True, said + ": measure on the server (its log's \"Maximum concurrency\")"
 
 
 def served_inputs(args, transport: Any = None) -> dict[str, Any]:
@@ -140,24 +156,13 @@ def served_inputs(args, transport: Any = None) -> dict[str, Any]:
 def render(r: Mapping[str, Any]) -> str:
     """The human answer: verdict first, then the budget, the KV cache, the levers, the roofline."""
     per = f"TP={r['tp']}" + (f" PP={r['pp']}" if r["pp"] > 1 else "")
-    verdict = "FITS" if r["fits"] else "DOES NOT FIT"
-    if r.get("marginal"):
-        verdict += " (marginal)"
+    verdict = ("FITS" if r["fits"] else "DOES NOT FIT") + (" (marginal)" if r.get("marginal") else "")
     lines = [f"{verdict}: {r['model']} on {r['gpu']} ({per}), {r['engine']}, {r['ctx']:,} tokens per request: "
              f"max concurrency {r['max_concurrency']:.2f}x requests of the full {r['ctx']:,} tokens"]
     typical = r.get("typical")
     if typical:
         lines.append(f"  at a typical {typical['tokens']:,} tokens per request (TYPICAL, default {TYPICAL_TOKENS:,}): "
                      f"{typical['max_concurrency']:,.1f} requests at once")
-    if r.get("marginal"):
-        m = r["marginal"]
-        flip = m["flips_at_gpu_util"]
-        text = (f"  marginal: {m['kv_margin_gib']:+.2f} GiB of KV space from one full-context request; the estimate "
-                f"is +-{m['estimate_error_gib']} GiB")
-        if flip:
-            text += (f"; it does not fit at gpu_memory_utilization {flip:g}" if r["fits"]
-                     else f"; it fits from gpu_memory_utilization {flip:g}")
-        lines.append(text + "; measure on the server (its log's \"Maximum concurrency\") before relying on it")
     server = r.get("server")
     if server:
         dep = server["deployment"]
@@ -177,6 +182,14 @@ def render(r: Mapping[str, Any]) -> str:
     if r.get("num_blocks") is not None:
         kv_line += f", {r['num_blocks']:,} blocks of {r['block_size']}"
     lines.append(kv_line)
+    if r.get("non_kv_spread_gib"):
+        lines.append(f"  range     {r['kv_cache_tokens_low']:,}-{r['kv_cache_tokens_high']:,} tokens, "
+                     f"{r['max_concurrency_low']:.2f}-{r['max_concurrency_high']:.2f}x "
+                     f"(weights and overheads +-{r['non_kv_spread_gib']:.2f} GiB)")
+    if r.get("marginal"):
+        lines.append(f"  marginal  {r['marginal_reason']}")
+    if r.get("expert_parallel"):
+        lines.append("  expert parallel: experts split over the TP ranks (same bytes per GPU); all-to-all buffers not modelled")
     if r.get("linear_state_bytes_per_request"):
         lines.append(f"            + {r['linear_state_bytes_per_request']:,} bytes of linear-attention state per request")
     if not r["fits"]:
@@ -210,7 +223,7 @@ def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
     typical = common.number("TYPICAL", common.settings_from_args(args).get("TYPICAL", args.typical_tokens)) \
         or TYPICAL_TOKENS
     result["typical"] = typical_concurrency(inp, result, typical) if result["kv_cache_gib"] > 0 else None
-    result["marginal"] = marginal(inp, result)
+    near_one_request(inp, result)
     result["server"] = server
     result |= {"kind": "vram", "schema_version": 1}
     return result, inp

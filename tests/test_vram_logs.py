@@ -1,10 +1,13 @@
-"""The GPU startup-log fixture behind benchmarks/vram_accuracy.py: every case cited, complete, and
-evaluable; the benchmark's bookkeeping (held back, sources) adds up. The accuracy target itself is
-the benchmark's to check (task bench:vram), not a unit test's."""
+"""The GPU startup-log fixture behind benchmarks/vram_accuracy.py: every case cited, complete and
+evaluable; the benchmark's bookkeeping (split, held back, sources) adds up; and the accuracy on the
+fixed logs holds, per split, so a change to sizing.py that loses accuracy fails here.
+
+In-sample logs must meet the goal (90% within 5% of the logged KV tokens). The held-out logs do
+not meet it yet (see the fixture's held-out notes); their floor is today's count, so the held-out
+figure can only move up."""
 from __future__ import annotations
 
 import importlib.util
-import json
 from functools import cache
 
 import pytest
@@ -16,6 +19,8 @@ FIXTURE = REPO / "tests" / "fixtures" / "vllm_startup_logs.yaml"
 CASES = yaml.safe_load(FIXTURE.read_text())["cases"]
 REQUIRED = ("id", "source", "vllm_version", "model", "tp", "gpu_util", "max_model_len", "kv_dtype",
             "logged_kv_tokens", "log")
+# Held-out logs within 5% when the held-out split was last extended; raise it when it improves.
+HELD_OUT_WITHIN_FLOOR = 17
 
 
 @cache
@@ -53,15 +58,46 @@ def test_cases_are_grouped_by_thread_or_repository(source, name):
     assert load_benchmark().source_of({"source": source}) == name
 
 
-def test_summary_counts_every_case_once(capsys):
-    bench = load_benchmark()
-    code = bench.main(["--json"])
-    report = json.loads(capsys.readouterr().out)
-    summary = report["summary"]
-    assert code in (0, 1) and len(report["cases"]) == len(CASES)
-    assert summary["counted"] + summary["held_back"] == len(CASES)
-    assert summary["within"] == sum(1 for row in report["cases"] if row["ok"] and not row["held_back"])
-    assert sum(1 for row in report["cases"] if row["held_back"]) == summary["held_back"]
+@cache
+def report() -> dict:
+    return load_benchmark().summarize(load_benchmark().load_cases(FIXTURE))
+
+
+def test_summary_counts_every_case_once():
+    summary, rows = report()["summary"], report()["cases"]
+    assert len(rows) == len(CASES) == summary["cases"]
+    for name in ("in_sample", "held_out"):
+        part = [row for row in rows if row["split"] == name]
+        counted = [row for row in part if not row["held_back"]]
+        assert summary[name]["cases"] == len(part) and summary[name]["counted"] == len(counted)
+        assert summary[name]["within"] == sum(row["ok"] for row in counted)
+
+
+def test_the_evidence_is_broad():
+    """At least 100 cited logs from 30 independent sources, held-out ones from sources of their own."""
+    rows = report()["cases"]
+    assert len(rows) >= 100 and report()["summary"]["sources"] >= 30
+    in_sample = {row["source_name"] for row in rows if row["split"] == "in_sample"}
+    held_out = {row["source_name"] for row in rows if row["split"] == "held_out"}
+    assert held_out and not in_sample & held_out
+
+
+def test_in_sample_logs_meet_the_accuracy_goal():
+    part = report()["summary"]["in_sample"]
+    assert part["share"] >= 0.90, f"{part['within']}/{part['counted']} in-sample logs within 5%"
+
+
+def test_held_out_accuracy_does_not_fall():
+    part = report()["summary"]["held_out"]
+    assert part["within"] >= HELD_OUT_WITHIN_FLOOR, f"{part['within']}/{part['counted']} held-out logs within 5%"
+    assert part["goal_met"] == (part["share"] >= 0.90 and part["worst_abs_error"] <= 0.15)
+
+
+def test_the_range_holds_most_logged_values():
+    """low..high comes from the spread of the non-KV terms; it must bracket most of what was logged."""
+    for name in ("in_sample", "held_out"):
+        part = report()["summary"][name]
+        assert part["in_range"] >= 0.85 * part["counted"], (name, part["in_range"], part["counted"])
 
 
 def test_a_case_whose_logged_gib_contradicts_its_tokens_is_held_back():
