@@ -11,16 +11,24 @@ all need, so that no script copies them:
 
 Exit codes shared by all scripts (a script may give 1 and 4 a narrower meaning in its --help):
   0 ok, 1 check failed (does not fit, SLO missed, smoke failed), 2 usage or configuration error,
-  3 server unreachable or failing, 4 run invalid, 130 interrupted (partial results written).
+  3 server unreachable or failing, 4 run invalid, 5 the result was printed but an output file
+  (--records, --log, --out) could not be written, 130 interrupted by Ctrl-C or SIGTERM (partial
+  results printed and written).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import io
 import json
 import math
 import os
 import re
+import signal
 import sys
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -37,7 +45,11 @@ EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
 EXIT_SERVER = 3
 EXIT_INVALID = 4
+EXIT_OUTPUT = 5
 EXIT_INTERRUPTED = 130
+
+# Files read from the user's disk are small: a larger one is a mistake (or /dev/zero).
+MAX_SETTINGS_BYTES = 1 << 20
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 ENV_FILE_NAME = "inference.env"
@@ -87,7 +99,44 @@ def load_env_file(path: str | os.PathLike | None = None) -> dict[str, str]:
         if explicit:
             raise UsageError(f"env file {file} does not exist: create it or drop --env-file")
         return {}
-    return parse_env_file(file.read_text(encoding="utf-8"))
+    return parse_env_file(read_bounded(file, "env file", MAX_SETTINGS_BYTES))
+
+
+def read_bounded(path: str | os.PathLike, what: str, limit: int) -> str:
+    """A UTF-8 text file of at most `limit` bytes; a directory, a larger file (or an endless one,
+    such as /dev/zero), binary content or an unreadable file is a one-line UsageError."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
+    except IsADirectoryError:
+        raise UsageError(f"{what} {path} is a directory: give a file")
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror}")
+    if len(data) > limit:
+        raise UsageError(f"{what} {path} is larger than {limit:,} bytes: give a smaller file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{what} {path} is not UTF-8 text: convert it (iconv -t utf-8) or give another file")
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load without anchors and aliases: a few lines of `&a [*b, *b, ...]` expand to
+    gigabytes (the "billion laughs"), and a settings file has no need of them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.YAMLError(f"line {mark.line + 1} uses a YAML alias (*name): write the value out")
+        return super().compose_node(parent, index)
+
+
+def load_yaml(text: str, what: str) -> Any:
+    """YAML from a user's file (a profile, a value of it): safe, no aliases; errors are one line."""
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{what} is not valid YAML: {' '.join(str(exc).split())[:200]}")
 
 
 class Settings:
@@ -167,8 +216,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help=f"server base URL (else $INFER_URL, {ENV_FILE_NAME}, {DEFAULT_URL})")
     parser.add_argument("--env-file", default=None,
                         help=f"settings file (default: ./{ENV_FILE_NAME}, or $INFER_ENV_FILE)")
-    parser.add_argument("--timeout", type=float, default=30.0,
+    parser.add_argument("--timeout", type=timeout_arg, default=30.0,
                         help="seconds to wait for the server per request")
+
+
+def timeout_arg(raw: str) -> float:
+    """argparse type of every --timeout: a finite number of seconds, 1 ms to a day."""
+    try:
+        return number("--timeout", raw, float, 1e-3, 86400.0)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--timeout "))
 
 
 def normalize_url(url: str) -> str:
@@ -185,6 +242,7 @@ def server_settings(args: argparse.Namespace) -> tuple[str, str | None]:
     url = normalize_url(settings.get("INFER_URL", getattr(args, "url", ""), DEFAULT_URL))
     # The Taskfile hands a task argument INFER_API_KEY=... over as ROOFLINE_TASK_API_KEY.
     api_key = settings.get("INFER_API_KEY", os.environ.get("ROOFLINE_TASK_API_KEY")) or None
+    add_secret(api_key)
     return url, api_key
 
 
@@ -198,8 +256,87 @@ def client(base_url: str, api_key: str | None = None, timeout: float = 30.0,
     )
 
 
-def redact(text: str, secret: str | None) -> str:
-    return text.replace(secret, "***") if secret else text
+# Every secret the process knows (API keys): all text leaving it passes through redact().
+SECRETS: set[str] = set()
+
+
+def add_secret(secret: str | None) -> None:
+    if secret:
+        SECRETS.add(secret)
+        SECRETS.add(json.dumps(secret)[1:-1])  # as it appears inside a JSON string
+
+
+def redact(text: str, secret: str | None = None) -> str:
+    for known in sorted(SECRETS | ({secret} if secret else set()), key=len, reverse=True):
+        text = text.replace(known, "***")
+    return text
+
+
+class _RedactingStream(io.TextIOBase):
+    """stdout/stderr with the known secrets replaced, whatever prints there."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(redact(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def check_writable(path: str, what: str) -> None:
+    """Before a run: would `path` take an output file? A directory, a read-only file or folder,
+    or a parent that is a file is a UsageError now, not a lost result later."""
+    file = Path(path)
+    if file.is_dir():
+        raise UsageError(f"{what} {path} is a directory: give a file name")
+    if file.exists() and not os.access(file, os.W_OK):
+        raise UsageError(f"{what} {path} is read-only: give a writable file")
+    folder = file.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(f"{what} {path}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {path}: the folder {folder} is not writable")
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Replace `path` with `text` (secrets redacted) through a temporary file in the same folder
+    and a rename: a reader, or a run interrupted here, never sees half a file."""
+    file = Path(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=file.parent, prefix=f".{file.name}.",
+                                         suffix=".tmp", delete=False)
+    try:
+        with handle:
+            handle.write(redact(text))
+        if file.exists():
+            os.chmod(handle.name, file.stat().st_mode & 0o7777)
+        os.replace(handle.name, file)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(handle.name)
+        raise
+
+
+def write_outputs(files: list[tuple[str, str, str]]) -> int:
+    """Write (what, path, text) output files after the result was printed: EXIT_OK, or
+    EXIT_OUTPUT with one line per file that could not be written."""
+    code = EXIT_OK
+    for what, path, text in files:
+        try:
+            write_atomic(path, text)
+        except OSError as exc:
+            print(f"error: the result is printed above, but {what} {path} was not written: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            code = EXIT_OUTPUT
+    return code
 
 
 def get_json(http: httpx.Client, path: str, **kwargs: Any) -> Any:
@@ -221,11 +358,23 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with NaN and infinities as None: JSON has no NaN (a server may send one)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
+
+
 def emit(result: Any, human: str, as_json: bool) -> None:
-    """Print the result: JSON document or human text, on stdout."""
+    """Print the result: JSON document (valid JSON: NaN becomes null) or human text, on stdout,
+    in one write."""
     if as_json:
-        json.dump(result, sys.stdout, indent=2, ensure_ascii=False, default=str)
-        sys.stdout.write("\n")
+        sys.stdout.write(json.dumps(json_safe(result), indent=2, ensure_ascii=False, default=str,
+                                    allow_nan=False) + "\n")
     else:
         sys.stdout.write(human if human.endswith("\n") else human + "\n")
     sys.stdout.flush()
@@ -259,21 +408,49 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return ArgumentParser(description=description, epilog=epilog, formatter_class=HelpFormatter)
 
 
-def run_main(body: Callable[[], int], secret: str | None = None) -> int:
-    """Run a script body and map errors to one line on stderr and an exit code."""
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops a script as Ctrl-C does: what was measured is kept
+
+
+@contextlib.contextmanager
+def _guarded_process():
+    """While a script body runs: stdout and stderr redacted, SIGTERM handled as Ctrl-C."""
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _RedactingStream(sys.stdout), _RedactingStream(sys.stderr)
+    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal needs it
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
-        return body()
-    except UsageError as exc:
-        print(f"error: {redact(str(exc), secret)}", file=sys.stderr)
-        return EXIT_USAGE
-    except ServerError as exc:
-        print(f"error: {redact(str(exc), secret)}", file=sys.stderr)
-        return EXIT_SERVER
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        return EXIT_OK
+        yield
+    finally:
+        sys.stdout, sys.stderr = streams
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def run_main(body: Callable[[], int], secret: str | None = None) -> int:
+    """Run a script body and map errors to one line on stderr and an exit code. Everything it
+    prints is redacted; SIGTERM is handled as Ctrl-C."""
+    add_secret(secret)
+    with _guarded_process():
+        try:
+            return body()
+        except UsageError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except ServerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_SERVER
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except BrokenPipeError:
+            return EXIT_OK
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                print(f"error: the client ran out of file descriptors ({exc.strerror}): raise the limit "
+                      "(ulimit -n 65536) and run again; the server is not at fault", file=sys.stderr)
+                return EXIT_INVALID
+            raise
 
 
 CATALOG_DIR = Path(__file__).resolve().parent / "catalog"
@@ -315,7 +492,9 @@ def pick_model(listing: dict[str, Any], wanted: str | None, where: str) -> tuple
     An unknown name is a UsageError listing what is served; an empty listing is the server's
     state (still loading), a ServerError.
     """
-    models = [m for m in listing.get("data") or [] if isinstance(m, dict) and m.get("id")]
+    data = listing.get("data") if isinstance(listing, dict) else None
+    models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]] \
+        if isinstance(data, list) else []
     if not models:
         raise ServerError(f"{where}/v1/models lists no model: is the server still loading?")
     names = [m["id"] for m in models]
