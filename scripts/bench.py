@@ -1321,10 +1321,8 @@ def find_target(base_url: str, api_key: str | None, model: str | None, timeout: 
             if isinstance(version, str) and version:
                 break
             version = None
-    if not _count(entry.get("max_model_len")):
-        raise ServerError(f"{base_url}/v1/models gives max_model_len {entry['max_model_len']!r}, not a whole number")
     info = {"model": entry["id"], "served": served, "root": entry.get("root"),
-            "max_model_len": entry.get("max_model_len"), "owned_by": entry.get("owned_by"),
+            "max_model_len": common.max_model_len(entry, base_url), "owned_by": entry.get("owned_by"),
             "engine_version": version}
     return Target(base_url, api_key, entry["id"], info)
 

@@ -504,6 +504,14 @@ def pick_model(listing: dict[str, Any], wanted: str | None, where: str) -> tuple
     return (models[names.index(wanted)] if wanted else models[0]), names
 
 
+def max_model_len(entry: Mapping[str, Any], where: str) -> int | None:
+    """A /v1/models entry's max_model_len (vLLM gives one), checked: a whole number or absent."""
+    value = entry.get("max_model_len")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ServerError(f"{where}/v1/models gives max_model_len {str(value)[:40]!r}, not a whole number")
+    return value
+
+
 def served_model(http: httpx.Client, wanted: str | None = None) -> dict[str, Any]:
     """The /v1/models entry of `wanted`, or of the first model listed (vLLM's carry max_model_len)."""
     return pick_model(get_json(http, "/v1/models"), wanted, str(http.base_url).rstrip("/"))[0]

@@ -324,6 +324,10 @@ def send(http, body: dict[str, Any]) -> Answer:
         raise ServerError(f"{type(exc).__name__}: {exc}")
     except ValueError as exc:
         raise ServerError(f"the answer is not valid JSON ({exc})")
+    except (AttributeError, TypeError, KeyError) as exc:
+        # Valid JSON of another shape (a list, a choices item that is a string, a number where
+        # text belongs): the server's fault, reported for this case; the other cases go on.
+        raise ServerError(f"the answer is JSON but not a chat completion ({type(exc).__name__}: {exc})")
 
 
 # ---------------------------------------------------------------- checks
@@ -657,9 +661,10 @@ def build_parser():
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    url, api_key = common.server_settings(args)
 
     def body() -> int:
+        # Settings are read here, inside run_main: a bad URL or inference.env line is one line, exit 2.
+        url, api_key = common.server_settings(args)
         if args.repeat < 1 or args.max_tokens < 1:
             raise UsageError("--repeat and --max-tokens must be at least 1")
         catalog = common.load_catalog("toolcall_cases")
@@ -679,7 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return common.EXIT_INTERRUPTED
         return common.EXIT_CHECK_FAILED if report["verdict"] == FAIL else common.EXIT_OK
 
-    return common.run_main(body, api_key)
+    return common.run_main(body)
 
 
 if __name__ == "__main__":
