@@ -216,8 +216,11 @@ def catalog_config(catalog: Mapping[str, Mapping[str, Any]], key: str) -> dict[s
 def _safetensors_bytes(folder: Path) -> int | None:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
-        return int(total) if total else None
+        try:
+            total = json.loads(common.read_bounded(index, "safetensors index", MAX_CONFIG_BYTES))["metadata"]["total_size"]
+            return int(total) if total else None
+        except (ValueError, TypeError, KeyError):
+            return None  # the checkpoint size is a cross-check, not needed
     files = list(folder.glob("*.safetensors"))
     return sum(f.stat().st_size for f in files) if files else None
 
@@ -244,17 +247,37 @@ def fetch_hf_config(repo_id: str, transport: Any = None) -> tuple[dict[str, Any]
             raise UsageError(f"no config.json at {HF_URL}/{repo_id}: check the repo id")
         if response.status_code >= 400:
             raise common.ServerError(f"{HF_URL}/{repo_id}/config.json answered HTTP {response.status_code}")
-        config = response.json()
+        try:
+            config = response.json()
+        except ValueError:
+            raise common.ServerError(f"{HF_URL}/{repo_id}/config.json is not JSON")
         checkpoint_bytes = None
         try:
             index = http.get(f"/{repo_id}/resolve/main/model.safetensors.index.json", follow_redirects=True)
             if index.status_code == 200:
                 checkpoint_bytes = index.json().get("metadata", {}).get("total_size")
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, ValueError, AttributeError):
+            checkpoint_bytes = None
+        if isinstance(checkpoint_bytes, bool) or not isinstance(checkpoint_bytes, int):
             checkpoint_bytes = None
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"config": config, "checkpoint_bytes": checkpoint_bytes}))
     return config, checkpoint_bytes
+
+
+MAX_CONFIG_BYTES = 16 << 20  # config.json and index files are kilobytes; this bounds a bad one
+
+
+def checked_model(config: Any, name: str, source: str, **kwargs: Any) -> Model:
+    """model_from_config over a config.json from outside: a document that is not an object, or
+    a field of the wrong type (a string where a number belongs), is one UsageError line."""
+    if not isinstance(config, dict):
+        raise UsageError(f"{source}: config.json is {type(config).__name__}, not an object")
+    try:
+        return model_from_config(config, name, source, **kwargs)
+    except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as exc:
+        raise UsageError(f"{source}: config.json has a field of the wrong type or value "
+                         f"({type(exc).__name__}: {str(exc)[:120]}): fix the file or pass a catalog name")
 
 
 def resolve_model(name: str, transport: Any = None) -> Model:
@@ -268,18 +291,18 @@ def resolve_model(name: str, transport: Any = None) -> Model:
         if not file.is_file():
             raise UsageError(f"{path} has no config.json: point MODEL at a model folder or its config.json")
         try:
-            config = json.loads(file.read_text())
+            config = json.loads(common.read_bounded(file, "model config", MAX_CONFIG_BYTES))
         except ValueError:
             raise UsageError(f"{file} is not valid JSON")
-        return model_from_config(config, path.name if path.is_dir() else path.parent.name, str(file),
-                                 checkpoint_bytes=_safetensors_bytes(file.parent))
+        return checked_model(config, path.name if path.is_dir() else path.parent.name, str(file),
+                             checkpoint_bytes=_safetensors_bytes(file.parent))
     catalog = common.load_catalog("models")
     try:
         key, entry = common.find_in_catalog(catalog, name, "model")
     except UsageError:
         if re.fullmatch(r"[\w.-]+/[\w.-]+", name):
             config, checkpoint_bytes = fetch_hf_config(name, transport)
-            return model_from_config(config, name, f"{HF_URL}/{name}", checkpoint_bytes=checkpoint_bytes)
+            return checked_model(config, name, f"{HF_URL}/{name}", checkpoint_bytes=checkpoint_bytes)
         raise
     return model_from_config(catalog_config(catalog, key), key, entry["source"], params_b=entry.get("params_b"),
                              extra_params_b=entry.get("vision_params_b") or 0.0)
