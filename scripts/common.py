@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import errno
 import io
 import json
@@ -29,10 +30,12 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 try:
+    import httpcore
     import httpx
     import yaml  # noqa: F401  (imported here so that a missing dependency fails the same way everywhere)
 except ImportError as exc:
@@ -246,13 +249,69 @@ def server_settings(args: argparse.Namespace) -> tuple[str, str | None]:
     return url, api_key
 
 
+# The end of the current request (time.monotonic), per thread: every socket read ends by then.
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("deadline", default=None)
+STREAM_DEADLINE_FACTOR = 10  # a streamed answer may take ten times --timeout in all
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A socket whose reads end by the request's deadline. httpx's read timeout is per read, so
+    a server dripping a byte now and then would hold a request forever without this."""
+
+    def __init__(self, stream: httpcore.NetworkStream):
+        self.stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        deadline = _DEADLINE.get()
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise httpcore.ReadTimeout("the answer took longer than its deadline in all")
+            timeout = left if timeout is None else min(timeout, left)
+        return self.stream.read(max_bytes, timeout)
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self.stream.write(buffer, timeout)
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def start_tls(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+        return _DeadlineStream(self.stream.start_tls(*args, **kwargs))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self.stream.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.SyncBackend):
+    def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+        return _DeadlineStream(super().connect_tcp(*args, **kwargs))
+
+
+class _Client(httpx.Client):
+    """httpx.Client with a deadline on each request in all: --timeout (ten times that for a
+    streamed answer), whatever the server drips."""
+
+    def __init__(self, total_s: float, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.total_s = total_s
+
+    def send(self, request: httpx.Request, *, stream: bool = False, **kwargs: Any) -> httpx.Response:
+        _DEADLINE.set(time.monotonic() + self.total_s * (STREAM_DEADLINE_FACTOR if stream else 1))
+        return super().send(request, stream=stream, **kwargs)
+
+
 def client(base_url: str, api_key: str | None = None, timeout: float = 30.0,
            max_connections: int = 16, transport: httpx.BaseTransport | None = None) -> httpx.Client:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.Client(
-        base_url=base_url, headers=headers, transport=transport,
-        timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    if transport is None:
+        transport = httpx.HTTPTransport(limits=limits)
+        # httpx has no public way to give its pool a network backend; the pool reads this one.
+        transport._pool._network_backend = _DeadlineBackend()  # noqa: SLF001
+    return _Client(
+        timeout, base_url=base_url, headers=headers, transport=transport,
+        timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), limits=limits,
     )
 
 
