@@ -958,7 +958,13 @@ def server_counter(http, model: str, chat: bool) -> TokenCounter | None:
             body = {"model": model, "messages": [{"role": "user", "content": text}],
                     "add_generation_prompt": True} if form == "messages" else {"model": model, "prompt": text}
             answer = common.get_json(http, "/tokenize", json=body)
-            return int(answer["count"]) if "count" in answer else len(answer["tokens"])
+            count = answer.get("count") if isinstance(answer, dict) else None
+            tokens = answer.get("tokens") if isinstance(answer, dict) else None
+            if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+                return count
+            if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+                return len(tokens)
+            raise ValueError("/tokenize answered neither a count nor token ids")
         return count
     forms = [("messages", "server /tokenize"), ("prompt", "server /tokenize (message text only, "
                                                           "the chat template is not counted)")]

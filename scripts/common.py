@@ -289,16 +289,19 @@ class _DeadlineBackend(httpcore.SyncBackend):
 
 
 class _Client(httpx.Client):
-    """httpx.Client with a deadline on each request in all: --timeout (ten times that for a
-    streamed answer), whatever the server drips."""
+    """httpx.Client with a deadline on each request in all: --timeout for the head and a body
+    read at once, ten times that for a streamed body, whatever the server drips."""
 
     def __init__(self, total_s: float, **kwargs: Any):
         super().__init__(**kwargs)
         self.total_s = total_s
 
     def send(self, request: httpx.Request, *, stream: bool = False, **kwargs: Any) -> httpx.Response:
-        _DEADLINE.set(time.monotonic() + self.total_s * (STREAM_DEADLINE_FACTOR if stream else 1))
-        return super().send(request, stream=stream, **kwargs)
+        _DEADLINE.set(time.monotonic() + self.total_s)  # the head (and a whole body not streamed)
+        response = super().send(request, stream=stream, **kwargs)
+        if stream:  # the streamed body, read after this returns
+            _DEADLINE.set(time.monotonic() + self.total_s * STREAM_DEADLINE_FACTOR)
+        return response
 
 
 def client(base_url: str, api_key: str | None = None, timeout: float = 30.0,
