@@ -85,7 +85,7 @@ def run_bench(url: str, model: str, api_key: str | None, extra: list[str]) -> tu
     env = {**os.environ, **({"ROOFLINE_TASK_API_KEY": api_key} if api_key else {})}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     try:
-        return json.loads(done.stdout), None
+        return common.parse_json(done.stdout), None
     except ValueError:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         return None, f"bench gave no result ({common.redact(last, api_key)})"

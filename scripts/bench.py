@@ -343,7 +343,7 @@ def interpret(outcome: Outcome, response: Response, chat: bool) -> Outcome:
             outcome.done_ns = t_ns
             break
         try:
-            chunk = json.loads(data)
+            chunk = common.parse_json(data)
             if not isinstance(chunk, dict):
                 raise ValueError("not an object")
         except ValueError:
@@ -1321,7 +1321,7 @@ def find_target(base_url: str, api_key: str | None, model: str | None, timeout: 
         version = None
         for path in ("/version", "/server_info", "/get_server_info"):
             try:
-                version = http.get(path).json().get("version")
+                version = common.parse_json(http.get(path).content).get("version")
             except (ValueError, AttributeError, common.httpx.HTTPError):
                 continue
             if isinstance(version, str) and version:

@@ -53,6 +53,7 @@ EXIT_INTERRUPTED = 130
 
 # Files read from the user's disk are small: a larger one is a mistake (or /dev/zero).
 MAX_SETTINGS_BYTES = 1 << 20
+MAX_SAVED_BYTES = 256 << 20  # a saved run (ppl keeps a value per token) or baseline
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 ENV_FILE_NAME = "inference.env"
@@ -401,6 +402,15 @@ def write_outputs(files: list[tuple[str, str, str]]) -> int:
     return code
 
 
+def parse_json(data: str | bytes) -> Any:
+    """json.loads for text from outside: nesting too deep for the decoder (`[[[[...`) is a
+    ValueError like any other malformed JSON, not a RecursionError."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply")
+
+
 def get_json(http: httpx.Client, path: str, **kwargs: Any) -> Any:
     """GET/POST helper that turns transport and HTTP failures into ServerError lines."""
     method = "POST" if "json" in kwargs else "GET"
@@ -411,7 +421,7 @@ def get_json(http: httpx.Client, path: str, **kwargs: Any) -> Any:
     if response.status_code >= 400:
         raise ServerError(f"{method} {path} answered HTTP {response.status_code}: {response.text[:200].strip()}")
     try:
-        return response.json()
+        return parse_json(response.content)
     except ValueError:
         raise ServerError(f"{method} {path} did not answer JSON (is {http.base_url} an inference server?)")
 
@@ -582,8 +592,6 @@ def served_model(http: httpx.Client, wanted: str | None = None) -> dict[str, Any
 def read_json_file(path: str, what: str, hint: str) -> Any:
     """A saved JSON document (a baseline, an earlier run); unreadable or not JSON is a UsageError."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UsageError(f"cannot read {what} {path}: {exc.strerror}")
+        return parse_json(read_bounded(path, what, MAX_SAVED_BYTES))
     except ValueError:
         raise UsageError(f"{what} {path} is not JSON: {hint}")

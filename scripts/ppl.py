@@ -100,7 +100,7 @@ def post(http, path: str, body: dict[str, Any]) -> dict[str, Any]:
                              "ppl needs prompt logprobs (vLLM /v1/completions, SGLang /generate)")
         raise ServerError(f"POST {path} answered HTTP {response.status_code}: {message}")
     try:
-        return response.json()
+        return common.parse_json(response.content)
     except ValueError:
         raise ServerError(f"POST {path} did not answer JSON")
 

@@ -217,7 +217,7 @@ def _safetensors_bytes(folder: Path) -> int | None:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         try:
-            total = json.loads(common.read_bounded(index, "safetensors index", MAX_CONFIG_BYTES))["metadata"]["total_size"]
+            total = common.parse_json(common.read_bounded(index, "safetensors index", MAX_CONFIG_BYTES))["metadata"]["total_size"]
             return int(total) if total else None
         except (ValueError, TypeError, KeyError):
             return None  # the checkpoint size is a cross-check, not needed
@@ -248,14 +248,14 @@ def fetch_hf_config(repo_id: str, transport: Any = None) -> tuple[dict[str, Any]
         if response.status_code >= 400:
             raise common.ServerError(f"{HF_URL}/{repo_id}/config.json answered HTTP {response.status_code}")
         try:
-            config = response.json()
+            config = common.parse_json(response.content)
         except ValueError:
             raise common.ServerError(f"{HF_URL}/{repo_id}/config.json is not JSON")
         checkpoint_bytes = None
         try:
             index = http.get(f"/{repo_id}/resolve/main/model.safetensors.index.json", follow_redirects=True)
             if index.status_code == 200:
-                checkpoint_bytes = index.json().get("metadata", {}).get("total_size")
+                checkpoint_bytes = common.parse_json(index.content).get("metadata", {}).get("total_size")
         except (httpx.HTTPError, ValueError, AttributeError):
             checkpoint_bytes = None
         if isinstance(checkpoint_bytes, bool) or not isinstance(checkpoint_bytes, int):
@@ -291,7 +291,7 @@ def resolve_model(name: str, transport: Any = None) -> Model:
         if not file.is_file():
             raise UsageError(f"{path} has no config.json: point MODEL at a model folder or its config.json")
         try:
-            config = json.loads(common.read_bounded(file, "model config", MAX_CONFIG_BYTES))
+            config = common.parse_json(common.read_bounded(file, "model config", MAX_CONFIG_BYTES))
         except ValueError:
             raise UsageError(f"{file} is not valid JSON")
         return checked_model(config, path.name if path.is_dir() else path.parent.name, str(file),

@@ -237,7 +237,7 @@ def raise_for_config(status: int, text: str) -> None:
     if status == 400 and NO_TOOL_PARSER.search(text):
         message = text
         try:
-            message = json.loads(text).get("error", {}).get("message", text)
+            message = common.parse_json(text).get("error", {}).get("message", text)
         except (ValueError, AttributeError):
             pass
         raise ConfigError(f"the server does not have tool calling enabled (HTTP 400: {message.strip()}): {CONFIG_HINT}")
@@ -262,7 +262,7 @@ def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        yield json.loads(data)
+        yield common.parse_json(data)
 
 
 def merge_stream(chunks: Sequence[dict[str, Any]]) -> Answer:
@@ -313,7 +313,7 @@ def send(http, body: dict[str, Any]) -> Answer:
             raise_for_config(response.status_code, response.text)
             if response.status_code != 200:
                 raise ServerError(f"HTTP {response.status_code}: {response.text[:200].strip()}")
-            return plain_answer(response.json())
+            return plain_answer(common.parse_json(response.content))
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 text = response.read().decode(errors="replace")
@@ -341,7 +341,7 @@ def parse_arguments(call: dict[str, Any], tools: dict[str, Any]) -> tuple[dict[s
     if not isinstance(raw, str):
         return None, [Check(FAIL, f"{name}: arguments is {json_type(raw)}, not a JSON string")]
     try:
-        args = json.loads(raw)
+        args = common.parse_json(raw)
     except ValueError:
         return None, [Check(FAIL, f"{name}: arguments are not valid JSON: {short(raw)}")]
     if not isinstance(args, dict):

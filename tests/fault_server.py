@@ -190,6 +190,8 @@ FAULTS: dict[str, Callable[[Request], Action | None]] = {
     "tokenize_tokens_strings": _on_path("/tokenize", lambda r: as_json(200, {"count": "2", "tokens": ["a", "b"]})),
     "metrics_nan": _on_path("/metrics", lambda r: Action(response(200, NAN_METRICS.encode(), "text/plain"))),
     "metrics_html": _on_path("/metrics", lambda r: Action(response(200, b"<html>hi</html>", "text/html"))),
+    "json_nested_too_deep": lambda r: Action(response(200, b"[" * 100_000)),
+    "sse_nested_too_deep": _stream_with(lambda b: [b"data: " + b"[" * 100_000 + b"\n\n"]),
     "slow_drip_head": lambda r: Action(b"HTTP/1.1 200 OK\r\nX-Drip: " + b"a" * 100_000, "drip"),
     "never_answers": lambda r: Action(b"", "hang"),
     "closes_at_once": lambda r: Action(b"", "close"),

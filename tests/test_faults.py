@@ -54,12 +54,12 @@ MAINS = {"bench": bench.main, "sweep": sweep.main, "metrics": metrics.main, "ppl
 # What each script documents: 0 ok, 1 check failed, 2 usage/config, 3 server, 4 invalid. The
 # faults by what they break; a fault on an endpoint a script does not use leaves it healthy.
 GROUPS = {
-    "everything": {"http_500_echoing_the_key", "http_401_echoing_the_key", "html_instead_of_json",
+    "everything": {"http_500_echoing_the_key", "http_401_echoing_the_key", "html_instead_of_json", "json_nested_too_deep",
                    "slow_drip_head", "never_answers", "closes_at_once", "refused"},
     "models": {"models_is_a_list", "models_max_len_string", "models_entry_not_object"},
     "wire": {"chunk_size_negative", "chunk_size_huge", "chunk_size_garbage", "chunk_line_endless",
              "content_length_garbage", "http_429_on_work"},
-    "stream": {"stream_cut_mid_event", "garbage_sse", "sse_error_echoing_the_key", "completion_tokens_string",
+    "stream": {"stream_cut_mid_event", "garbage_sse", "sse_nested_too_deep", "sse_error_echoing_the_key", "completion_tokens_string",
                "choices_item_not_object", "usage_is_a_list"},
     "chat": {"chat_choices_item_not_object", "chat_json_is_a_list"},
     "scoring": {"logprob_string", "logprob_nan", "prompt_logprobs_short", "prompt_logprobs_item_not_object",
@@ -71,7 +71,7 @@ HEALTHY = {"bench": {0, 4}, "sweep": {0, 4}, "metrics": {0}, "ppl": {0}, "smoke_
 EXPECTED: dict[str, dict[str, set[int]]] = {
     "bench": {"everything": {3}, "models": {3}, "wire": {3}, "stream": {3}},
     "sweep": {"everything": {3}, "models": {3}, "wire": {3}, "stream": {3}},
-    "metrics": {"everything": {3}, "html_instead_of_json": {4}, "metrics_html": {4}},
+    "metrics": {"everything": {3}, "html_instead_of_json": {4}, "json_nested_too_deep": {4}, "metrics_html": {4}},
     "ppl": {"everything": {3}, "models": {3}, "wire": {3}, "scoring": {3}},
     # smoke does not read max_model_len; a case whose answers are broken is a failed check (1)
     "smoke_toolcall": {"everything": {3}, "models": {3}, "models_max_len_string": {0}, "wire": {3},
