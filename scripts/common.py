@@ -247,6 +247,8 @@ def server_settings(args: argparse.Namespace) -> tuple[str, str | None]:
     # The Taskfile hands a task argument INFER_API_KEY=... over as ROOFLINE_TASK_API_KEY.
     api_key = settings.get("INFER_API_KEY", os.environ.get("ROOFLINE_TASK_API_KEY")) or None
     add_secret(api_key)
+    if api_key and api_key in url:  # e.g. `task VAR='http://host/{{.INFER_API_KEY}}'`, which go-task expands
+        raise UsageError("the server URL contains the API key: give the key only as INFER_API_KEY")
     return url, api_key
 
 
