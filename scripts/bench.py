@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import datetime
 import errno
 import gc
@@ -1493,11 +1494,8 @@ def execute(target: Target, cfg: dict[str, Any], quiet: bool = False) -> dict[st
         run = run_workers(plan, cfg["workers"], target.base_url, target.api_key, cfg["timeout_s"])
     else:
         run = run_in_loop(plan, target.base_url, target.api_key, cfg["timeout_s"], quiet=quiet)
-    try:
+    with common.signals_held("bench") if run.interrupted else contextlib.nullcontext():
         after, note_after = metrics_snapshot(target, cfg["timeout_s"]) if before is not None else (None, note)
-    except KeyboardInterrupt:  # a second Ctrl-C: skip the scrape, keep the run
-        after, note_after = None, "the final /metrics scrape was interrupted"
-        run.interrupted = True
     result = analyse(run.outcomes, config, run.loop_lag_ms, run.cpu_s, run.wall_s, run.interrupted)
     all_tokens = sum(o.completion_tokens or 0 for o in run.outcomes if o.ok or o.error == "stream_cut")
     result["server"] = {"info": target.info, **server_side(before, after, note or note_after, all_tokens, result["slo"])}
@@ -1518,6 +1516,12 @@ def run(args: Any) -> int:
             common.check_writable(path, what)
     target = find_target(base_url, api_key, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
     result = execute(target, cfg)
+    with common.signals_held("bench") if result["interrupted"] else contextlib.nullcontext():
+        return print_and_write(args, cfg, result)
+
+
+def print_and_write(args: Any, cfg: dict[str, Any], result: dict[str, Any]) -> int:
+    """Print the result, then write --records and --log: the exit code."""
     records = result.pop("records")
     # The result is printed first: a file that cannot be written then loses nothing.
     common.emit(result, human_report(result), args.json)

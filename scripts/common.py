@@ -501,6 +501,23 @@ def _guarded_process():
             signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def signals_held(what: str):
+    """After an interrupt, while the results are written: a further Ctrl-C or SIGTERM is noted,
+    not obeyed (what is left is bounded: one request of --timeout at most), so it cannot lose them."""
+    def note(signum: int, frame: Any) -> None:
+        progress(f"{what}: finishing: the results are being written")
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_main(body: Callable[[], int], secret: str | None = None) -> int:
     """Run a script body and map errors to one line on stderr and an exit code. Everything it
     prints is redacted; SIGTERM is handled as Ctrl-C."""

@@ -49,6 +49,7 @@ is not usable metrics (HTML page, empty or truncated scrape, neither vLLM nor SG
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -1166,7 +1167,8 @@ def window_reports(opts: Options, seconds: float, before: list[dict[str, Any]] |
         time.sleep(max(0.0, deadline - time.monotonic()))
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (common.run_main)
         interrupted = True
-    after = scrape_all(opts)
+    with common.signals_held("metrics") if interrupted else contextlib.nullcontext():
+        after = scrape_all(opts)
     replicas = [difference(before[i], after[i], [d[i] for d in during]) for i in range(len(after))]
     return replicas, interrupted, after
 

@@ -42,6 +42,8 @@ class Request:
 class Action:
     data: bytes = b""
     then: str = "keep"  # keep (the connection), close, hang (say nothing more), drip (data a byte at a time)
+    pieces: tuple[bytes, ...] = ()  # then="paced": data, then each piece after a pause
+    pause: float = 0.0
 
 
 def response(status: int, body: bytes, content_type: str = "application/json", chunked: bool = False,
@@ -198,6 +200,21 @@ FAULTS: dict[str, Callable[[Request], Action | None]] = {
 }
 
 
+def paced(pause: float) -> Callable[[Request], Action | None]:
+    """Healthy answers, slowly: a pause before each answer, and between the events of a stream
+    (for interrupt tests: the scripts are mid-run when the signal comes)."""
+    def fault(request: Request) -> Action | None:
+        if not _work(request):
+            return None
+        body = request.body if isinstance(request.body, dict) else {}
+        if body.get("stream") and request.path == "/v1/completions":
+            events = chunks(sse(completion_events(body)))
+            head = response(200, b"", "text/event-stream", chunked=True)
+            return Action(head, pieces=tuple(events[i:i + 64] for i in range(0, len(events), 64)), pause=pause)
+        return Action(b"", pieces=(healthy(request).data,), pause=pause)
+    return fault
+
+
 class FaultServer:
     def __init__(self, fault: Callable[[Request], Action | None] | None = None):
         self.fault = fault
@@ -245,6 +262,10 @@ class FaultServer:
                         conn.sendall(bytes([byte]))
                     return
                 conn.sendall(action.data)
+                for piece in action.pieces:
+                    if self.stop.wait(action.pause):
+                        return
+                    conn.sendall(piece)
                 if action.then == "hang":
                     self.stop.wait()
                     return
