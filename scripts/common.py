@@ -375,6 +375,10 @@ def write_atomic(path: str, text: str) -> None:
     """Replace `path` with `text` (secrets redacted) through a temporary file in the same folder
     and a rename: a reader, or a run interrupted here, never sees half a file."""
     file = Path(path)
+    if file.exists() and not file.is_file():  # /dev/null, a FIFO: written through, never replaced
+        with open(file, "w", encoding="utf-8") as stream:
+            stream.write(redact(text))
+        return
     file.parent.mkdir(parents=True, exist_ok=True)
     handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=file.parent, prefix=f".{file.name}.",
                                          suffix=".tmp", delete=False)
