@@ -22,7 +22,8 @@ Examples:
   task infer:accept BASE=http://127.0.0.1:8000 CANDIDATE=http://127.0.0.1:8001 TEXT=my.txt
 
 Exit codes: 0 PASS or WARN, 1 FAIL, 2 usage error (no BASE/CANDIDATE, bad text, a server without
-logprobs), 3 a server unreachable or failing, 130 interrupted (what was measured is still reported).
+logprobs), 3 a server unreachable or failing, 5 the report is printed but --log could not be written,
+130 interrupted by Ctrl-C or SIGTERM (what was measured is still reported).
 """
 from __future__ import annotations
 

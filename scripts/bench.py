@@ -26,7 +26,9 @@ Examples:
 
 Exit codes: 0 SLO met (or no SLO set and every request completed), 1 SLO missed or requests
 failed, 2 usage error, 3 server unreachable or every request failed, 4 run invalid (the client
-may have distorted the figures), 130 interrupted (partial results still printed and logged).
+may have distorted the figures, or ran out of file descriptors: raise ulimit -n), 5 the result is
+printed but --records or --log could not be written, 130 interrupted by Ctrl-C or SIGTERM (partial
+results still printed and logged).
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ evidence, levers), warnings.
 Exit codes: 0 report printed (with or without findings), 2 usage error (bad flag, missing
 file, unknown GPU), 3 server or Prometheus unreachable or answering an HTTP error, 4 the answer
 is not usable metrics (HTML page, empty or truncated scrape, neither vLLM nor SGLang),
-130 interrupted (the window measured so far is still reported).
+130 interrupted by Ctrl-C or SIGTERM (the window measured so far is still reported).
 """
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ Examples:
   task infer:smoke-toolcall INFER_URL=http://127.0.0.1:8000 -- --json
 
 Exit codes: 0 pass (warnings allowed), 1 a case failed or regressed, 2 configuration or usage
-error (tool calling not enabled, unknown model or case, bad baseline file), 3 server unreachable.
+error (tool calling not enabled, unknown model or case, bad baseline file), 3 server unreachable,
+130 interrupted by Ctrl-C or SIGTERM (the finished cases are reported).
 """
 from __future__ import annotations
 

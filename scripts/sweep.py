@@ -16,7 +16,8 @@ Examples:
 
 Exit codes: 0 a knee was found (or no SLO was set and every point completed), 1 no
 concurrency meets the SLO, 2 usage error, 3 server unreachable or failing at every point,
-4 a point's run was invalid (client-bound), 130 interrupted (the points done are printed).
+4 a point's run was invalid (client-bound), 5 the report is printed but --log could not be written,
+130 interrupted by Ctrl-C or SIGTERM (the points done are printed and logged).
 """
 from __future__ import annotations
 
