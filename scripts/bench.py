@@ -814,6 +814,8 @@ async def run_plan(plan: Plan, base_url: str, api_key: str | None, timeout_s: fl
     finally:
         waiter.cancel()
         stop.set()
+        for task in background:
+            task.cancel()  # not waiting out the watchdog's and the lag probe's sleeps
         await asyncio.gather(*background, waiter, return_exceptions=True)
         client.close()
         gc.enable()

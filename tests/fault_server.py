@@ -158,6 +158,7 @@ NAN_METRICS = METRICS.replace("vllm:num_requests_running{", "vllm:num_requests_r
 FAULTS: dict[str, Callable[[Request], Action | None]] = {
     "http_500_echoing_the_key": lambda r: as_json(500, {"error": {"message": _echo(r)}}),
     "http_401_echoing_the_key": lambda r: as_json(401, {"error": {"message": _echo(r)}}),
+    "http_401_on_work_echoing_the_key": _on_work(lambda r: as_json(401, {"error": {"message": _echo(r)}})),
     "http_429_on_work": _on_work(lambda r: as_json(429, {"error": {"message": "Too Many Requests"}})),
     "html_instead_of_json": lambda r: Action(response(200, b"<html><body>login " + _echo(r).encode() +
                                                           b"</body></html>", "text/html")),

@@ -11,7 +11,10 @@ which tests/test_properties.py covers as a parser.
 from __future__ import annotations
 
 import json
+import resource
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ import metrics
 import ppl
 import smoke_toolcall
 import sweep
-from fault_server import FAULTS, KEY, fault_server, refused_url
+from fault_server import FAULTS, KEY, fault_server, paced, refused_url
 
 RUN_BOUND_S = 40  # far above any run here (--timeout 1); only a hang reaches it
 TEXT = " ".join(f"w{i % 7} word{i % 5} text" for i in range(16))
@@ -58,7 +61,7 @@ GROUPS = {
                    "slow_drip_head", "never_answers", "closes_at_once", "refused"},
     "models": {"models_is_a_list", "models_max_len_string", "models_entry_not_object"},
     "wire": {"chunk_size_negative", "chunk_size_huge", "chunk_size_garbage", "chunk_line_endless",
-             "content_length_garbage", "http_429_on_work"},
+             "content_length_garbage", "http_429_on_work", "http_401_on_work_echoing_the_key"},
     "stream": {"stream_cut_mid_event", "garbage_sse", "sse_nested_too_deep", "sse_error_echoing_the_key", "completion_tokens_string",
                "choices_item_not_object", "usage_is_a_list"},
     "chat": {"chat_choices_item_not_object", "chat_json_is_a_list"},
@@ -146,3 +149,18 @@ def test_every_fault(script, tmp_path, monkeypatch, capsys):
         except AssertionError as exc:
             failures.append(f"{fault}: {str(exc)[:300]}")
     assert not failures, "\n".join(failures)
+
+
+def test_running_out_of_file_descriptors_is_the_clients_fault(tmp_path):
+    """bench under a limit of 64 open files with 100 streams: INVALID (exit 4) naming `ulimit -n`,
+    not the server unreachable."""
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    with fault_server(paced(0.2)) as url:
+        done = subprocess.run([sys.executable, str(Path(bench.__file__)), "--url", url, "-n", "100", "-c", "100",
+                               "--warmup", "0", "--input-tokens", "32", "--output-tokens", "2", "--timeout", "5",
+                               "--json"], capture_output=True, text=True, preexec_fn=low_limit, timeout=120)
+    assert done.returncode == 4, done.stderr[-500:]
+    result = json.loads(done.stdout)
+    assert result["verdict"] == "INVALID" and result["requests"]["errors"].get("client_fd_limit")
+    assert "unreachable" not in result["requests"]["errors"] and "ulimit -n" in result["verdict_reasons"][0]
