@@ -87,8 +87,9 @@ def interrupt(cmd: list[str], tmp: Path, marker: str, signum: int, twice: bool =
     return code, out.read_text(), err.read_text()
 
 
-def check(script: str, code: int, out: str, err: str, tmp: Path, via_task: bool) -> None:
-    assert code == 130, err[-800:]
+def check(script: str, code: int, out: str, err: str, tmp: Path, via_task: bool,
+          codes: tuple[int, ...] = (130,)) -> None:
+    assert code in codes, err[-800:]
     assert "Traceback" not in err, err
     if via_task:  # go-task's own line is on stdout too, before or after the JSON (a race)
         lines = out.splitlines()
@@ -138,4 +139,6 @@ def test_a_second_ctrl_c_does_not_lose_the_bench_result(server, tmp_path):
     args, _, marker = case("bench", server, tmp_path)
     code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--json"], tmp_path, marker,
                                signal.SIGINT, twice=True)
-    check("bench", code, out, err, tmp_path, via_task=False)
+    # A second Ctrl-C that lands after the result is out ends Python by SIGINT, which a shell
+    # also reports as 130; what matters is that the result and the files are all there.
+    check("bench", code, out, err, tmp_path, via_task=False, codes=(130, -signal.SIGINT))
