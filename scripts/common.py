@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 try:
-    import httpcore
     import httpx
+    import httpcore  # httpx's own transport layer: the deadline on every read (client)
     import yaml  # noqa: F401  (imported here so that a missing dependency fails the same way everywhere)
 except ImportError as exc:
     print(f"error: Python package {exc.name!r} is missing: run `pip install -e .` in the Roofline checkout",
