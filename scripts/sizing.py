@@ -266,6 +266,7 @@ def fetch_hf_config(repo_id: str, transport: Any = None) -> tuple[dict[str, Any]
 
 
 MAX_CONFIG_BYTES = 16 << 20  # config.json and index files are kilobytes; this bounds a bad one
+MAX_LAYERS = 10_000  # the deepest published decoders have a few hundred
 
 
 def checked_model(config: Any, name: str, source: str, **kwargs: Any) -> Model:
@@ -274,6 +275,10 @@ def checked_model(config: Any, name: str, source: str, **kwargs: Any) -> Model:
     if not isinstance(config, dict):
         raise UsageError(f"{source}: config.json is {type(config).__name__}, not an object")
     try:
+        # A per-layer table is built: a layer count of 10^18 would never finish.
+        layers = int(_text_config(config).get("num_hidden_layers") or 0)
+        if not 0 <= layers <= MAX_LAYERS:
+            raise UsageError(f"{source}: num_hidden_layers {layers} is not a layer count (at most {MAX_LAYERS:,})")
         return model_from_config(config, name, source, **kwargs)
     except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as exc:
         raise UsageError(f"{source}: config.json has a field of the wrong type or value "
