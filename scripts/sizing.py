@@ -230,10 +230,13 @@ def fetch_hf_config(repo_id: str, transport: Any = None) -> tuple[dict[str, Any]
     import httpx
 
     cache = common.cache_dir() / "hf-configs" / (repo_id.replace("/", "--") + ".json")
-    if cache.exists():
-        cached = json.loads(cache.read_text())
+    try:
+        cached = common.parse_json(common.read_bounded(cache, "cached config", MAX_CONFIG_BYTES))
         return cached["config"], cached.get("checkpoint_bytes")
+    except (UsageError, ValueError, KeyError, TypeError):
+        pass  # none yet, or damaged: fetched again
     token = os.environ.get("HF_TOKEN")
+    common.add_secret(token)  # never printed, as the API key
     with common.client(HF_URL, api_key=token, timeout=20.0, transport=transport) as http:
         try:
             response = http.get(f"/{repo_id}/resolve/main/config.json", follow_redirects=True)
@@ -260,8 +263,7 @@ def fetch_hf_config(repo_id: str, transport: Any = None) -> tuple[dict[str, Any]
             checkpoint_bytes = None
         if isinstance(checkpoint_bytes, bool) or not isinstance(checkpoint_bytes, int):
             checkpoint_bytes = None
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps({"config": config, "checkpoint_bytes": checkpoint_bytes}))
+    common.write_atomic(str(cache), json.dumps({"config": config, "checkpoint_bytes": checkpoint_bytes}))
     return config, checkpoint_bytes
 
 
