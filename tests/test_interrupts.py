@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_server import fault_server, paced
+from fault_server import Action, fault_server, paced
 from vllm_server import ServerUnavailable, task_exe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +65,8 @@ def through_task(args: list[str], task_name: str) -> list[str]:
         pytest.skip(str(exc))
 
 
-def interrupt(cmd: list[str], tmp: Path, marker: str, signum: int, twice: bool = False) -> tuple[int, str, str]:
+def interrupt(cmd: list[str], tmp: Path, marker: str, signum: int, twice: bool = False,
+              bound_s: float = BOUND_S) -> tuple[int, str, str]:
     out, err = tmp / "stdout", tmp / "stderr"
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=tmp, start_new_session=True,
@@ -80,10 +81,10 @@ def interrupt(cmd: list[str], tmp: Path, marker: str, signum: int, twice: bool =
             if proc.poll() is None:
                 os.killpg(proc.pid, signum)
         try:
-            code = proc.wait(BOUND_S)
+            code = proc.wait(bound_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            raise AssertionError(f"still running {BOUND_S} s after the signal: {err.read_text()[-500:]}")
+            raise AssertionError(f"still running {bound_s} s after the signal: {err.read_text()[-500:]}")
     return code, out.read_text(), err.read_text()
 
 
@@ -142,3 +143,22 @@ def test_a_second_ctrl_c_does_not_lose_the_bench_result(server, tmp_path):
     # A second Ctrl-C that lands after the result is out ends Python by SIGINT, which a shell
     # also reports as 130; what matters is that the result and the files are all there.
     check("bench", code, out, err, tmp_path, via_task=False, codes=(130, -signal.SIGINT))
+
+
+def test_bench_final_scrape_after_ctrl_c_honours_timeout(tmp_path):
+    """/metrics answers once (before the run), then never: after Ctrl-C the last scrape gives up
+    after --timeout (1 s here), not the 30 s it used to wait, and the result is still printed."""
+    slow, scrapes = paced(0.05), []
+
+    def fault(request):
+        if request.path == "/metrics":
+            scrapes.append(1)
+            return Action(b"", "hang") if len(scrapes) > 1 else None
+        return slow(request)
+    with fault_server(fault) as url:
+        args, _, marker = case("bench", url, tmp_path)
+        code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--timeout", "1", "--json"],
+                                   tmp_path, marker, signal.SIGINT, bound_s=20)
+    check("bench", code, out, err, tmp_path, via_task=False)
+    server = json.loads(out)["server"]
+    assert server["metrics"] is None and "metrics" in server["metrics_note"], server
