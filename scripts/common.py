@@ -12,7 +12,7 @@ all need, so that no script copies them:
 Exit codes shared by all scripts (a script may give 1 and 4 a narrower meaning in its --help):
   0 ok, 1 check failed (does not fit, SLO missed, smoke failed), 2 usage or configuration error,
   3 server unreachable or failing, 4 run invalid, 5 the result was printed but an output file
-  (--records, --log, --out) could not be written, 130 interrupted by Ctrl-C or SIGTERM (partial
+  (--records, --log) could not be written, 130 interrupted by Ctrl-C or SIGTERM (partial
   results printed and written).
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import contextvars
 import errno
-import io
 import json
 import math
 import os
@@ -337,7 +336,7 @@ def redact(text: str, secret: str | None = None) -> str:
     return text
 
 
-class _RedactingStream(io.TextIOBase):
+class _RedactingStream:
     """stdout/stderr with the known secrets replaced, whatever prints there."""
 
     def __init__(self, stream: Any):
