@@ -30,12 +30,12 @@ Examples:
   task infer:accept BASE=http://127.0.0.1:8000 CANDIDATE=http://127.0.0.1:8001 TEXT=my.txt
 
 Exit codes: 0 PASS or WARN, 1 FAIL, 2 usage error (no BASE/CANDIDATE, bad text, a server without
-logprobs), 3 a server unreachable or failing, 130 interrupted (what was measured is still reported).
+logprobs), 3 a server unreachable or failing, 5 the report is printed but --log could not be written,
+130 interrupted by Ctrl-C or SIGTERM (what was measured is still reported).
 """
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import re
 import subprocess
@@ -97,7 +97,7 @@ def run_bench(url: str, model: str, api_key: str | None, extra: list[str]) -> tu
     env = {**os.environ, **({"ROOFLINE_TASK_API_KEY": api_key} if api_key else {})}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     try:
-        return json.loads(done.stdout), None
+        return common.parse_json(done.stdout), None
     except ValueError:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         return None, f"bench gave no result ({common.redact(last, api_key)})"
@@ -109,7 +109,7 @@ def measure_side(side: dict[str, Any], url: str, api_key: str | None, args, text
     side["url"] = url
     with common.client(url, api_key, args.timeout) as http:
         entry = common.served_model(http, side["wanted_model"])
-        model, max_model_len = entry["id"], entry.get("max_model_len")
+        model, max_model_len = entry["id"], common.max_model_len(entry, url)
         side["model"], side["root"] = model, entry.get("root") or model
         common.progress(f"{side['role']}: perplexity on {url} ({model})")
         side["ppl"] = ppl.measure(http, args.api, model, text, window, stride, max_model_len)
@@ -300,19 +300,24 @@ def build_parser():
     p.add_argument("--skip-smoke", action="store_true", help="no tool-call smoke (a model that does not call tools)")
     p.add_argument("--skip-bench", action="store_true", help="no bench")
     p.add_argument("--log", default="", help="append the entry to this Markdown file (else $BENCH_LOG)")
-    p.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for a profile's server")
+    p.add_argument("--start-timeout", type=common.timeout_arg, default=900.0, help="seconds to wait for a profile's server")
     p.add_argument("--env-file", default=None, help="settings file (default: ./inference.env)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait per request")
+    p.add_argument("--timeout", type=common.timeout_arg, default=120.0, help="seconds to wait per request")
     common.add_output_args(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    settings = common.settings_from_args(args)
-    api_key = settings.get("INFER_API_KEY", os.environ.get("ROOFLINE_TASK_API_KEY")) or None
 
     def body() -> int:
+        # Settings are read here, inside run_main: a bad inference.env is one line, exit 2.
+        settings = common.settings_from_args(args)
+        api_key = settings.get("INFER_API_KEY", os.environ.get("ROOFLINE_TASK_API_KEY")) or None
+        common.add_secret(api_key)
+        log = settings.get("BENCH_LOG", args.log)
+        if log:
+            common.check_writable(log, "--log (BENCH_LOG)")
         sources = {role: settings.get(role.upper(), getattr(args, role)) for role in ("base", "candidate")}
         missing = [role.upper() for role, source in sources.items() if not source]
         if missing:
@@ -372,18 +377,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         result["rows"] = result_rows(base, cand, ppl_result)
         entry = common.render_log_entry(result, TEMPLATE)
-        log = settings.get("BENCH_LOG", args.log)
-        if log:
-            common.append_log(log, entry)
-            common.progress(f"accept: log entry appended to {log}")
+        # The result is printed first: a log that cannot be written then loses nothing.
         common.emit(result | {"log_entry": entry}, entry, args.json)
+        if log:
+            if common.write_outputs([("--log", log, common.log_with_entry(log, entry))]):
+                return common.EXIT_OUTPUT
+            common.progress(f"accept: log entry appended to {log}")
         if interrupted:
             return common.EXIT_INTERRUPTED
         if failure:
             return common.EXIT_SERVER
         return common.EXIT_CHECK_FAILED if verdict == "FAIL" else common.EXIT_OK
 
-    return common.run_main(body, api_key)
+    return common.run_main(body)
 
 
 def summary(side: dict[str, Any]) -> dict[str, Any]:

@@ -26,13 +26,17 @@ Examples:
 
 Exit codes: 0 SLO met (or no SLO set and every request completed), 1 SLO missed or requests
 failed, 2 usage error, 3 server unreachable or every request failed, 4 run invalid (the client
-may have distorted the figures), 130 interrupted (partial results still printed and logged).
+may have distorted the figures, or ran out of file descriptors: raise ulimit -n), 5 the result is
+printed but --records or --log could not be written, 130 interrupted by Ctrl-C or SIGTERM (partial
+results still printed and logged).
 """
 from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import datetime
+import errno
 import gc
 import json
 import math
@@ -61,7 +65,7 @@ SCHEMA_VERSION = 1
 TEMPLATE = Path(__file__).resolve().parent / "templates" / "bench_log_entry.md.j2"
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 ERROR_KINDS = ("unreachable", "wrong_model", "http_4xx", "http_5xx", "stream_cut",
-               "malformed_sse", "stream_error", "timeout", "empty_output")
+               "malformed_sse", "stream_error", "timeout", "empty_output", "client_fd_limit")
 LIMITS = {"num_requests": 1_000_000, "concurrency": 100_000, "input_tokens": 10_000_000,
           "output_tokens": 1_000_000}
 # The event-loop lag that may distort a figure: above both this floor and LAG_SHARE of the
@@ -123,6 +127,16 @@ class Response:
     body: bytes = b""
 
 
+def content_length(headers: dict[str, str]) -> int | None:
+    """The Content-Length header as a size, or None; a value that is not digits is a ValueError."""
+    length = headers.get("content-length")
+    if length is None:
+        return None
+    if not length.isascii() or not length.isdigit():
+        raise ValueError(f"bad Content-Length {length[:40]!r}")
+    return int(length)
+
+
 def _parse_head(data: bytes) -> tuple[int, dict[str, str], int] | None:
     """(status, lower-cased headers, body offset), or None while the head is incomplete."""
     end = data.find(b"\r\n\r\n")
@@ -139,14 +153,31 @@ def _parse_head(data: bytes) -> tuple[int, dict[str, str], int] | None:
     return int(parts[1]), headers, end + 4
 
 
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+MAX_CHUNK_LINE = 4096  # a chunk-size line with its extensions; longer is not chunked coding
+MAX_HEAD = 65536  # response head bytes; a head that does not end by then is not HTTP
+
+
+def chunk_size(line: bytes) -> int:
+    """The size on a chunk-size line (extensions after `;` ignored). Only hex digits: a sign,
+    a blank or garbage is a ValueError, so a negative size can never move the parser backwards."""
+    digits = line.split(b";", 1)[0].strip()
+    if not _CHUNK_SIZE.fullmatch(digits):
+        raise ValueError(f"bad chunk-size line {line[:40]!r}")
+    return int(digits, 16)
+
+
 def dechunk(raw: bytes) -> tuple[list[tuple[int, int, int]], bool]:
-    """Chunked transfer coding: [(decoded offset, raw offset, size)] segments and completeness."""
+    """Chunked transfer coding: [(decoded offset, raw offset, size)] segments and completeness.
+    Every step moves forward past a validated size line; ValueError if it is not chunked coding."""
     segments, pos, decoded = [], 0, 0
     while True:
-        line_end = raw.find(b"\r\n", pos)
+        line_end = raw.find(b"\r\n", pos, pos + MAX_CHUNK_LINE)
         if line_end < 0:
+            if len(raw) - pos > MAX_CHUNK_LINE:
+                raise ValueError("chunk-size line too long")
             return segments, False
-        size = int(raw[pos:line_end].split(b";", 1)[0].strip() or b"0", 16)
+        size = chunk_size(raw[pos:line_end])
         if size == 0:
             return segments, True
         start = line_end + 2
@@ -181,9 +212,9 @@ def parse_response(reads: Sequence[tuple[int, bytes]]) -> Response:
         segments, complete = dechunk(raw)
         body = b"".join(raw[start:start + size] for _, start, size in segments)
     else:
-        length = headers.get("content-length")
-        complete = length is not None and len(raw) >= int(length)
-        body = raw[:int(length)] if length is not None else raw
+        length = content_length(headers)
+        complete = length is not None and len(raw) >= length
+        body = raw[:length] if length is not None else raw
         segments = [(0, 0, len(body))]
     seg_starts = [seg[0] for seg in segments]
 
@@ -315,7 +346,7 @@ def interpret(outcome: Outcome, response: Response, chat: bool) -> Outcome:
             outcome.done_ns = t_ns
             break
         try:
-            chunk = json.loads(data)
+            chunk = common.parse_json(data)
             if not isinstance(chunk, dict):
                 raise ValueError("not an object")
         except ValueError:
@@ -325,6 +356,10 @@ def interpret(outcome: Outcome, response: Response, chat: bool) -> Outcome:
             error = chunk["error"]
             outcome.error = "stream_error"
             outcome.detail = str(error.get("message", error) if isinstance(error, dict) else error)[:200]
+            return outcome
+        fault = odd_chunk(chunk)
+        if fault:
+            outcome.error, outcome.detail = "malformed_sse", fault
             return outcome
         usage = chunk.get("usage")
         new_tokens = None
@@ -354,6 +389,36 @@ def interpret(outcome: Outcome, response: Response, chat: bool) -> Outcome:
     elif not outcome.token_times:
         outcome.error, outcome.detail = "empty_output", "the stream carried no content"
     return outcome
+
+
+def _count(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+
+
+def odd_chunk(chunk: dict[str, Any]) -> str:
+    """Why a well-formed JSON chunk does not fit the OpenAI stream format ('' when it does):
+    the fields interpret() reads must have their types."""
+    usage = chunk.get("usage")
+    if usage is not None:
+        if not isinstance(usage, dict):
+            return f"usage is {type(usage).__name__}, not an object"
+        details = usage.get("prompt_tokens_details")
+        if details is not None and not isinstance(details, dict):
+            return "usage.prompt_tokens_details is not an object"
+        for name, value in [*usage.items(), *(details or {}).items()]:
+            if name in ("completion_tokens", "prompt_tokens", "cached_tokens") and not _count(value):
+                return f"usage.{name} is {value!r}, not a whole number"
+    choices = chunk.get("choices")
+    if choices is not None and not isinstance(choices, list):
+        return f"choices is {type(choices).__name__}, not a list"
+    for choice in choices or []:
+        if not isinstance(choice, dict):
+            return f"a choices item is {type(choice).__name__}, not an object"
+        if choice.get("delta") is not None and not isinstance(choice["delta"], dict):
+            return "choices[].delta is not an object"
+        if not isinstance(choice.get("finish_reason"), (str, type(None))):
+            return "choices[].finish_reason is not a string"
+    return ""
 
 
 def settle(outcome: Outcome, chat: bool) -> Outcome:
@@ -402,10 +467,12 @@ class ChunkFraming:
         buf = self.pending + data if self.pending else data[self.next_line - start:]
         base, pos, self.pending = self.next_line, 0, b""
         while pos < len(buf):
-            line_end = buf.find(b"\r\n", pos)
+            line_end = buf.find(b"\r\n", pos, pos + MAX_CHUNK_LINE)
             if line_end < 0:
+                if len(buf) - pos > MAX_CHUNK_LINE:
+                    raise ValueError("chunk-size line too long")
                 break
-            size = int(buf[pos:line_end].split(b";", 1)[0].strip(), 16)
+            size = chunk_size(buf[pos:line_end])
             if size == 0:  # the last chunk: complete after the (usually empty) trailer section
                 rest = buf[line_end + 2:]
                 if rest.startswith(b"\r\n") or b"\r\n\r\n" in rest:
@@ -429,7 +496,7 @@ class Connection(asyncio.Protocol):
         self.lost = False
         self.reusable = False
         self.timed_out = False
-        self.last_read_ns = 0
+        self.last_read_ns = self.began_ns = 0
         self._head: tuple[int, dict[str, str], int] | None = None
         self._chunked = False
         self._keep_alive = False
@@ -446,7 +513,7 @@ class Connection(asyncio.Protocol):
         self.reads, self._head, self._received, self._framing = [], None, 0, ChunkFraming()
         self._chunked = self._keep_alive = False
         self.timed_out = False
-        self.last_read_ns = time.perf_counter_ns()
+        self.last_read_ns = self.began_ns = time.perf_counter_ns()
         self.waiter = asyncio.get_running_loop().create_future()
         return self.waiter
 
@@ -463,6 +530,9 @@ class Connection(asyncio.Protocol):
         """Reads before the head is complete, and bodies with a Content-Length."""
         self._received += len(data)
         if self._head is None:
+            if self._received > MAX_HEAD:  # joining the reads again per read would grow quadratically
+                self._finish(reusable=False)
+                return
             try:
                 self._head = _parse_head(b"".join(d for _, d in self.reads))
             except ValueError:
@@ -476,8 +546,12 @@ class Connection(asyncio.Protocol):
                 self._chunked = True
                 self._feed_chunked(b"".join(d for _, d in self.reads)[self._head[2]:])
                 return
-        length = self._head[1].get("content-length")
-        if length is not None and self._received - self._head[2] >= int(length):
+        try:
+            length = content_length(self._head[1])
+        except ValueError:
+            self._finish(reusable=False)
+            return
+        if length is not None and self._received - self._head[2] >= length:
             self._finish(self._keep_alive)
 
     def _feed_chunked(self, data: bytes) -> None:
@@ -537,7 +611,10 @@ class Client:
             conn, connect_ms = await self._connection(reuse)
         except OSError as exc:
             outcome.sent_ns = time.perf_counter_ns()
-            outcome.error, outcome.detail = "unreachable", f"{type(exc).__name__}: {exc}"
+            # Out of file descriptors is the client's own limit, not the server's fault.
+            own_limit = exc.errno in (errno.EMFILE, errno.ENFILE)
+            outcome.error = "client_fd_limit" if own_limit else "unreachable"
+            outcome.detail = f"{type(exc).__name__}: {exc}"
             return outcome
         outcome.connect_ms = connect_ms or 0.0
         waiter = conn.begin()
@@ -560,10 +637,12 @@ class Client:
         return outcome
 
     def expire_stalled(self) -> None:
-        """Close connections that received nothing for the timeout (called by a watchdog)."""
+        """Close connections that received nothing for the timeout, or no complete response
+        head within it (a slow drip of header bytes), called by a watchdog."""
         now = time.perf_counter_ns()
         for conn in list(self.busy):
-            if now - conn.last_read_ns > self.timeout_ns:
+            if now - conn.last_read_ns > self.timeout_ns or (
+                    conn._head is None and now - conn.began_ns > self.timeout_ns):
                 conn.timed_out = True
                 conn.transport.close()
 
@@ -735,6 +814,8 @@ async def run_plan(plan: Plan, base_url: str, api_key: str | None, timeout_s: fl
     finally:
         waiter.cancel()
         stop.set()
+        for task in background:
+            task.cancel()  # not waiting out the watchdog's and the lag probe's sleeps
         await asyncio.gather(*background, waiter, return_exceptions=True)
         client.close()
         gc.enable()
@@ -781,7 +862,11 @@ def run_in_loop(plan: Plan, base_url: str, api_key: str | None, timeout_s: float
             pass
         return await run_plan(plan, base_url, api_key, timeout_s, before_measured,
                               None if quiet else _progress_printer(plan), interrupt)
-    return asyncio.run(body())
+    on_term = signal.getsignal(signal.SIGTERM)
+    try:
+        return asyncio.run(body())
+    finally:  # closing the loop resets SIGTERM to the default (die): the caller's handler is back
+        signal.signal(signal.SIGTERM, on_term)
 
 
 def _progress_printer(plan: Plan) -> Callable[[Outcome], None]:
@@ -878,7 +963,13 @@ def server_counter(http, model: str, chat: bool) -> TokenCounter | None:
             body = {"model": model, "messages": [{"role": "user", "content": text}],
                     "add_generation_prompt": True} if form == "messages" else {"model": model, "prompt": text}
             answer = common.get_json(http, "/tokenize", json=body)
-            return int(answer["count"]) if "count" in answer else len(answer["tokens"])
+            count = answer.get("count") if isinstance(answer, dict) else None
+            tokens = answer.get("tokens") if isinstance(answer, dict) else None
+            if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+                return count
+            if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+                return len(tokens)
+            raise ValueError("/tokenize answered neither a count nor token ids")
         return count
     forms = [("messages", "server /tokenize"), ("prompt", "server /tokenize (message text only, "
                                                           "the chat template is not counted)")]
@@ -1042,6 +1133,10 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
                          if o.scheduled_ns is not None and not config.get("concurrency"))
     cpu_util = cpu_s / wall_s if wall_s else 0.0
     valid, threshold, invalid_reasons = client_validity(lag, ttft, tpot, schedule, cpu_util)
+    if errors.get("client_fd_limit"):
+        valid = False
+        invalid_reasons.append(f"the client ran out of file descriptors for {errors['client_fd_limit']} requests: "
+                               "raise the limit (ulimit -n 65536) and run again; the server is not at fault")
     slo = slo_check(ttft["p95"], tpot["p95"], config.get("slo_ttft_p95_ms"), config.get("slo_tpot_p95_ms"))
     good = [o for o in done if all(
         (name != "ttft_p95_ms" or o.ttft_ms <= c["target"]) and
@@ -1078,7 +1173,9 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
     reasons += [f"{name} {c['measured']:.1f} ms > {c['target']:g} ms" if c["measured"] is not None
                 else f"{name}: nothing measured" for name, c in slo.items() if not c["met"]]
     # Failed requests are facts whatever the client's lag; SLO figures are not when it lagged.
-    if measured and not done:
+    if errors.get("client_fd_limit"):
+        verdict = "INVALID"
+    elif measured and not done:
         verdict = "ERROR"
     elif failed:
         verdict = "FAIL"
@@ -1199,23 +1296,24 @@ def find_target(base_url: str, api_key: str | None, model: str | None, timeout: 
         version = None
         for path in ("/version", "/server_info", "/get_server_info"):
             try:
-                version = http.get(path).json().get("version")
+                version = common.parse_json(http.get(path).content).get("version")
             except (ValueError, AttributeError, common.httpx.HTTPError):
                 continue
-            if version:
+            if isinstance(version, str) and version:
                 break
+            version = None
     info = {"model": entry["id"], "served": served, "root": entry.get("root"),
-            "max_model_len": entry.get("max_model_len"), "owned_by": entry.get("owned_by"),
+            "max_model_len": common.max_model_len(entry, base_url), "owned_by": entry.get("owned_by"),
             "engine_version": version}
     return Target(base_url, api_key, entry["id"], info)
 
 
-def metrics_snapshot(target: Target) -> tuple[dict[str, Any] | None, str]:
+def metrics_snapshot(target: Target, timeout: float) -> tuple[dict[str, Any] | None, str]:
     """One scrape of /metrics through scripts/metrics.py: (snapshot, '') or (None, why not)."""
     import metrics
 
     try:
-        text, at = metrics.scrape(target.base_url, target.api_key)
+        text, at = metrics.scrape(target.base_url, target.api_key, timeout)
         return metrics.snapshot(text, target.base_url, at), ""
     except (ServerError, UsageError, metrics.InvalidScrape) as exc:
         return None, str(exc)
@@ -1364,13 +1462,14 @@ def execute(target: Target, cfg: dict[str, Any], quiet: bool = False) -> dict[st
               "model": target.model, "prompt_tokenizer": counter.name, "run_id": run_id,
               "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "extra_body": cfg["extra_body"] or None}
-    before, note = metrics_snapshot(target)
+    before, note = metrics_snapshot(target, cfg["timeout_s"])
     common.progress(f"bench: {config['load']} against {target.base_url} ({target.model})")
     if cfg["workers"] > 1:
         run = run_workers(plan, cfg["workers"], target.base_url, target.api_key, cfg["timeout_s"])
     else:
         run = run_in_loop(plan, target.base_url, target.api_key, cfg["timeout_s"], quiet=quiet)
-    after, note_after = metrics_snapshot(target) if before is not None else (None, note)
+    with common.signals_held("bench") if run.interrupted else contextlib.nullcontext():
+        after, note_after = metrics_snapshot(target, cfg["timeout_s"]) if before is not None else (None, note)
     result = analyse(run.outcomes, config, run.loop_lag_ms, run.cpu_s, run.wall_s, run.interrupted)
     all_tokens = sum(o.completion_tokens or 0 for o in run.outcomes if o.ok or o.error == "stream_cut")
     result["server"] = {"info": target.info, **server_side(before, after, note or note_after, all_tokens, result["slo"])}
@@ -1386,18 +1485,29 @@ def run(args: Any) -> int:
     settings = common.settings_from_args(args)
     cfg = make_config(args, settings)
     base_url, api_key = common.server_settings(args)
+    for what, path in (("--records", args.records), ("--log (BENCH_LOG)", cfg["log"])):
+        if path:
+            common.check_writable(path, what)
     target = find_target(base_url, api_key, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
     result = execute(target, cfg)
+    with common.signals_held("bench") if result["interrupted"] else contextlib.nullcontext():
+        return print_and_write(args, cfg, result)
+
+
+def print_and_write(args: Any, cfg: dict[str, Any], result: dict[str, Any]) -> int:
+    """Print the result, then write --records and --log: the exit code."""
     records = result.pop("records")
-    if args.records:
-        with open(args.records, "w", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record) + "\n")
-    if cfg["log"]:
-        common.append_log(cfg["log"], common.render_log_entry(result, TEMPLATE))
-        common.progress(f"bench: log entry appended to {cfg['log']}")
+    # The result is printed first: a file that cannot be written then loses nothing.
     common.emit(result, human_report(result), args.json)
-    return exit_code(result)
+    files = []
+    if args.records:
+        files.append(("--records", args.records, "".join(json.dumps(common.json_safe(r)) + "\n" for r in records)))
+    if cfg["log"]:
+        files.append(("--log", cfg["log"], common.log_with_entry(cfg["log"], common.render_log_entry(result, TEMPLATE))))
+    written = common.write_outputs(files)
+    if cfg["log"] and written == common.EXIT_OK:
+        common.progress(f"bench: log entry appended to {cfg['log']}")
+    return written if written != common.EXIT_OK else exit_code(result)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

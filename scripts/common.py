@@ -11,21 +11,31 @@ all need, so that no script copies them:
 
 Exit codes shared by all scripts (a script may give 1 and 4 a narrower meaning in its --help):
   0 ok, 1 check failed (does not fit, SLO missed, smoke failed), 2 usage or configuration error,
-  3 server unreachable or failing, 4 run invalid, 130 interrupted (partial results written).
+  3 server unreachable or failing, 4 run invalid, 5 the result was printed but an output file
+  (--records, --log) could not be written, 130 interrupted by Ctrl-C or SIGTERM (partial
+  results printed and written).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
+import errno
 import json
 import math
 import os
 import re
+import signal
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 try:
     import httpx
+    import httpcore  # httpx's own transport layer: the deadline on every read (client)
     import yaml  # noqa: F401  (imported here so that a missing dependency fails the same way everywhere)
 except ImportError as exc:
     print(f"error: Python package {exc.name!r} is missing: Claude Code plugin: start a new session (its hook "
@@ -39,7 +49,12 @@ EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
 EXIT_SERVER = 3
 EXIT_INVALID = 4
+EXIT_OUTPUT = 5
 EXIT_INTERRUPTED = 130
+
+# Files read from the user's disk are small: a larger one is a mistake (or /dev/zero).
+MAX_SETTINGS_BYTES = 1 << 20
+MAX_SAVED_BYTES = 256 << 20  # a saved run (ppl keeps a value per token) or baseline
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 ENV_FILE_NAME = "inference.env"
@@ -89,7 +104,44 @@ def load_env_file(path: str | os.PathLike | None = None) -> dict[str, str]:
         if explicit:
             raise UsageError(f"env file {file} does not exist: create it or drop --env-file")
         return {}
-    return parse_env_file(file.read_text(encoding="utf-8"))
+    return parse_env_file(read_bounded(file, "env file", MAX_SETTINGS_BYTES))
+
+
+def read_bounded(path: str | os.PathLike, what: str, limit: int) -> str:
+    """A UTF-8 text file of at most `limit` bytes; a directory, a larger file (or an endless one,
+    such as /dev/zero), binary content or an unreadable file is a one-line UsageError."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
+    except IsADirectoryError:
+        raise UsageError(f"{what} {path} is a directory: give a file")
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror}")
+    if len(data) > limit:
+        raise UsageError(f"{what} {path} is larger than {limit:,} bytes: give a smaller file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{what} {path} is not UTF-8 text: convert it (iconv -t utf-8) or give another file")
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load without anchors and aliases: a few lines of `&a [*b, *b, ...]` expand to
+    gigabytes (the "billion laughs"), and a settings file has no need of them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.YAMLError(f"line {mark.line + 1} uses a YAML alias (*name): write the value out")
+        return super().compose_node(parent, index)
+
+
+def load_yaml(text: str, what: str) -> Any:
+    """YAML from a user's file (a profile, a value of it): safe, no aliases; errors are one line."""
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{what} is not valid YAML: {' '.join(str(exc).split())[:200]}")
 
 
 class Settings:
@@ -169,8 +221,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help=f"server base URL (else $INFER_URL, {ENV_FILE_NAME}, {DEFAULT_URL})")
     parser.add_argument("--env-file", default=None,
                         help=f"settings file (default: ./{ENV_FILE_NAME}, or $INFER_ENV_FILE)")
-    parser.add_argument("--timeout", type=float, default=30.0,
+    parser.add_argument("--timeout", type=timeout_arg, default=30.0,
                         help="seconds to wait for the server per request")
+
+
+def timeout_arg(raw: str) -> float:
+    """argparse type of every --timeout: a finite number of seconds, 1 ms to a day."""
+    try:
+        return number("--timeout", raw, float, 1e-3, 86400.0)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--timeout "))
 
 
 def normalize_url(url: str) -> str:
@@ -187,21 +247,175 @@ def server_settings(args: argparse.Namespace) -> tuple[str, str | None]:
     url = normalize_url(settings.get("INFER_URL", getattr(args, "url", ""), DEFAULT_URL))
     # The Taskfile hands a task argument INFER_API_KEY=... over as ROOFLINE_TASK_API_KEY.
     api_key = settings.get("INFER_API_KEY", os.environ.get("ROOFLINE_TASK_API_KEY")) or None
+    add_secret(api_key)
+    if api_key and api_key in url:  # e.g. `task VAR='http://host/{{.INFER_API_KEY}}'`, which go-task expands
+        raise UsageError("the server URL contains the API key: give the key only as INFER_API_KEY")
     return url, api_key
+
+
+# The end of the current request (time.monotonic), per thread: every socket read ends by then.
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("deadline", default=None)
+STREAM_DEADLINE_FACTOR = 10  # a streamed answer may take ten times --timeout in all
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A socket whose reads end by the request's deadline. httpx's read timeout is per read, so
+    a server dripping a byte now and then would hold a request forever without this."""
+
+    def __init__(self, stream: httpcore.NetworkStream):
+        self.stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        deadline = _DEADLINE.get()
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise httpcore.ReadTimeout("the answer took longer than its deadline in all")
+            timeout = left if timeout is None else min(timeout, left)
+        return self.stream.read(max_bytes, timeout)
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self.stream.write(buffer, timeout)
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def start_tls(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+        return _DeadlineStream(self.stream.start_tls(*args, **kwargs))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self.stream.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.SyncBackend):
+    def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+        return _DeadlineStream(super().connect_tcp(*args, **kwargs))
+
+
+class _Client(httpx.Client):
+    """httpx.Client with a deadline on each request in all: --timeout for the head and a body
+    read at once, ten times that for a streamed body, whatever the server drips."""
+
+    def __init__(self, total_s: float, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.total_s = total_s
+
+    def send(self, request: httpx.Request, *, stream: bool = False, **kwargs: Any) -> httpx.Response:
+        _DEADLINE.set(time.monotonic() + self.total_s)  # the head (and a whole body not streamed)
+        response = super().send(request, stream=stream, **kwargs)
+        if stream:  # the streamed body, read after this returns
+            _DEADLINE.set(time.monotonic() + self.total_s * STREAM_DEADLINE_FACTOR)
+        return response
 
 
 def client(base_url: str, api_key: str | None = None, timeout: float = 30.0,
            max_connections: int = 16, transport: httpx.BaseTransport | None = None) -> httpx.Client:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.Client(
-        base_url=base_url, headers=headers, transport=transport,
-        timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    if transport is None:
+        transport = httpx.HTTPTransport(limits=limits)
+        # httpx has no public way to give its pool a network backend; the pool reads this one.
+        transport._pool._network_backend = _DeadlineBackend()  # noqa: SLF001
+    return _Client(
+        timeout, base_url=base_url, headers=headers, transport=transport,
+        timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), limits=limits,
     )
 
 
-def redact(text: str, secret: str | None) -> str:
-    return text.replace(secret, "***") if secret else text
+# Every secret the process knows (API keys): all text leaving it passes through redact().
+SECRETS: set[str] = set()
+
+
+def add_secret(secret: str | None) -> None:
+    if secret:
+        SECRETS.add(secret)
+        SECRETS.add(json.dumps(secret)[1:-1])  # as it appears inside a JSON string
+
+
+def redact(text: str, secret: str | None = None) -> str:
+    for known in sorted(SECRETS | ({secret} if secret else set()), key=len, reverse=True):
+        text = text.replace(known, "***")
+    return text
+
+
+class _RedactingStream:
+    """stdout/stderr with the known secrets replaced, whatever prints there."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(redact(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def check_writable(path: str, what: str) -> None:
+    """Before a run: would `path` take an output file? A directory, a read-only file or folder,
+    or a parent that is a file is a UsageError now, not a lost result later."""
+    file = Path(path)
+    if file.is_dir():
+        raise UsageError(f"{what} {path} is a directory: give a file name")
+    if file.exists() and not os.access(file, os.W_OK):
+        raise UsageError(f"{what} {path} is read-only: give a writable file")
+    folder = file.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(f"{what} {path}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {path}: the folder {folder} is not writable")
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Replace `path` with `text` (secrets redacted) through a temporary file in the same folder
+    and a rename: a reader, or a run interrupted here, never sees half a file."""
+    file = Path(path)
+    if file.exists() and not file.is_file():  # /dev/null, a FIFO: written through, never replaced
+        with open(file, "w", encoding="utf-8") as stream:
+            stream.write(redact(text))
+        return
+    file.parent.mkdir(parents=True, exist_ok=True)
+    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=file.parent, prefix=f".{file.name}.",
+                                         suffix=".tmp", delete=False)
+    try:
+        with handle:
+            handle.write(redact(text))
+        if file.exists():
+            os.chmod(handle.name, file.stat().st_mode & 0o7777)
+        os.replace(handle.name, file)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(handle.name)
+        raise
+
+
+def write_outputs(files: list[tuple[str, str, str]]) -> int:
+    """Write (what, path, text) output files after the result was printed: EXIT_OK, or
+    EXIT_OUTPUT with one line per file that could not be written."""
+    code = EXIT_OK
+    for what, path, text in files:
+        try:
+            write_atomic(path, text)
+        except OSError as exc:
+            print(f"error: the result is printed above, but {what} {path} was not written: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            code = EXIT_OUTPUT
+    return code
+
+
+def parse_json(data: str | bytes) -> Any:
+    """json.loads for text from outside: nesting too deep for the decoder (`[[[[...`) is a
+    ValueError like any other malformed JSON, not a RecursionError."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply")
 
 
 def get_json(http: httpx.Client, path: str, **kwargs: Any) -> Any:
@@ -214,7 +428,7 @@ def get_json(http: httpx.Client, path: str, **kwargs: Any) -> Any:
     if response.status_code >= 400:
         raise ServerError(f"{method} {path} answered HTTP {response.status_code}: {response.text[:200].strip()}")
     try:
-        return response.json()
+        return parse_json(response.content)
     except ValueError:
         raise ServerError(f"{method} {path} did not answer JSON (is {http.base_url} an inference server?)")
 
@@ -223,11 +437,23 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with NaN and infinities as None: JSON has no NaN (a server may send one)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
+
+
 def emit(result: Any, human: str, as_json: bool) -> None:
-    """Print the result: JSON document or human text, on stdout."""
+    """Print the result: JSON document (valid JSON: NaN becomes null) or human text, on stdout,
+    in one write."""
     if as_json:
-        json.dump(result, sys.stdout, indent=2, ensure_ascii=False, default=str)
-        sys.stdout.write("\n")
+        sys.stdout.write(json.dumps(json_safe(result), indent=2, ensure_ascii=False, default=str,
+                                    allow_nan=False) + "\n")
     else:
         sys.stdout.write(human if human.endswith("\n") else human + "\n")
     sys.stdout.flush()
@@ -254,14 +480,16 @@ def render_log_entry(result: Mapping[str, Any], template: Path) -> str:
 
 
 def append_log(path: str, entry: str) -> None:
-    """Append (never overwrite) an entry to a bench log."""
+    """Append (never overwrite) an entry to a bench log, atomically (the log is rewritten
+    through a temporary file: an interrupted write leaves the old log whole)."""
+    write_atomic(path, log_with_entry(path, entry))
+
+
+def log_with_entry(path: str, entry: str) -> str:
+    """The bench log's text with `entry` appended (a blank line between entries)."""
     file = Path(path)
-    if file.parent and not file.parent.exists():
-        file.parent.mkdir(parents=True, exist_ok=True)
-    with open(file, "a", encoding="utf-8") as handle:
-        if handle.tell() > 0:
-            handle.write("\n")
-        handle.write(entry)
+    old = file.read_text(encoding="utf-8", errors="replace") if file.is_file() else ""
+    return old + ("\n" if old else "") + entry
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -292,21 +520,66 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return ArgumentParser(description=description, epilog=epilog, formatter_class=HelpFormatter)
 
 
-def run_main(body: Callable[[], int], secret: str | None = None) -> int:
-    """Run a script body and map errors to one line on stderr and an exit code."""
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops a script as Ctrl-C does: what was measured is kept
+
+
+@contextlib.contextmanager
+def _guarded_process():
+    """While a script body runs: stdout and stderr redacted, SIGTERM handled as Ctrl-C."""
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _RedactingStream(sys.stdout), _RedactingStream(sys.stderr)
+    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal needs it
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
-        return body()
-    except UsageError as exc:
-        print(f"error: {redact(str(exc), secret)}", file=sys.stderr)
-        return EXIT_USAGE
-    except ServerError as exc:
-        print(f"error: {redact(str(exc), secret)}", file=sys.stderr)
-        return EXIT_SERVER
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        return EXIT_OK
+        yield
+    finally:
+        sys.stdout, sys.stderr = streams
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def signals_held(what: str):
+    """After an interrupt, while the results are written: a further Ctrl-C or SIGTERM is noted,
+    not obeyed (what is left is bounded: one request of --timeout at most), so it cannot lose them."""
+    def note(signum: int, frame: Any) -> None:
+        progress(f"{what}: finishing: the results are being written")
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_main(body: Callable[[], int], secret: str | None = None) -> int:
+    """Run a script body and map errors to one line on stderr and an exit code. Everything it
+    prints is redacted; SIGTERM is handled as Ctrl-C."""
+    add_secret(secret)
+    with _guarded_process():
+        try:
+            return body()
+        except UsageError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except ServerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_SERVER
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except BrokenPipeError:
+            return EXIT_OK
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                print(f"error: the client ran out of file descriptors ({exc.strerror}): raise the limit "
+                      "(ulimit -n 65536) and run again; the server is not at fault", file=sys.stderr)
+                return EXIT_INVALID
+            raise
 
 
 CATALOG_DIR = Path(__file__).resolve().parent / "catalog"
@@ -348,7 +621,9 @@ def pick_model(listing: dict[str, Any], wanted: str | None, where: str) -> tuple
     An unknown name is a UsageError listing what is served; an empty listing is the server's
     state (still loading), a ServerError.
     """
-    models = [m for m in listing.get("data") or [] if isinstance(m, dict) and m.get("id")]
+    data = listing.get("data") if isinstance(listing, dict) else None
+    models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]] \
+        if isinstance(data, list) else []
     if not models:
         raise ServerError(f"{where}/v1/models lists no model: is the server still loading?")
     names = [m["id"] for m in models]
@@ -356,6 +631,14 @@ def pick_model(listing: dict[str, Any], wanted: str | None, where: str) -> tuple
         raise UsageError(f"model {wanted!r} is not served by {where}: set INFER_MODEL (or --model) to one of "
                          f"{', '.join(names)}")
     return (models[names.index(wanted)] if wanted else models[0]), names
+
+
+def max_model_len(entry: Mapping[str, Any], where: str) -> int | None:
+    """A /v1/models entry's max_model_len (vLLM gives one), checked: a whole number or absent."""
+    value = entry.get("max_model_len")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ServerError(f"{where}/v1/models gives max_model_len {str(value)[:40]!r}, not a whole number")
+    return value
 
 
 def served_model(http: httpx.Client, wanted: str | None = None) -> dict[str, Any]:
@@ -366,8 +649,6 @@ def served_model(http: httpx.Client, wanted: str | None = None) -> dict[str, Any
 def read_json_file(path: str, what: str, hint: str) -> Any:
     """A saved JSON document (a baseline, an earlier run); unreadable or not JSON is a UsageError."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UsageError(f"cannot read {what} {path}: {exc.strerror}")
+        return parse_json(read_bounded(path, what, MAX_SAVED_BYTES))
     except ValueError:
         raise UsageError(f"{what} {path} is not JSON: {hint}")

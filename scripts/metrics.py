@@ -64,11 +64,12 @@ file, unknown GPU, a --match Prometheus rejects as PromQL, series without the in
 model_name label), 3 server or Prometheus unreachable or answering an HTTP error (401, 404),
 4 the answer is not usable metrics (HTML page, empty or truncated scrape, neither vLLM nor
 SGLang, no vllm: or sglang: series in Prometheus),
-130 interrupted (the window measured so far is still reported).
+130 interrupted by Ctrl-C or SIGTERM (the window measured so far is still reported).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -152,6 +153,7 @@ def parse_exposition(text: str) -> Exposition:
         raise InvalidScrape("this is an HTML page, not Prometheus metrics: point at the engine's "
                             "own port (vLLM /metrics, SGLang /metrics with --enable-metrics)")
     result = Exposition()
+    not_finite: set[str] = set()
     lines = text.split("\n")
     for number, raw in enumerate(lines, 1):
         line = raw.strip()
@@ -170,7 +172,13 @@ def parse_exposition(text: str) -> Exposition:
                 raise InvalidScrape(f"the scrape is truncated: its last line is cut ({line[:80]!r}); "
                                     "scrape again or save the whole response")
             raise InvalidScrape(f"line {number} is not Prometheus text format ({exc}): {line[:80]!r}")
+        if not math.isfinite(value):  # valid in the format, but no figure: left out, and said so
+            not_finite.add(name)
+            continue
         result.samples.setdefault(name, []).append((labels, value))
+    if not_finite:
+        result.warnings.append(f"the server sent NaN or Inf for {', '.join(sorted(not_finite)[:5])}"
+                               f"{' and others' if len(not_finite) > 5 else ''}: those samples are left out")
     _check_histograms(result)
     if not text.endswith("\n"):
         result.warnings.append("the scrape does not end with a newline: it may be truncated")
@@ -997,6 +1005,9 @@ def metrics_url(url: str) -> str:
     return url if url.endswith("/metrics") else url + "/metrics"
 
 
+MAX_SCRAPE_BYTES = 256 << 20  # a vLLM scrape is ~100 KB per model; far more is not a metrics page
+
+
 def scrape(url: str, api_key: str | None = None, timeout: float = 30.0,
            transport: httpx.BaseTransport | None = None) -> tuple[str, float]:
     """GET the /metrics page of `url` (a base URL or the /metrics URL); (text, unix time)."""
@@ -1004,15 +1015,22 @@ def scrape(url: str, api_key: str | None = None, timeout: float = 30.0,
     base, path = target.rsplit("/", 1)
     with common.client(base, api_key, timeout, max_connections=1, transport=transport) as http:
         try:
-            response = http.get("/" + path)
+            with http.stream("GET", "/" + path) as response:
+                body, size = [], 0
+                for piece in response.iter_bytes():
+                    body.append(piece)
+                    size += len(piece)
+                    if size > MAX_SCRAPE_BYTES:
+                        raise InvalidScrape(f"{target} sent more than {MAX_SCRAPE_BYTES:,} bytes: not a metrics page")
         except httpx.HTTPError as exc:
             raise ServerError(f"cannot reach {target}: {type(exc).__name__}: {exc}".rstrip(": "))
+    text = b"".join(body).decode(response.encoding or "utf-8", errors="replace")
     if response.status_code == 404:
         raise ServerError(f"GET {target} answered HTTP 404: no metrics there "
                           "(vLLM serves /metrics on its API port; SGLang needs --enable-metrics)")
     if response.status_code >= 400:
-        raise ServerError(f"GET {target} answered HTTP {response.status_code}: {response.text[:120].strip()}")
-    return response.text, time.time()
+        raise ServerError(f"GET {target} answered HTTP {response.status_code}: {text[:120].strip()}")
+    return text, time.time()
 
 
 def read_file(path: str) -> str:
@@ -1238,7 +1256,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "(else $SLO_TPOT_P95_MS)")
     p.add_argument("--env-file", default=None,
                    help=f"settings file (default: ./{common.ENV_FILE_NAME}, or $INFER_ENV_FILE)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each answer")
+    p.add_argument("--timeout", type=common.timeout_arg, default=30.0, help="seconds to wait for each answer")
     common.add_output_args(p)
     return p
 
@@ -1316,9 +1334,10 @@ def window_reports(opts: Options, seconds: float, before: list[dict[str, Any]] |
             time.sleep(1)
             during.append(scrape_all(opts))
         time.sleep(max(0.0, deadline - time.monotonic()))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (common.run_main)
         interrupted = True
-    after = scrape_all(opts)
+    with common.signals_held("metrics") if interrupted else contextlib.nullcontext():
+        after = scrape_all(opts)
     replicas = [difference(before[i], after[i], [d[i] for d in during]) for i in range(len(after))]
     return replicas, interrupted, after
 
@@ -1403,7 +1422,7 @@ def watch(opts: Options) -> int:
         refreshes += 1
         result, text = results(opts, replicas)
         if opts.as_json:
-            print(json.dumps(result, default=str), flush=True)
+            print(json.dumps(common.json_safe(result), default=str, allow_nan=False), flush=True)
         else:
             print(f"--- {time.strftime('%H:%M:%S')}\n{text}", flush=True)
         if interrupted or refreshes == opts.count:

@@ -26,7 +26,8 @@ Examples:
   task infer:ppl INFER_URL=http://127.0.0.1:8000 TEXT=my.txt -- --window 1024 --stride 256
 
 Exit codes: 0 measured (compare: PASS or WARN), 1 compare: FAIL, 2 usage error (empty text, bad
-window, runs that cannot be compared, a server without logprobs), 3 server unreachable or failing.
+window, runs that cannot be compared, a server without logprobs), 3 server unreachable or failing
+(the windows scored so far are printed), 130 interrupted by Ctrl-C or SIGTERM (likewise).
 """
 from __future__ import annotations
 
@@ -51,13 +52,11 @@ DEFAULT_WINDOW = 2048  # strided windows of 2048 scored 512 at a time, as in Hug
 
 # ---------------------------------------------------------------- text and windows
 
+MAX_TEXT_BYTES = 64 << 20  # far more than a perplexity text needs; bounds a read of /dev/zero
+
+
 def read_text(path: str) -> str:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot read TEXT {path}: {exc.strerror}")
-    except UnicodeDecodeError:
-        raise UsageError(f"TEXT {path} is not UTF-8 text: convert it first (iconv -t utf-8)")
+    text = common.read_bounded(path, "TEXT", MAX_TEXT_BYTES)
     if not text.strip():
         raise UsageError(f"TEXT {path} is empty: give a text of your own, ideally tens of thousands of tokens")
     return text
@@ -102,7 +101,7 @@ def post(http, path: str, body: dict[str, Any]) -> dict[str, Any]:
                              "ppl needs prompt logprobs (vLLM /v1/completions, SGLang /generate)")
         raise ServerError(f"POST {path} answered HTTP {response.status_code}: {message}")
     try:
-        return response.json()
+        return common.parse_json(response.content)
     except ValueError:
         raise ServerError(f"POST {path} did not answer JSON")
 
@@ -118,9 +117,35 @@ def tokenize(http, api: str, model: str, text: str) -> tuple[list[int], list[int
             raise UsageError(f"SGLang could not take the whole text in one request ({exc}): with --api sglang "
                              "the text must fit in the context; split it into smaller files")
         return [], [entry[1] for entry in sglang_logprobs(meta)]
-    ids = post(http, "/tokenize", {"model": model, "prompt": text, "add_special_tokens": False})["tokens"]
-    prefix = post(http, "/tokenize", {"model": model, "prompt": "", "add_special_tokens": True})["tokens"]
+    ids = token_ids(post(http, "/tokenize", {"model": model, "prompt": text, "add_special_tokens": False}))
+    prefix = token_ids(post(http, "/tokenize", {"model": model, "prompt": "", "add_special_tokens": True}))
     return prefix, ids
+
+
+def token_ids(answer: Any) -> list[int]:
+    """The `tokens` of a /tokenize answer, checked: a list of token ids."""
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise ServerError("/tokenize did not answer {\"tokens\": [token ids]}: is it vLLM?")
+    return tokens
+
+
+def logprob(value: Any, where: str) -> float:
+    """A log-probability from the server, checked: a finite number, at most 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not -math.inf < value <= 1e-6:
+        raise ServerError(f"{where}: the logprob {str(value)[:40]!r} is not a number <= 0")
+    return float(value)
+
+
+def first_choice(answer: Any) -> dict[str, Any]:
+    """choices[0] of a completions answer, checked to be an object ({} when there is none)."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if choices is not None and not isinstance(choices, list):
+        raise ServerError("/v1/completions answered choices that are not a list")
+    choice = (choices or [{}])[0]
+    if not isinstance(choice, dict):
+        raise ServerError(f"/v1/completions answered a choices item that is {type(choice).__name__}, not an object")
+    return choice
 
 
 def sglang_body(prompt: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +155,10 @@ def sglang_body(prompt: dict[str, Any]) -> dict[str, Any]:
 
 
 def sglang_logprobs(answer: dict[str, Any]) -> list[list[Any]]:
-    entries = (answer.get("meta_info") or {}).get("input_token_logprobs")
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    entries = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+    if entries and not all(isinstance(e, list) and len(e) >= 2 for e in entries):
+        raise ServerError("SGLang meta_info.input_token_logprobs is not a list of [logprob, token id, ...]")
     if not entries:
         raise UsageError("SGLang /generate returned no meta_info.input_token_logprobs: the server does not "
                          "give prompt logprobs")
@@ -143,32 +171,39 @@ def score_window(http, api: str, model: str, tokens: list[int]) -> list[float | 
         entries = sglang_logprobs(post(http, "/generate", sglang_body({"input_ids": tokens})))
         if [e[1] for e in entries] != tokens:
             raise ServerError("SGLang echoed other token ids than the window sent")
-        return [None] + [e[0] for e in entries[1:]]
+        return [None] + [logprob(e[0], f"SGLang position {n}") for n, e in enumerate(entries[1:], 1)]
     body: dict[str, Any] = {"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 1.0, "seed": 0}
     if api == "vllm-echo":
         body.update(echo=True, logprobs=1, return_tokens_as_token_ids=True)
     else:
         body["prompt_logprobs"] = 0
-    choice = (post(http, "/v1/completions", body).get("choices") or [{}])[0]
+    choice = first_choice(post(http, "/v1/completions", body))
     if api == "vllm-echo":
         logprobs = choice.get("logprobs") or {}
-        values = logprobs.get("token_logprobs")
+        values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
         if not values:
             raise UsageError("the server returned no logprobs with echo: it does not give prompt logprobs")
         echoed = logprobs.get("tokens") or []
-        if echoed and [t.removeprefix("token_id:") for t in echoed[:len(tokens)]] != [str(t) for t in tokens]:
+        if not isinstance(values, list) or len(values) < len(tokens) or not isinstance(echoed, list):
+            raise ServerError(f"echo logprobs cover fewer positions than the {len(tokens)} tokens sent")
+        if echoed and [str(t).removeprefix("token_id:") for t in echoed[:len(tokens)]] != [str(t) for t in tokens]:
             raise ServerError("the echoed tokens differ from the window sent")
-        return [None] + values[1:len(tokens)]
+        return [None] + [logprob(v, f"echo position {n}") for n, v in enumerate(values[1:len(tokens)], 1)]
     entries = choice.get("prompt_logprobs")
     if not entries:
         raise UsageError("the server returned no prompt_logprobs: it is not vLLM; try --api vllm-echo, "
                          "or --api sglang for SGLang")
+    if not isinstance(entries, list) or len(entries) < len(tokens):
+        raise ServerError(f"prompt_logprobs has {len(entries) if isinstance(entries, list) else 'no list of'} "
+                          f"entries for the {len(tokens)} tokens sent")
     values: list[float | None] = [None]
     for position in range(1, len(tokens)):
-        entry = (entries[position] or {}).get(str(tokens[position]))
+        entries_here = entries[position] or {}
+        entry = entries_here.get(str(tokens[position])) if isinstance(entries_here, dict) else None
         if entry is None:
             raise ServerError(f"prompt_logprobs at position {position} lack the prompt token {tokens[position]}")
-        values.append(entry["logprob"] if isinstance(entry, dict) else entry)
+        values.append(logprob(entry.get("logprob") if isinstance(entry, dict) else entry,
+                              f"prompt_logprobs position {position}"))
     return values
 
 
@@ -361,7 +396,7 @@ def run_on_server(url: str, api_key: str | None, args, text: str) -> dict[str, A
     wanted = common.settings_from_args(args).get("INFER_MODEL", args.model)
     with common.client(url, api_key, args.timeout) as http:
         entry = common.served_model(http, wanted)
-        model, max_model_len = entry["id"], entry.get("max_model_len")
+        model, max_model_len = entry["id"], common.max_model_len(entry, url)
         common.progress(f"scoring on {url} ({model}, api {args.api})")
         run = measure(http, args.api, model, text, args.window, args.stride, max_model_len)
     return run | {"url": url}
@@ -369,11 +404,13 @@ def run_on_server(url: str, api_key: str | None, args, text: str) -> dict[str, A
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    url, api_key = common.server_settings(args)
 
     def body() -> int:
+        # Settings are read here, inside run_main: a bad URL or inference.env line is one line, exit 2.
+        url, api_key = common.server_settings(args)
         if (args.window is not None and args.window < 2) or (args.stride is not None and args.stride < 1):
             raise UsageError("--window must be at least 2 and --stride at least 1")
+        common.number("--block", args.block, int, 1)
         if args.compare is None:
             path, text = resolve_text(args)
             run = run_on_server(url, api_key, args, text) | {"text": path}
@@ -398,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         common.emit(result | {"base": sides[0], "candidate": sides[1]}, describe_comparison(result), args.json)
         return common.EXIT_CHECK_FAILED if result["verdict"] == "FAIL" else common.EXIT_OK
 
-    return common.run_main(body, api_key)
+    return common.run_main(body)
 
 
 if __name__ == "__main__":

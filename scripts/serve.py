@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -31,7 +32,6 @@ from typing import Any, Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (first: it checks the dependencies)
-import yaml  # noqa: E402
 from common import UsageError  # noqa: E402
 
 # key -> (allowed types, engines that understand it). Types are checked before rendering.
@@ -88,12 +88,8 @@ def find_profile(name: str, profiles_dir: Path = common.PROFILES_DIR) -> Path:
 
 
 def load_profile(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UsageError(f"profile {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}")
+    # Bounded read, UTF-8 only, no YAML aliases (an alias bomb would expand to gigabytes).
+    data = common.load_yaml(common.read_bounded(path, "profile", common.MAX_SETTINGS_BYTES), f"profile {path}")
     if not isinstance(data, dict):
         raise UsageError(f"profile {path} must be a YAML mapping of settings, got {type(data).__name__}")
     return data
@@ -108,9 +104,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise UsageError(f"--set {text!r} is not key=value, e.g. --set max_num_seqs=2")
+    if len(value) > common.MAX_SETTINGS_BYTES:
+        raise UsageError(f"--set {key.strip()}: the value is longer than {common.MAX_SETTINGS_BYTES:,} bytes")
     try:
-        return key.strip(), yaml.safe_load(value)
-    except yaml.YAMLError:
+        return key.strip(), common.load_yaml(value, f"--set {key.strip()}")
+    except UsageError:
         return key.strip(), value
 
 
@@ -258,7 +256,11 @@ def render(profile: dict[str, Any], port: int | None = None) -> tuple[list[str],
     validate(profile)
     port = port or profile.get("port") or DEFAULT_PORT[profile["engine"]]
     argv = (render_vllm if profile["engine"] == "vllm" else render_sglang)(profile, port)
-    return argv, {str(k): str(v) for k, v in profile.get("env", {}).items()}
+    env = {str(k): str(v) for k, v in profile.get("env", {}).items()}
+    bad = [k for k in env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
+    if bad:
+        raise UsageError(f"profile env key {bad[0]!r} is not an environment variable name (letters, digits, _)")
+    return argv, env
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -350,6 +352,7 @@ def resolve(args) -> dict[str, Any]:
 
 
 def shell_line(plan: dict[str, Any]) -> str:
+    # Keys are names (render checks them); values are quoted: a copied line runs no value.
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan["env"].items())
     return (env + " " if env else "") + shlex.join(plan["command"])
 

@@ -251,8 +251,11 @@ def catalog_config(catalog: Mapping[str, Mapping[str, Any]], key: str) -> dict[s
 def _safetensors_bytes(folder: Path) -> int | None:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
-        return int(total) if total else None
+        try:
+            total = common.parse_json(common.read_bounded(index, "safetensors index", MAX_CONFIG_BYTES))["metadata"]["total_size"]
+            return int(total) if total else None
+        except (ValueError, TypeError, KeyError):
+            return None  # the checkpoint size is a cross-check, not needed
     files = list(folder.glob("*.safetensors"))
     return sum(f.stat().st_size for f in files) if files else None
 
@@ -262,10 +265,13 @@ def fetch_hf_config(repo_id: str, transport: Any = None) -> tuple[dict[str, Any]
     import httpx
 
     cache = common.cache_dir() / "hf-configs" / (repo_id.replace("/", "--") + ".json")
-    if cache.exists():
-        cached = json.loads(cache.read_text())
+    try:
+        cached = common.parse_json(common.read_bounded(cache, "cached config", MAX_CONFIG_BYTES))
         return cached["config"], cached.get("checkpoint_bytes")
+    except (UsageError, ValueError, KeyError, TypeError):
+        pass  # none yet, or damaged: fetched again
     token = os.environ.get("HF_TOKEN")
+    common.add_secret(token)  # never printed, as the API key
     with common.client(HF_URL, api_key=token, timeout=20.0, transport=transport) as http:
         try:
             response = http.get(f"/{repo_id}/resolve/main/config.json", follow_redirects=True)
@@ -279,17 +285,41 @@ def fetch_hf_config(repo_id: str, transport: Any = None) -> tuple[dict[str, Any]
             raise UsageError(f"no config.json at {HF_URL}/{repo_id}: check the repo id")
         if response.status_code >= 400:
             raise common.ServerError(f"{HF_URL}/{repo_id}/config.json answered HTTP {response.status_code}")
-        config = response.json()
+        try:
+            config = common.parse_json(response.content)
+        except ValueError:
+            raise common.ServerError(f"{HF_URL}/{repo_id}/config.json is not JSON")
         checkpoint_bytes = None
         try:
             index = http.get(f"/{repo_id}/resolve/main/model.safetensors.index.json", follow_redirects=True)
             if index.status_code == 200:
-                checkpoint_bytes = index.json().get("metadata", {}).get("total_size")
-        except (httpx.HTTPError, ValueError):
+                checkpoint_bytes = common.parse_json(index.content).get("metadata", {}).get("total_size")
+        except (httpx.HTTPError, ValueError, AttributeError):
             checkpoint_bytes = None
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps({"config": config, "checkpoint_bytes": checkpoint_bytes}))
+        if isinstance(checkpoint_bytes, bool) or not isinstance(checkpoint_bytes, int):
+            checkpoint_bytes = None
+    common.write_atomic(str(cache), json.dumps({"config": config, "checkpoint_bytes": checkpoint_bytes}))
     return config, checkpoint_bytes
+
+
+MAX_CONFIG_BYTES = 16 << 20  # config.json and index files are kilobytes; this bounds a bad one
+MAX_LAYERS = 10_000  # the deepest published decoders have a few hundred
+
+
+def checked_model(config: Any, name: str, source: str, **kwargs: Any) -> Model:
+    """model_from_config over a config.json from outside: a document that is not an object, or
+    a field of the wrong type (a string where a number belongs), is one UsageError line."""
+    if not isinstance(config, dict):
+        raise UsageError(f"{source}: config.json is {type(config).__name__}, not an object")
+    try:
+        # A per-layer table is built: a layer count of 10^18 would never finish.
+        layers = int(_text_config(config).get("num_hidden_layers") or 0)
+        if not 0 <= layers <= MAX_LAYERS:
+            raise UsageError(f"{source}: num_hidden_layers {layers} is not a layer count (at most {MAX_LAYERS:,})")
+        return model_from_config(config, name, source, **kwargs)
+    except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as exc:
+        raise UsageError(f"{source}: config.json has a field of the wrong type or value "
+                         f"({type(exc).__name__}: {str(exc)[:120]}): fix the file or pass a catalog name")
 
 
 def resolve_model(name: str, transport: Any = None, hf_overrides: Mapping[str, Any] | None = None) -> Model:
@@ -305,19 +335,19 @@ def resolve_model(name: str, transport: Any = None, hf_overrides: Mapping[str, A
         if not file.is_file():
             raise UsageError(f"{path} has no config.json: point MODEL at a model folder or its config.json")
         try:
-            config = json.loads(file.read_text())
+            config = common.parse_json(common.read_bounded(file, "model config", MAX_CONFIG_BYTES))
         except ValueError:
             raise UsageError(f"{file} is not valid JSON")
-        return model_from_config(apply_hf_overrides(config, overrides), path.name if path.is_dir() else path.parent.name,
-                                 str(file), checkpoint_bytes=_safetensors_bytes(file.parent))
+        return checked_model(apply_hf_overrides(config, overrides), path.name if path.is_dir() else path.parent.name,
+                             str(file), checkpoint_bytes=_safetensors_bytes(file.parent))
     catalog = common.load_catalog("models")
     try:
         key, entry = common.find_in_catalog(catalog, name, "model")
     except UsageError as exc:
         if re.fullmatch(r"[\w.-]+/[\w.-]+", name):
             config, checkpoint_bytes = fetch_hf_config(name, transport)
-            return model_from_config(apply_hf_overrides(config, overrides), name, f"{HF_URL}/{name}",
-                                     checkpoint_bytes=checkpoint_bytes)
+            return checked_model(apply_hf_overrides(config, overrides), name, f"{HF_URL}/{name}",
+                                 checkpoint_bytes=checkpoint_bytes)
         raise UsageError(f"{exc}; a model outside the catalog needs no network if you pass the path of its "
                          "config.json (or its folder) as MODEL")
     return model_from_config(apply_hf_overrides(catalog_config(catalog, key), overrides), key, entry["source"],

@@ -25,7 +25,8 @@ Examples:
   task infer:smoke-toolcall INFER_URL=http://127.0.0.1:8000 -- --json
 
 Exit codes: 0 pass (warnings allowed), 1 a case failed or regressed, 2 configuration or usage
-error (tool calling not enabled, unknown model or case, bad baseline file), 3 server unreachable.
+error (tool calling not enabled, unknown model or case, bad baseline file), 3 server unreachable,
+130 interrupted by Ctrl-C or SIGTERM (the finished cases are reported).
 """
 from __future__ import annotations
 
@@ -238,7 +239,7 @@ def raise_for_config(status: int, text: str) -> None:
     if status == 400 and NO_TOOL_PARSER.search(text):
         message = text
         try:
-            message = json.loads(text).get("error", {}).get("message", text)
+            message = common.parse_json(text).get("error", {}).get("message", text)
         except (ValueError, AttributeError):
             pass
         raise ConfigError(f"the server does not have tool calling enabled (HTTP 400: {message.strip()}): {CONFIG_HINT}")
@@ -263,7 +264,7 @@ def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        yield json.loads(data)
+        yield common.parse_json(data)
 
 
 def merge_stream(chunks: Sequence[dict[str, Any]]) -> Answer:
@@ -314,7 +315,7 @@ def send(http, body: dict[str, Any]) -> Answer:
             raise_for_config(response.status_code, response.text)
             if response.status_code != 200:
                 raise ServerError(f"HTTP {response.status_code}: {response.text[:200].strip()}")
-            return plain_answer(response.json())
+            return plain_answer(common.parse_json(response.content))
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 text = response.read().decode(errors="replace")
@@ -325,6 +326,10 @@ def send(http, body: dict[str, Any]) -> Answer:
         raise ServerError(f"{type(exc).__name__}: {exc}")
     except ValueError as exc:
         raise ServerError(f"the answer is not valid JSON ({exc})")
+    except (AttributeError, TypeError, KeyError) as exc:
+        # Valid JSON of another shape (a list, a choices item that is a string, a number where
+        # text belongs): the server's fault, reported for this case; the other cases go on.
+        raise ServerError(f"the answer is JSON but not a chat completion ({type(exc).__name__}: {exc})")
 
 
 # ---------------------------------------------------------------- checks
@@ -338,7 +343,7 @@ def parse_arguments(call: dict[str, Any], tools: dict[str, Any]) -> tuple[dict[s
     if not isinstance(raw, str):
         return None, [Check(FAIL, f"{name}: arguments is {json_type(raw)}, not a JSON string")]
     try:
-        args = json.loads(raw)
+        args = common.parse_json(raw)
     except ValueError:
         return None, [Check(FAIL, f"{name}: arguments are not valid JSON: {short(raw)}")]
     if not isinstance(args, dict):
@@ -701,9 +706,10 @@ def build_parser():
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    url, api_key = common.server_settings(args)
 
     def body() -> int:
+        # Settings are read here, inside run_main: a bad URL or inference.env line is one line, exit 2.
+        url, api_key = common.server_settings(args)
         if args.repeat < 1 or args.max_tokens < 1:
             raise UsageError("--repeat and --max-tokens must be at least 1")
         catalog = common.load_catalog("toolcall_cases")
@@ -723,7 +729,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return common.EXIT_INTERRUPTED
         return common.EXIT_CHECK_FAILED if report["verdict"] == FAIL else common.EXIT_OK
 
-    return common.run_main(body, api_key)
+    return common.run_main(body)
 
 
 if __name__ == "__main__":

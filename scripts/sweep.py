@@ -17,7 +17,8 @@ Examples:
 
 Exit codes: 0 a knee was found (or no SLO was set and every point completed), 1 no
 concurrency meets the SLO, 2 usage error, 3 server unreachable or failing at every point,
-4 a point's run was invalid (client-bound), 130 interrupted (the points done are printed).
+4 a point's run was invalid (client-bound), 5 the report is printed but --log could not be written,
+130 interrupted by Ctrl-C or SIGTERM (the points done are printed and logged).
 """
 from __future__ import annotations
 
@@ -128,6 +129,10 @@ def run(args: Any) -> int:
         raise UsageError("sweep sets the concurrency itself: use --sweep-c (SWEEP_C), not -c")
     levels = parse_levels(settings.get("SWEEP_C", args.sweep_c, DEFAULT_SWEEP))
     base_url, api_key = common.server_settings(args)
+    log = settings.get("BENCH_LOG", args.log, None)
+    if log:
+        common.check_writable(log, "--log (BENCH_LOG)")
+    log_error = None
     # -n (BENCH_N) is per point; by default 4 x C, at least 16, so each point has several waves.
     per_point = settings.get("BENCH_N", args.num_requests, None)
     points, interrupted = [], False
@@ -142,8 +147,11 @@ def run(args: Any) -> int:
         common.progress(f"sweep: C = {concurrency}")
         result = bench.execute(target, cfg)
         result.pop("records")
-        if cfg["log"]:
-            common.append_log(cfg["log"], common.render_log_entry(result, bench.TEMPLATE))
+        if cfg["log"] and not log_error:
+            try:  # each point's entry at once (atomically): an interrupted sweep keeps the points done
+                common.append_log(cfg["log"], common.render_log_entry(result, bench.TEMPLATE))
+            except OSError as exc:
+                log_error = f"the result is printed above, but --log {cfg['log']} was not written: {exc.strerror or exc}"
         points.append(point_summary(concurrency, result))
         if result["interrupted"]:
             interrupted = True
@@ -157,6 +165,9 @@ def run(args: Any) -> int:
               "config": {k: cfg[k] for k in ("input_tokens", "output_tokens", "endpoint", "warmup")}
               | {"url": base_url, "model": target.model if target else None}}
     common.emit(report, human(report), args.json)
+    if log_error:
+        print(f"error: {log_error}", file=sys.stderr)
+        return common.EXIT_OUTPUT
     return exit_code(report)
 
 
