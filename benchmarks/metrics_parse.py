@@ -22,7 +22,7 @@ from typing import Any, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import common  # noqa: E402
-import metrics  # noqa: E402
+import engine_metrics  # noqa: E402
 
 RECORDED = ROOT / "tests" / "fixtures" / "metrics" / "vllm-0.32-after.txt"
 
@@ -42,7 +42,7 @@ def measure(text: str, repeat: int) -> list[float]:
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
-        metrics.report(metrics.snapshot(text, "benchmark"))
+        engine_metrics.report(engine_metrics.snapshot(text, "benchmark"))
         times.append(time.perf_counter() - start)
     return times
 

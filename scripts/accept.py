@@ -47,11 +47,11 @@ from typing import Any, Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import ppl  # noqa: E402
-import serve  # noqa: E402
+import perplexity  # noqa: E402
+import profiles  # noqa: E402
 import served  # noqa: E402
 import sizing  # noqa: E402
-import smoke_toolcall  # noqa: E402
+import toolcalls  # noqa: E402
 from common import ServerError, UsageError  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -75,11 +75,11 @@ def deployment(source: str, log_dir: Path, start_timeout_s: float) -> Iterator[s
     if is_url(source):
         yield common.normalize_url(source)
         return
-    port = serve.free_port()
+    port = profiles.free_port()
     log_path = log_dir / f"serve-{port}.log"
     common.progress(f"starting profile {source} on port {port} (log {log_path})")
     url = f"http://127.0.0.1:{port}"
-    with serve.running([sys.executable, str(SCRIPTS / "serve.py"), "--profile", source, "--port", str(port)],
+    with profiles.running([sys.executable, str(SCRIPTS / "serve.py"), "--profile", source, "--port", str(port)],
                        url, log_path, start_timeout_s):
         yield url
 
@@ -112,7 +112,7 @@ def measure_side(side: dict[str, Any], url: str, api_key: str | None, args, text
         model, max_model_len = entry["id"], common.max_model_len(entry, url)
         side["model"], side["root"] = model, entry.get("root") or model
         common.progress(f"{side['role']}: perplexity on {url} ({model})")
-        side["ppl"] = ppl.measure(http, args.api, model, text, window, stride, max_model_len)
+        side["ppl"] = perplexity.measure(http, args.api, model, text, window, stride, max_model_len)
         if side["ppl"]["stopped"] == "interrupted":
             raise KeyboardInterrupt
         if side["ppl"]["stopped"]:
@@ -121,15 +121,15 @@ def measure_side(side: dict[str, Any], url: str, api_key: str | None, args, text
             common.progress(f"{side['role']}: tool-call smoke")
             catalog, user_cases = args.toolcall_catalog
             try:
-                cases = smoke_toolcall.select_cases(catalog, "", False)
+                cases = toolcalls.select_cases(catalog, "", False)
                 cases += [name for name in user_cases if name not in cases]
-                report = smoke_toolcall.run_smoke(http, model, cases, args.repeat, args.max_tokens, False, 0, catalog)
+                report = toolcalls.run_smoke(http, model, cases, args.repeat, args.max_tokens, False, 0, catalog)
                 report["user_cases"] = user_cases
-                report["verdict"], report["reasons"] = smoke_toolcall.verdict(report)
+                report["verdict"], report["reasons"] = toolcalls.verdict(report)
                 side["smoke"] = report
                 if report["interrupted"]:
                     raise KeyboardInterrupt
-            except smoke_toolcall.ConfigError as exc:
+            except toolcalls.ConfigError as exc:
                 side["smoke_error"] = str(exc)
     if not args.skip_bench:
         common.progress(f"{side['role']}: bench {' '.join(bench_args(args))}")
@@ -141,7 +141,7 @@ def infer_scheme(cand: dict[str, Any]) -> tuple[str, str]:
     behind its /v1/models root, or its name; fp8's levels, the strictest, when none says."""
     if not is_url(cand["source"]):
         try:
-            profile = serve.load_profile(serve.find_profile(cand["source"]))
+            profile = profiles.load_profile(profiles.find_profile(cand["source"]))
         except UsageError:
             profile = {}
         quant = served.quant_of_profile(profile)
@@ -193,7 +193,7 @@ def judge(base: dict[str, Any], cand: dict[str, Any], ppl_result: dict[str, Any]
     elif cand.get("smoke"):
         failing = [c["case"] for c in cand["smoke"]["cases"] if c["status"] in ("FAIL", "ERROR")]
         if base.get("smoke"):
-            split = smoke_toolcall.compare_baseline(cand["smoke"]["cases"], base["smoke"])
+            split = toolcalls.compare_baseline(cand["smoke"]["cases"], base["smoke"])
             if split["regressions"]:
                 fails.append("tool-call smoke regressions (pass on base, fail on candidate): "
                              + ", ".join(split["regressions"]))
@@ -279,7 +279,7 @@ def build_parser():
     p = common.parser(__doc__)
     p.add_argument("--base", default="", help="the trusted deployment: URL or serve profile (else $BASE)")
     p.add_argument("--candidate", default="", help="the deployment to accept: URL or serve profile (else $CANDIDATE)")
-    p.add_argument("--text", default="", help=f"UTF-8 text to score (else $TEXT, else the bundled {ppl.SAMPLE_TEXT.name})")
+    p.add_argument("--text", default="", help=f"UTF-8 text to score (else $TEXT, else the bundled {perplexity.SAMPLE_TEXT.name})")
     p.add_argument("--base-model", default="", help="served model name on BASE (else the first listed)")
     p.add_argument("--candidate-model", default="", help="served model name on CANDIDATE (else the first listed)")
     p.add_argument("--scheme", default="", help="perplexity levels: fp8, int8, 4bit (default: from the candidate's "
@@ -288,7 +288,7 @@ def build_parser():
                                                    "scripts/catalog/toolcall_cases.yaml) run in the smoke (else $TOOLCALL_CASES)")
     p.add_argument("--warn-pct", type=float, default=None, help="override the scheme's warn level (%%)")
     p.add_argument("--fail-pct", type=float, default=None, help="override the scheme's fail level (%%)")
-    p.add_argument("--api", choices=ppl.APIS, default="vllm", help="how ppl asks for prompt logprobs")
+    p.add_argument("--api", choices=perplexity.APIS, default="vllm", help="how ppl asks for prompt logprobs")
     p.add_argument("--window", type=int, default=None, help="ppl window (unset: as ppl.py decides from the base server)")
     p.add_argument("--stride", type=int, default=None, help="ppl stride (unset: a quarter of the window)")
     p.add_argument("--repeat", type=int, default=3, help="smoke repeats per case")
@@ -323,11 +323,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if missing:
             raise UsageError(f"{' and '.join(missing)} not given: pass BASE=<url|profile> CANDIDATE=<url|profile>")
         scheme = args.scheme
-        levels = ppl.gate(scheme or "fp8", args.warn_pct, args.fail_pct)  # bad levels fail before any run
+        levels = perplexity.gate(scheme or "fp8", args.warn_pct, args.fail_pct)  # bad levels fail before any run
         catalog = common.load_catalog("toolcall_cases")
         cases_dir = settings.get("TOOLCALL_CASES", args.cases_dir)
-        args.toolcall_catalog = smoke_toolcall.with_user_cases(catalog, cases_dir) if cases_dir else (catalog, [])
-        path, text = ppl.resolve_text(args)
+        args.toolcall_catalog = toolcalls.with_user_cases(catalog, cases_dir) if cases_dir else (catalog, [])
+        path, text = perplexity.resolve_text(args)
         sides = {role: {"role": role, "source": source, "url": None, "model": None,
                         "wanted_model": getattr(args, f"{role}_model") or None}
                  for role, source in sources.items()}
@@ -350,12 +350,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             scheme_used = {"scheme": levels["scheme"], "inferred": False, "why": "given (--scheme)"}
         else:
             inferred, why = infer_scheme(cand)
-            levels = ppl.gate(inferred, args.warn_pct, args.fail_pct)
+            levels = perplexity.gate(inferred, args.warn_pct, args.fail_pct)
             scheme_used = {"scheme": levels["scheme"], "inferred": True, "why": why}
         common.progress(f"accept: {levels['name']} levels, {scheme_used['why']}")
         ppl_result = None
         if base.get("ppl") and cand.get("ppl"):
-            ppl_result = ppl.compare(base["ppl"], cand["ppl"], levels, 64)
+            ppl_result = perplexity.compare(base["ppl"], cand["ppl"], levels, 64)
         verdict, reasons, notes = judge(base, cand, ppl_result, interrupted)
         notes.insert(0, f"perplexity levels: {levels['name']} (warn +{levels['warn_pct']}%, fail +{levels['fail_pct']}%)"
                         f"{': inferred, ' if scheme_used['inferred'] else ', '}{scheme_used['why']}")

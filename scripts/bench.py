@@ -13,7 +13,7 @@ request (= AIPerf ITL, GuideLLM ITL); ITL = per-chunk gaps (vLLM ITL, AIPerf ICL
 Timestamps are taken when bytes arrive (monotonic ns) by a minimal raw-socket HTTP/1.1 client;
 SSE is parsed after the stream ends. The client's own event-loop lag is measured: when it may
 have distorted the figures, the run is INVALID (exit 4). /metrics is read before and after
-(queue vs prefill time, token counts, preemptions, prefix-cache hits) through scripts/metrics.py.
+(queue vs prefill time, token counts, preemptions, prefix-cache hits) through scripts/engine_metrics.py.
 SGLang is supported from its documented formats (checked against recorded streams, not a live
 server); its /tokenize takes text only, so chat prompts there do not count the chat template.
 
@@ -1310,12 +1310,12 @@ def find_target(base_url: str, api_key: str | None, model: str | None, timeout: 
 
 def metrics_snapshot(target: Target, timeout: float) -> tuple[dict[str, Any] | None, str]:
     """One scrape of /metrics through scripts/metrics.py: (snapshot, '') or (None, why not)."""
-    import metrics
+    import engine_metrics
 
     try:
-        text, at = metrics.scrape(target.base_url, target.api_key, timeout)
-        return metrics.snapshot(text, target.base_url, at), ""
-    except (ServerError, UsageError, metrics.InvalidScrape) as exc:
+        text, at = engine_metrics.scrape(target.base_url, target.api_key, timeout)
+        return engine_metrics.snapshot(text, target.base_url, at), ""
+    except (ServerError, UsageError, engine_metrics.InvalidScrape) as exc:
         return None, str(exc)
 
 
@@ -1323,13 +1323,13 @@ def server_side(before: dict[str, Any] | None, after: dict[str, Any] | None, not
                 completed_tokens: int, slo: dict[str, Any]) -> dict[str, Any]:
     """What the server's own metrics say about the run: its latency histograms, queue vs
     prefill time, token counters, preemptions, prefix hits, and metrics.py's diagnosis."""
-    import metrics
+    import engine_metrics
 
     if before is None or after is None:
         return {"metrics": None, "metrics_note": note or "/metrics unavailable", "summary": []}
-    delta = metrics.difference(before, after)
-    targets = metrics.Targets(slo.get("ttft_p95_ms", {}).get("target"), slo.get("tpot_p95_ms", {}).get("target"))
-    report = metrics.report(delta, slo=targets)
+    delta = engine_metrics.difference(before, after)
+    targets = engine_metrics.Targets(slo.get("ttft_p95_ms", {}).get("target"), slo.get("tpot_p95_ms", {}).get("target"))
+    report = engine_metrics.report(delta, slo=targets)
     generated = delta["counters"].get("generation_tokens", {}).get("value")
     keep = ("engine", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms",
             "preemptions", "prefix_cache_hit_rate", "prompt_tokens", "running_peak", "waiting_peak",

@@ -271,8 +271,8 @@ def configs(prom: Prometheus, engine: str, names: set[str], match: str, seconds:
 
 
 # ---------------------------------------------------------------------------------------------
-# Fleet findings. `reports` are metrics.report() dicts of each replica plus instance, state,
-# model and config; `flags` are the engine's flag names (metrics.FLAGS).
+# Fleet findings. `reports` are engine_metrics.report() dicts of each replica plus instance, state,
+# model and config; `flags` are the engine's flag names (engine_metrics.FLAGS).
 
 LEVERS = {
     "replica_down": [

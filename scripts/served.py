@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import metrics  # noqa: E402
+import engine_metrics  # noqa: E402
 import sizing  # noqa: E402
 
 # The acceptance levels (scripts/catalog/ppl_gates.yaml) of each weight format sizing names.
@@ -30,13 +30,13 @@ def served_facts(url: str, api_key: str | None = None, timeout: float = 30.0,
     with common.client(url, api_key, timeout) as http:
         entry = common.served_model(http, wanted_model)
     try:
-        text, _ = metrics.scrape(url, api_key, timeout)
-        info = metrics.snapshot(text, url)["cache_config"]
-    except (common.ServerError, metrics.InvalidScrape):
+        text, _ = engine_metrics.scrape(url, api_key, timeout)
+        info = engine_metrics.snapshot(text, url)["cache_config"]
+    except (common.ServerError, engine_metrics.InvalidScrape):
         info = {}
     return {"url": url, "model": entry["id"], "root": entry.get("root") or entry["id"],
             "max_model_len": entry.get("max_model_len"), "cache_config": info,
-            "deployment": metrics.deployment_config(info, None)}
+            "deployment": engine_metrics.deployment_config(info, None)}
 
 
 def root_config(root: str, transport: Any = None) -> tuple[dict[str, Any] | None, str]:

@@ -19,7 +19,8 @@ import bcrypt
 import httpx
 import yaml
 
-import serve
+
+import profiles
 from vllm_server import ServerUnavailable
 
 STARTUP_TIMEOUT_S = 60
@@ -44,7 +45,7 @@ def running_prometheus(work_dir: Path, targets: Sequence[str], scrape_interval_s
     binary = shutil.which("prometheus")
     if not binary:
         raise ServerUnavailable("prometheus is not installed: run sh tests/install_prometheus.sh")
-    port = serve.free_port()
+    port = profiles.free_port()
     config = {"global": {"scrape_interval": f"{scrape_interval_s}s", "scrape_timeout": f"{scrape_interval_s}s",
                          "evaluation_interval": f"{scrape_interval_s}s"},
               "scrape_configs": [{"job_name": "vllm", "static_configs": [{"targets": list(targets)}]}]}

@@ -82,7 +82,7 @@ def test_candidate_without_tool_calling_fails_on_configuration(capsys):
     assert code == 1
     assert result["reasons"] == [
         "candidate smoke could not run: the server does not have tool calling enabled (HTTP 400: \"auto\" tool "
-        "choice requires --enable-auto-tool-choice and --tool-call-parser to be set): " + accept.smoke_toolcall.CONFIG_HINT]
+        "choice requires --enable-auto-tool-choice and --tool-call-parser to be set): " + accept.toolcalls.CONFIG_HINT]
 
 
 def test_judge_names_model_limitations_and_a_slower_candidate():

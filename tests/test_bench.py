@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 import bench
-import metrics
+import engine_metrics
 import sweep
 from calibration_server import CalibrationServer, Schedule, parse_fault
 from common import UsageError
@@ -545,8 +545,8 @@ def test_sweep_knee_stops_below_an_invalid_run():
 # The real CPU vLLM
 
 def _scrape(url: str) -> dict:
-    text, at = metrics.scrape(url)
-    return metrics.snapshot(text, url, at)
+    text, at = engine_metrics.scrape(url)
+    return engine_metrics.snapshot(text, url, at)
 
 
 def _bucket_shifts(delta: dict, records: list[dict], concept: str, key: str) -> list[int]:
@@ -565,7 +565,7 @@ def _measure_against_vllm(url: str, capsys, records: Path) -> tuple[dict, list[d
     before = _scrape(url)
     code, result = _run(capsys, url, "-n", "12", "-c", "4", "--input-tokens", "200",
                         "--output-tokens", "24", "--warmup", "2", "--records", str(records))
-    delta = metrics.difference(before, _scrape(url))
+    delta = engine_metrics.difference(before, _scrape(url))
     return result, [json.loads(line) for line in records.read_text().splitlines()], delta
 
 

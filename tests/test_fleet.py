@@ -20,7 +20,9 @@ import httpx
 import pytest
 
 import metrics
-import serve
+
+import engine_metrics
+import profiles
 from markdown_doc import SKILLS
 from prometheus_server import running_prometheus
 from test_metrics import send_load
@@ -80,23 +82,23 @@ def measured(fleet, load) -> tuple[dict[str, dict], float]:
     its /metrics around `load()`, and the
     PromQL window (seconds) that covers the same load and nothing before it."""
     urls = fleet.get("live") or [s.url for s in fleet["servers"].values()]
-    before = {url: metrics.snapshot(*_scrape(url)) for url in urls}
+    before = {url: engine_metrics.snapshot(*_scrape(url)) for url in urls}
     start = time.time()
     time.sleep(2.5 * SCRAPE_S)  # samples before the load, inside the window
     load()
-    after = {url: metrics.snapshot(*_scrape(url)) for url in urls}
+    after = {url: engine_metrics.snapshot(*_scrape(url)) for url in urls}
     # Prometheus scrapes the final values; a window of 20 intervals keeps increase()'s
     # extrapolation small (see assert_agrees).
     time.sleep(max(3 * SCRAPE_S, start + 21 * SCRAPE_S - time.time()))
     direct = {}
     for url in urls:
-        delta = metrics.difference(before[url], after[url])
-        direct[instance(url)] = {**metrics.report(delta), "histograms": delta["histograms"]}
+        delta = engine_metrics.difference(before[url], after[url])
+        direct[instance(url)] = {**engine_metrics.report(delta), "histograms": delta["histograms"]}
     return direct, time.time() - start - SCRAPE_S
 
 
 def _scrape(url: str) -> tuple[str, str, float]:
-    text, at = metrics.scrape(url)
+    text, at = engine_metrics.scrape(url)
     return text, url, at
 
 
@@ -119,8 +121,8 @@ def assert_agrees(from_prometheus: dict, direct: dict, window: float) -> None:
         if direct[row]["n"]:
             assert from_prometheus[row]["mean"] == pytest.approx(direct[row]["mean"], rel=0.02), row
             buckets = list(zip(*(direct["histograms"][row.removesuffix("_ms")][k] for k in ("le", "counts"))))
-            low = metrics.quantile_bucket(0.5 / stretch, buckets)[0] * 1000
-            high = metrics.quantile_bucket(min(1.0, 0.5 * stretch), buckets)[1] * 1000
+            low = engine_metrics.quantile_bucket(0.5 / stretch, buckets)[0] * 1000
+            high = engine_metrics.quantile_bucket(min(1.0, 0.5 * stretch), buckets)[1] * 1000
             assert low * 0.999 <= from_prometheus[row]["p50"] <= high * 1.001, row
     if direct["prefix_cache_queries"]:
         assert from_prometheus["prefix_cache_hit_rate"] == pytest.approx(direct["prefix_cache_hit_rate"],
@@ -203,7 +205,7 @@ class TestRealFleet:
             (["--match", 'job="nothing"'], {}, 4, "holds no vllm: or sglang: series"),
             ([], {"password": "wrong-password"}, 3, "HTTP 401"),
             ([], {"url": root}, 3, "path prefix"),
-            ([], {"url": f"http://127.0.0.1:{serve.free_port()}"}, 3, "cannot reach"),
+            ([], {"url": f"http://127.0.0.1:{profiles.free_port()}"}, 3, "cannot reach"),
         ]
         for argv, options, code, message in cases:
             got, _, err = ask(prom, monkeypatch, capsys, *argv, **options)
@@ -299,7 +301,7 @@ def fake_sglang_prometheus(labels: dict[str, str], asked: list[str], up: dict[st
 def test_sglang_label_set_through_prometheus():
     asked: list[str] = []
     labels = {"job": "sglang", "model_name": "qwen", "engine_type": "unified", "tp_rank": "0"}
-    snap = metrics.prometheus_snapshot("http://prom:9090/prometheus", 60,
+    snap = engine_metrics.prometheus_snapshot("http://prom:9090/prometheus", 60,
                                        transport=httpx.MockTransport(fake_sglang_prometheus(labels, asked)))
     assert snap["engine"] == "sglang" and [r["fleet"]["instance"] for r in snap["replicas"]] == ["r1:30000", "r2:30000"]
     assert snap["replicas"][1]["fleet"]["config"]["sglang:max_total_num_tokens"] == "250000"
@@ -307,8 +309,8 @@ def test_sglang_label_set_through_prometheus():
     assert f'histogram_quantile(0.95, sum by (le, instance) (rate(sglang:time_to_first_token_seconds_bucket{ranks}[60s])))' in asked
     assert f'sum by (instance) (sglang:num_queue_reqs{ranks})' in asked
     assert asked[0].startswith("count by (__name__)") and not any("vllm:" in q for q in asked[1:])
-    reports = [{**metrics.report(r), **r["fleet"]} for r in snap["replicas"]]
-    found = metrics.fleet.findings(reports, metrics.FLAGS["sglang"], metrics.QUEUE_SHARE, metrics.PREFIX_LONG_PROMPT)
+    reports = [{**engine_metrics.report(r), **r["fleet"]} for r in snap["replicas"]]
+    found = metrics.fleet.findings(reports, engine_metrics.FLAGS["sglang"], engine_metrics.QUEUE_SHARE, engine_metrics.PREFIX_LONG_PROMPT)
     assert [f["bottleneck"] for f in found] == ["config_mismatch", "imbalance"]
     assert found[1]["replicas"] == ["r1:30000", "r2:30000"]
     assert "--mem-fraction-static" in found[0]["evidence"]
@@ -317,11 +319,11 @@ def test_sglang_label_set_through_prometheus():
 def test_lost_and_long_dead_targets_are_named_down():
     up = {"r1:30000": 1, "r3:30000": 0}  # r2 served in the window but is no longer a target
     transport = httpx.MockTransport(fake_sglang_prometheus({"job": "sglang", "model_name": "qwen"}, [], up))
-    snap = metrics.prometheus_snapshot("http://prom:9090", 60, transport=transport)
+    snap = engine_metrics.prometheus_snapshot("http://prom:9090", 60, transport=transport)
     states = {r["fleet"]["instance"]: r["fleet"]["state"] for r in snap["replicas"]}
     assert states == {"r1:30000": "up", "r2:30000": "not_scraped", "r3:30000": "down"}
-    reports = [{**metrics.report(r), **r["fleet"]} for r in snap["replicas"]]
-    found = metrics.fleet.findings(reports, metrics.FLAGS["sglang"], metrics.QUEUE_SHARE, metrics.PREFIX_LONG_PROMPT)
+    reports = [{**engine_metrics.report(r), **r["fleet"]} for r in snap["replicas"]]
+    found = metrics.fleet.findings(reports, engine_metrics.FLAGS["sglang"], engine_metrics.QUEUE_SHARE, engine_metrics.PREFIX_LONG_PROMPT)
     down = [f for f in found if f["bottleneck"] == "replica_down"]
     assert [f["replicas"] for f in down] == [["r2:30000"], ["r3:30000"]]
     assert "no longer a scrape target" in down[0]["evidence"] and "up == 0" in down[1]["evidence"]
@@ -366,9 +368,9 @@ def test_shipped_rules_use_the_names_the_tool_reads():
     text = (SHIPPED / "vllm-rules.yml").read_text() + (SHIPPED / "sglang-rules.yml").read_text()
     for engine in ("vllm", "sglang"):
         for concept in ("ttft", "itl", "e2e"):
-            assert metrics.HISTOGRAMS[concept][engine][0] + "_bucket" in text
-        assert metrics.HISTOGRAMS["queue"][engine][0] + "_sum" in text
-        assert metrics.GAUGES["waiting"][0][engine][0] in text
+            assert engine_metrics.HISTOGRAMS[concept][engine][0] + "_bucket" in text
+        assert engine_metrics.HISTOGRAMS["queue"][engine][0] + "_sum" in text
+        assert engine_metrics.GAUGES["waiting"][0][engine][0] in text
     assert "sum by (le, instance, model_name)" in text
 
 

@@ -47,8 +47,10 @@ def test_install_ships_only_what_the_tasks_run(installed):
     # The list is written out so that a new script is a decision, not an accident.
     scripts = installed / "roofline-toolbox" / "scripts"
     assert sorted(p.name for p in scripts.glob("*.py")) == [
-        "accept.py", "bench.py", "common.py", "fleet.py", "metrics.py", "physics.py", "ppl.py", "report.py", "roofline.py", "serve.py", "served.py",
-        "setup_cpu_vllm.py", "sizing.py", "smoke_toolcall.py", "sweep.py", "tiny_model.py", "vram.py"]
+        "accept.py", "bench.py", "common.py", "engine_metrics.py", "fleet.py", "metrics.py", "perplexity.py",
+        "physics.py", "ppl.py", "profiles.py", "report.py", "roofline.py", "serve.py", "served.py",
+        "setup_cpu_vllm.py", "sizing.py", "smoke_toolcall.py", "sweep.py", "tiny_model.py", "toolcalls.py",
+        "vram.py"]
     assert sorted(p.name for p in scripts.iterdir() if p.is_dir()) == ["catalog", "data", "templates"]
 
 

@@ -21,6 +21,8 @@ import pytest
 
 import metrics
 
+import engine_metrics
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "metrics"
 H100 = {"name": "NVIDIA H100 SXM", "bf16_dense_tflops": 989.0, "bandwidth_tb_s": 3.35}
 
@@ -86,10 +88,10 @@ def test_quantile_matches_reference_and_brackets_the_true_value(seed, q):
     bounds = VLLM_TTFT_BOUNDS if seed % 2 else VLLM_REQUEST_BOUNDS
     observations = [rng.lognormvariate(rng.uniform(-4, 3), rng.uniform(0.2, 2)) for _ in range(rng.randint(1, 400))]
     buckets = bucketize(observations, bounds)
-    assert metrics.histogram_quantile(q, buckets) == pytest.approx(reference_quantile(q, buckets), rel=1e-9, abs=1e-12)
+    assert engine_metrics.histogram_quantile(q, buckets) == pytest.approx(reference_quantile(q, buckets), rel=1e-9, abs=1e-12)
     # The true quantile of the observations lies in the bucket quantile_bucket names.
     true_value = sorted(observations)[max(0, math.ceil(q * len(observations)) - 1)]
-    lower, upper = metrics.quantile_bucket(q, buckets)
+    lower, upper = engine_metrics.quantile_bucket(q, buckets)
     assert lower <= true_value <= upper
 
 
@@ -97,25 +99,25 @@ def test_quantile_reproduces_the_vllm_design_doc_example():
     # vLLM docs/design/metrics.md TTFT sample: 140 requests, 13 <= 20 ms, 97 <= 40 ms, 138 <= 80 ms.
     counts = [0, 0, 0, 13, 97, 130, 138, 140]
     buckets = list(zip(VLLM_TTFT_BOUNDS[:8], map(float, counts))) + [(math.inf, 140.0)]
-    assert metrics.histogram_quantile(0.5, buckets) == pytest.approx(0.02 + 0.02 * (70 - 13) / 84)
-    assert metrics.histogram_quantile(0.99, buckets) == pytest.approx(0.086)
+    assert engine_metrics.histogram_quantile(0.5, buckets) == pytest.approx(0.02 + 0.02 * (70 - 13) / 84)
+    assert engine_metrics.histogram_quantile(0.99, buckets) == pytest.approx(0.086)
 
 
 def test_quantile_special_cases_follow_prometheus():
     buckets = [(0.1, 1.0), (1.0, 3.0), (math.inf, 10.0)]
-    assert metrics.histogram_quantile(0.9, buckets) == 1.0  # in +Inf: the largest finite bound
-    assert metrics.quantile_bucket(0.9, buckets) == (1.0, math.inf)
-    assert metrics.histogram_quantile(-0.1, buckets) == -math.inf
-    assert metrics.histogram_quantile(1.1, buckets) == math.inf
-    assert math.isnan(metrics.histogram_quantile(math.nan, buckets))
-    assert math.isnan(metrics.histogram_quantile(0.5, [(0.1, 1.0), (1.0, 3.0)]))  # no +Inf bucket
-    assert math.isnan(metrics.histogram_quantile(0.5, [(math.inf, 3.0)]))  # fewer than two buckets
-    assert math.isnan(metrics.histogram_quantile(0.5, [(0.1, 0.0), (math.inf, 0.0)]))  # no observations
-    assert math.isnan(metrics.histogram_quantile(0.0, [(0.1, 0.0), (1.0, 2.0), (math.inf, 2.0)]))  # Go's 0/0
+    assert engine_metrics.histogram_quantile(0.9, buckets) == 1.0  # in +Inf: the largest finite bound
+    assert engine_metrics.quantile_bucket(0.9, buckets) == (1.0, math.inf)
+    assert engine_metrics.histogram_quantile(-0.1, buckets) == -math.inf
+    assert engine_metrics.histogram_quantile(1.1, buckets) == math.inf
+    assert math.isnan(engine_metrics.histogram_quantile(math.nan, buckets))
+    assert math.isnan(engine_metrics.histogram_quantile(0.5, [(0.1, 1.0), (1.0, 3.0)]))  # no +Inf bucket
+    assert math.isnan(engine_metrics.histogram_quantile(0.5, [(math.inf, 3.0)]))  # fewer than two buckets
+    assert math.isnan(engine_metrics.histogram_quantile(0.5, [(0.1, 0.0), (math.inf, 0.0)]))  # no observations
+    assert math.isnan(engine_metrics.histogram_quantile(0.0, [(0.1, 0.0), (1.0, 2.0), (math.inf, 2.0)]))  # Go's 0/0
     # Same bound twice: added up; a dip is forced monotonic; a bound <= 0 is returned as is.
-    assert metrics.histogram_quantile(0.5, [(1.0, 1.0), (1.0, 1.0), (2.0, 4.0), (math.inf, 4.0)]) == 1.0
-    assert metrics.histogram_quantile(0.5, [(1.0, 2.0), (2.0, 1.0), (3.0, 4.0), (math.inf, 4.0)]) == 1.0
-    assert metrics.histogram_quantile(0.25, [(-1.0, 2.0), (1.0, 4.0), (math.inf, 8.0)]) == -1.0
+    assert engine_metrics.histogram_quantile(0.5, [(1.0, 1.0), (1.0, 1.0), (2.0, 4.0), (math.inf, 4.0)]) == 1.0
+    assert engine_metrics.histogram_quantile(0.5, [(1.0, 2.0), (2.0, 1.0), (3.0, 4.0), (math.inf, 4.0)]) == 1.0
+    assert engine_metrics.histogram_quantile(0.25, [(-1.0, 2.0), (1.0, 4.0), (math.inf, 8.0)]) == -1.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,7 +127,7 @@ def test_parser_reads_escapes_timestamps_special_values_and_openmetrics():
     text = ('# HELP x help with "quotes"\n# TYPE x gauge\n'
             'x{path="a\\"b\\\\c\\nd",empty=""} 1.5e+03 1712345678000\n'
             'y{} NaN\nz +Inf\nw -1.0\n# a comment\n# EOF\n')
-    exposition = metrics.parse_exposition(text)
+    exposition = engine_metrics.parse_exposition(text)
     labels, value = exposition.samples["x"][0]
     assert labels == {"path": 'a"b\\c\nd', "empty": ""} and value == 1500.0
     # NaN and Inf are valid in the format but carry no figure: left out, and said so.
@@ -137,7 +139,7 @@ def test_parser_reads_escapes_timestamps_special_values_and_openmetrics():
 
 def test_recorded_vllm_scrape_is_read_exactly():
     text = fixture_text("vllm-0.32-after.txt")
-    snap = metrics.snapshot(text, "recorded")
+    snap = engine_metrics.snapshot(text, "recorded")
     assert snap["engine"] == "vllm" and snap["models"] == ["tiny-qwen3"] and snap["engines"] == 1
     assert snap["counters"]["prompt_tokens"]["value"] == sample_value(text, "vllm:prompt_tokens_total")
     assert snap["counters"]["prefix_hits"]["metric"] == "vllm:prefix_cache_hits_total"
@@ -151,9 +153,9 @@ def test_recorded_vllm_scrape_is_read_exactly():
 
 def test_window_over_two_recorded_scrapes_gives_increases_rates_and_mfu():
     before_text, after_text = fixture_text("vllm-0.32-before.txt"), fixture_text("vllm-0.32-after.txt")
-    before = metrics.snapshot(before_text, "before", at=100.0)
-    after = metrics.snapshot(after_text, "after", at=102.5)
-    r = metrics.window(before, after, gpu=H100)
+    before = engine_metrics.snapshot(before_text, "before", at=100.0)
+    after = engine_metrics.snapshot(after_text, "after", at=102.5)
+    r = engine_metrics.window(before, after, gpu=H100)
     assert r["mode"] == "window" and r["seconds"] == 2.5 and r["ttft_ms"]["n"] == 16
     gen = sample_value(after_text, "vllm:generation_tokens_total") - sample_value(before_text, "vllm:generation_tokens_total")
     assert gen == 16 * 32
@@ -171,7 +173,7 @@ def test_window_over_two_recorded_scrapes_gives_increases_rates_and_mfu():
 def test_since_start_report_uses_uptime_for_rates():
     text = fixture_text("vllm-0.32-after.txt")
     start = sample_value(text, "process_start_time_seconds")
-    r = metrics.report(metrics.snapshot(text, "x", at=start + 100.0))
+    r = engine_metrics.report(engine_metrics.snapshot(text, "x", at=start + 100.0))
     assert r["mode"] == "since_start" and r["seconds"] == pytest.approx(100.0)
     assert r["prompt_tok_s"] == pytest.approx(sample_value(text, "vllm:prompt_tokens_total") / 100.0)
     assert any("since server start" in w for w in r["warnings"])
@@ -192,7 +194,7 @@ def with_deprecated_twins(text: str) -> str:
 
 def test_a_metric_exposed_under_old_and_new_names_is_counted_once():
     text = fixture_text("vllm-0.32-after.txt")
-    plain, twinned = metrics.snapshot(text), metrics.snapshot(with_deprecated_twins(text))
+    plain, twinned = engine_metrics.snapshot(text), engine_metrics.snapshot(with_deprecated_twins(text))
     assert twinned["counters"]["prefix_hits"] == plain["counters"]["prefix_hits"]
     assert twinned["histograms"]["itl"] == plain["histograms"]["itl"]
     assert twinned["gauges"]["kv_cache_usage"]["metric"] == "vllm:kv_cache_usage_perc"
@@ -203,10 +205,10 @@ def test_old_names_alone_are_used_when_new_ones_are_missing():
     only_old = "\n".join(line for line in text.splitlines()
                          if not line.startswith(("vllm:inter_token_latency_seconds", "vllm:prefix_cache_",
                                                  "vllm:kv_cache_usage_perc"))) + "\n"
-    snap = metrics.snapshot(only_old)
+    snap = engine_metrics.snapshot(only_old)
     assert snap["histograms"]["itl"]["metric"] == "vllm:time_per_output_token_seconds"
     assert snap["counters"]["prefix_hits"]["metric"] == "vllm:gpu_prefix_cache_hits_total"
-    assert snap["counters"]["prefix_hits"]["value"] == metrics.snapshot(text)["counters"]["prefix_hits"]["value"]
+    assert snap["counters"]["prefix_hits"]["value"] == engine_metrics.snapshot(text)["counters"]["prefix_hits"]["value"]
 
 
 def two_engines(text: str) -> str:
@@ -218,23 +220,23 @@ def two_engines(text: str) -> str:
 
 def test_data_parallel_engines_on_one_page_are_summed():
     text = fixture_text("vllm-0.32-after.txt")
-    one, two = metrics.snapshot(text), metrics.snapshot(two_engines(text))
+    one, two = engine_metrics.snapshot(text), engine_metrics.snapshot(two_engines(text))
     assert two["engines"] == 2
     assert two["counters"]["generation_tokens"]["value"] == 2 * one["counters"]["generation_tokens"]["value"]
     assert two["histograms"]["ttft"]["counts"] == [2 * c for c in one["histograms"]["ttft"]["counts"]]
     assert two["gauges"]["kv_cache_usage"]["value"] == one["gauges"]["kv_cache_usage"]["value"]  # averaged
     # Quantiles of the summed buckets equal those of one engine (same distribution twice).
-    assert metrics.report(two)["ttft_ms"]["p95"] == pytest.approx(metrics.report(one)["ttft_ms"]["p95"])
+    assert engine_metrics.report(two)["ttft_ms"]["p95"] == pytest.approx(engine_metrics.report(one)["ttft_ms"]["p95"])
 
 
 def test_counter_reset_between_scrapes_is_detected_and_said():
-    before = metrics.snapshot(fixture_text("vllm-0.32-after.txt"), at=10.0)
-    after = metrics.snapshot(fixture_text("vllm-0.32-before.txt"), at=20.0)  # fewer requests: a restart
-    r = metrics.window(before, after)
+    before = engine_metrics.snapshot(fixture_text("vllm-0.32-after.txt"), at=10.0)
+    after = engine_metrics.snapshot(fixture_text("vllm-0.32-before.txt"), at=20.0)  # fewer requests: a restart
+    r = engine_metrics.window(before, after)
     assert any("restarted" in w for w in r["warnings"])
     assert r["ttft_ms"]["n"] == after["histograms"]["ttft"]["count"]  # counted from the restart on
     restarted = dict(after, start_time=after["start_time"] + 60)
-    later = metrics.difference(metrics.snapshot(fixture_text("vllm-0.32-before.txt")), restarted)
+    later = engine_metrics.difference(engine_metrics.snapshot(fixture_text("vllm-0.32-before.txt")), restarted)
     assert any("start time changed" in w for w in later["warnings"])
 
 
@@ -249,7 +251,7 @@ def test_counter_reset_between_scrapes_is_detected_and_said():
     ("vllm-0.32-idle.txt", "vllm", {"running": 0, "waiting": 0, "preemptions": 0, "prefix_cache_hit_rate": None}, []),
 ])
 def test_each_generation_is_read_and_diagnosed(name, engine, figures, bottlenecks):
-    r = metrics.report(metrics.snapshot(fixture_text(name), name))
+    r = engine_metrics.report(engine_metrics.snapshot(fixture_text(name), name))
     assert r["engine"] == engine
     for key, value in figures.items():
         assert r[key] == (pytest.approx(value) if value is not None else None), key
@@ -262,7 +264,7 @@ def recorded_window(name: str) -> dict:
     """The window report of a recorded scenario; its interval is in the after file's header."""
     before, after = fixture_text(f"vllm-0.32-{name}-before.txt"), fixture_text(f"vllm-0.32-{name}-after.txt")
     seconds = float(re.search(r"([0-9.]+) s after the first scrape", after.splitlines()[0]).group(1))
-    return metrics.window(metrics.snapshot(before, at=0.0), metrics.snapshot(after, at=seconds))
+    return engine_metrics.window(engine_metrics.snapshot(before, at=0.0), engine_metrics.snapshot(after, at=seconds))
 
 
 def test_recorded_queue_behind_max_num_seqs_is_named_with_littles_law():
@@ -285,10 +287,10 @@ def test_recorded_preemptions_are_named_as_a_full_kv_cache():
 
 
 def test_old_generation_metric_names_are_reported_as_used():
-    sglang_old = metrics.report(metrics.snapshot(fixture_text("sglang-0.4.txt")))
+    sglang_old = engine_metrics.report(engine_metrics.snapshot(fixture_text("sglang-0.4.txt")))
     assert sglang_old["itl_ms"]["metric"] == "sglang:time_per_output_token_seconds"
     assert sglang_old["queue_ms"]["mean"] == pytest.approx(4.0)  # the last-batch gauge, in ms
-    v0 = metrics.report(metrics.snapshot(fixture_text("vllm-v0.txt")))
+    v0 = engine_metrics.report(engine_metrics.snapshot(fixture_text("vllm-v0.txt")))
     assert v0["itl_ms"]["metric"] == "vllm:time_per_output_token_seconds"
     assert v0["gen_tok_s"] == pytest.approx(812.3)  # V0's own throughput gauge, said in a warning
     assert any("avg_generation_throughput" in w for w in v0["warnings"])
@@ -296,22 +298,22 @@ def test_old_generation_metric_names_are_reported_as_used():
 
 def test_sglang_ranks_are_not_double_counted():
     text = fixture_text("sglang-0.5-tp2.txt")
-    snap = metrics.snapshot(text)
+    snap = engine_metrics.snapshot(text)
     assert snap["gauges"]["running"]["value"] == sample_value(text, "sglang:num_running_reqs", tp_rank="0")
     assert snap["counters"]["preemptions"]["value"] == 12
 
 
 def test_slo_targets_turn_slow_prefill_and_decode_into_findings():
-    snap = metrics.snapshot(fixture_text("sglang-0.4.txt"))
-    assert metrics.report(snap, slo=metrics.Targets(50.0, 10.0))["diagnosis"][0]["bottleneck"] == "prefill"
-    assert [f["bottleneck"] for f in metrics.report(snap, slo=metrics.Targets(50.0, 10.0))["diagnosis"]] == \
+    snap = engine_metrics.snapshot(fixture_text("sglang-0.4.txt"))
+    assert engine_metrics.report(snap, slo=engine_metrics.Targets(50.0, 10.0))["diagnosis"][0]["bottleneck"] == "prefill"
+    assert [f["bottleneck"] for f in engine_metrics.report(snap, slo=engine_metrics.Targets(50.0, 10.0))["diagnosis"]] == \
         ["prefill", "decode"]
-    assert metrics.report(snap, slo=metrics.Targets(1000.0, 100.0))["diagnosis"] == []
+    assert engine_metrics.report(snap, slo=engine_metrics.Targets(1000.0, 100.0))["diagnosis"] == []
 
 
 def test_replicas_are_reported_each_and_together(capsys):
     opts = metrics.options(metrics.build_parser().parse_args(["--file", str(FIXTURES / "vllm-0.32-after.txt")]))
-    snaps = [metrics.snapshot(fixture_text("vllm-0.32-after.txt"), f"replica-{i}") for i in (1, 2)]
+    snaps = [engine_metrics.snapshot(fixture_text("vllm-0.32-after.txt"), f"replica-{i}") for i in (1, 2)]
     total, text = metrics.results(opts, snaps)
     assert total["ttft_ms"]["n"] == 80 and len(total["replicas"]) == 2
     assert "Per replica:" in text and "replica-2: TTFT p95" in text
@@ -394,7 +396,7 @@ def test_scrape_asks_exactly_the_metrics_path(url, expected):
     def server(request: httpx.Request) -> httpx.Response:
         asked.append(str(request.url))
         return httpx.Response(200, text=fixture_text("vllm-v0.txt"))
-    text, _ = metrics.scrape(url, transport=httpx.MockTransport(server))
+    text, _ = engine_metrics.scrape(url, transport=httpx.MockTransport(server))
     assert asked == [expected] and text == fixture_text("vllm-v0.txt")
 
 
@@ -404,8 +406,8 @@ def test_unreachable_server_and_404_are_server_errors(capsys):
 
     def not_found(request: httpx.Request) -> httpx.Response:
         return httpx.Response(404, text="Not Found")
-    with pytest.raises(metrics.ServerError, match="HTTP 404: no metrics there"):
-        metrics.scrape("http://127.0.0.1:8000", transport=httpx.MockTransport(not_found))
+    with pytest.raises(common.ServerError, match="HTTP 404: no metrics there"):
+        engine_metrics.scrape("http://127.0.0.1:8000", transport=httpx.MockTransport(not_found))
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,16 +434,16 @@ def send_load(url: str, model: str, requests: int, concurrency: int, prompt_toke
 
 
 # Targets no CPU run misses: these tests are about queues and caches, not CPU latency.
-CPU_SLO = metrics.Targets(ttft_p95_ms=600_000, tpot_p95_ms=600_000)
+CPU_SLO = engine_metrics.Targets(ttft_p95_ms=600_000, tpot_p95_ms=600_000)
 
 
 def measured(url: str, load) -> dict:
     """The window report of what `load()` did (snapshots before and after, via the public API)."""
-    text, at = metrics.scrape(url)
-    before = metrics.snapshot(text, url, at)
+    text, at = engine_metrics.scrape(url)
+    before = engine_metrics.snapshot(text, url, at)
     load()
-    text, at = metrics.scrape(url)
-    return metrics.window(before, metrics.snapshot(text, url, at), gpu=H100, slo=CPU_SLO)
+    text, at = engine_metrics.scrape(url)
+    return engine_metrics.window(before, engine_metrics.snapshot(text, url, at), gpu=H100, slo=CPU_SLO)
 
 
 @pytest.fixture(scope="class")
@@ -525,16 +527,16 @@ def test_preemptions_from_a_small_kv_cache_are_named(vllm_factory):
 
 
 def test_without_targets_the_starting_defaults_judge_and_the_report_says_so():
-    snap = metrics.snapshot(fixture_text("vllm-v0.txt"))
-    default, given = metrics.report(snap), metrics.report(snap, slo=metrics.Targets(2000, 50))
+    snap = engine_metrics.snapshot(fixture_text("vllm-v0.txt"))
+    default, given = engine_metrics.report(snap), engine_metrics.report(snap, slo=engine_metrics.Targets(2000, 50))
     assert default["slo_source"] == "default" and given["slo_source"] == "given"
     assert default["slo"] == {"ttft_p95_ms": 2000.0, "tpot_p95_ms": 50.0}
     # the prefill and decode findings are not dropped for want of an SLO
     assert [f["bottleneck"] for f in default["diagnosis"]] == [f["bottleneck"] for f in given["diagnosis"]]
     assert {"prefill", "decode"} <= {f["bottleneck"] for f in default["diagnosis"]}
-    text = metrics.format_report(default)
+    text = engine_metrics.format_report(default)
     assert "targets: TTFT p95 2 s, TPOT p95 50 ms (starting defaults for interactive chat, not your SLO" in text
-    partly = metrics.report(snap, slo=metrics.Targets(tpot_p95_ms=200))
+    partly = engine_metrics.report(snap, slo=engine_metrics.Targets(tpot_p95_ms=200))
     assert partly["slo_source"] == "partly default" and partly["slo_defaulted"] == ["ttft_p95_ms"]
     assert "decode" not in [f["bottleneck"] for f in partly["diagnosis"]]
 
@@ -543,14 +545,14 @@ def test_a_quantile_in_the_first_bucket_is_only_an_upper_bound():
     r = recorded_window("queue")
     itl = r["itl_ms"]
     assert itl["p50"] is None and itl["at_most"] == {"p50": 10.0}  # vLLM's first ITL bucket is 10 ms
-    assert itl["mean"] is not None and "<=10 ms" in metrics.format_report(r)
+    assert itl["mean"] is not None and "<=10 ms" in engine_metrics.format_report(r)
     json.dumps(r)  # JSON-ready
 
 
 def test_waiting_words_and_numbers_agree_on_two_saved_scrapes():
     r = recorded_window("queue")
     assert r["waiting_peak"] == 0 and r["waiting_mean"] > 3 and r["gauge_samples"] == 2
-    line = next(line for line in metrics.format_report(r).splitlines() if line.startswith("  running"))
+    line = next(line for line in engine_metrics.format_report(r).splitlines() if line.startswith("  running"))
     assert (f"waiting 0 at the last scrape (peak 0 in 2 samples; mean {r['waiting_mean']:.2g} over the window "
             "by the queue-time histograms: the samples missed the busy moments)") in line
 
@@ -563,7 +565,7 @@ def test_the_deployments_own_settings_are_read_and_printed():
     assert dep["max_concurrency_at_max_model_len"] == 128.0 and dep["max_model_len"] == 4096
     assert dep["requests_of_mean_length"] == pytest.approx(524288 / 320)
     assert dep["max_num_seqs"] is None and "unknown" in dep["max_num_seqs_note"]
-    text = metrics.format_report(r)
+    text = engine_metrics.format_report(r)
     assert "deployment (vllm:cache_config_info): KV cache 524,288 tokens (4,096 blocks of 128) sized by an explicit " \
            "--kv-cache-memory-bytes of 1 GiB" in text
     assert "max-num-seqs unknown: no metric exports it" in text
@@ -579,7 +581,7 @@ def small_kv(text: str) -> str:
 
 
 def test_since_start_a_small_kv_cache_is_named_with_its_setting_not_guessed_as_seqs_limit():
-    r = metrics.report(metrics.snapshot(small_kv(fixture_text("vllm-0.32-queue-after.txt"))))
+    r = engine_metrics.report(engine_metrics.snapshot(small_kv(fixture_text("vllm-0.32-queue-after.txt"))))
     assert r["mode"] == "since_start" and r["preemptions"] == 0
     kv = next(f for f in r["diagnosis"] if f["bottleneck"] == "kv_cache")
     assert "seqs_limit" not in [f["bottleneck"] for f in r["diagnosis"]]
@@ -589,7 +591,7 @@ def test_since_start_a_small_kv_cache_is_named_with_its_setting_not_guessed_as_s
 
 
 def test_since_start_gauges_alone_never_name_the_running_cap():
-    r = metrics.report(metrics.snapshot(fixture_text("vllm-0.32-queue-after.txt")))
+    r = engine_metrics.report(engine_metrics.snapshot(fixture_text("vllm-0.32-queue-after.txt")))
     assert "seqs_limit" not in [f["bottleneck"] for f in r["diagnosis"]]
     assert any("cannot show which limit held them" in w for w in r["warnings"])
     assert all(f["confidence"] for f in r["diagnosis"])

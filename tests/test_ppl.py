@@ -11,17 +11,18 @@ import pytest
 
 import common
 import ppl
+import perplexity
 import setup_cpu_vllm
 from fake_ppl_server import BOS, exact_nll, fake_ppl_server, token_ids
 from common import cache_dir
 
-SAMPLE = ppl.SAMPLE_TEXT.read_text(encoding="utf-8")
+SAMPLE = perplexity.SAMPLE_TEXT.read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("total, length, stride", [(10, 20, 5), (10, 10, 3), (11, 10, 3), (1000, 256, 64),
                                                    (1000, 256, 255), (2, 2, 1)])
 def test_windows_score_every_position_once_with_the_stride_as_context(total, length, stride):
-    plan = ppl.windows(total, length, stride)
+    plan = perplexity.windows(total, length, stride)
     scored = [p for begin, end, first in plan for p in range(first, end)]
     assert scored == list(range(1, total))
     assert all(end - begin <= length and begin < first for begin, end, first in plan[1:])
@@ -43,7 +44,7 @@ def test_each_api_gives_the_exact_perplexity_of_the_toy_model(capsys, engine, ap
         code, run_, err = run(capsys, "--url", url, "--api", api, "--window", window, "--stride", stride)
     assert code == 0
     assert run_["tokens"] == len(ids) and run_["scored_tokens"] == len(ids) - 1
-    assert run_["token_ids_sha256"] == ppl.ids_sha256(ids)
+    assert run_["token_ids_sha256"] == perplexity.ids_sha256(ids)
     assert math.isclose(run_["nll"], exact_nll(ids), rel_tol=1e-12)
     assert math.isclose(run_["ppl"], math.exp(exact_nll(ids) / (len(ids) - 1)), rel_tol=1e-12)
     assert math.isclose(run_["bits_per_byte"], exact_nll(ids) / math.log(2) / len(SAMPLE.encode()), rel_tol=1e-12)
@@ -70,9 +71,9 @@ def test_default_window_fits_the_servers_context(capsys):
 
 def test_paired_change_of_a_constant_shift_is_exact():
     base = [1.0] * 640
-    change, low, high = ppl.paired_change(base, [v + 0.01 for v in base], block=64)
+    change, low, high = perplexity.paired_change(base, [v + 0.01 for v in base], block=64)
     assert math.isclose(change, (math.exp(0.01) - 1) * 100) and math.isclose(low, change) and math.isclose(high, change)
-    change, low, high = ppl.paired_change(base, [v + (0.02 if i % 128 < 64 else 0.0) for i, v in enumerate(base)], 64)
+    change, low, high = perplexity.paired_change(base, [v + (0.02 if i % 128 < 64 else 0.0) for i, v in enumerate(base)], 64)
     assert low < change < high and math.isclose(change, (math.exp(0.01) - 1) * 100)
 
 
@@ -143,9 +144,9 @@ def test_perplexity_through_the_api_equals_transformers(trained_vllm, capsys, wi
     code, run_, _ = run(capsys, *args)
     assert code == 0 and run_["model"] == "tiny-qwen3-trained"
     with common.client(trained_vllm.url) as http:
-        prefix, ids = ppl.tokenize(http, "vllm", run_["model"], SAMPLE)
+        prefix, ids = perplexity.tokenize(http, "vllm", run_["model"], SAMPLE)
     sequence = prefix + ids
-    assert ppl.ids_sha256(sequence) == run_["token_ids_sha256"]
+    assert perplexity.ids_sha256(sequence) == run_["token_ids_sha256"]
     plan = [[w["begin"], w["end"], w["end"] - w["scored"]] for w in run_["windows"]]
     job = {"model_dir": str(cache_dir() / "models" / "tiny-qwen3-trained"), "sequence": sequence, "windows": plan}
     done = subprocess.run([str(setup_cpu_vllm.venv_python()), str(Path(__file__).with_name("hf_reference_nll.py"))],
@@ -173,7 +174,7 @@ def test_a_crash_mid_run_keeps_what_was_scored(capsys):
     assert run_["stopped"].startswith("server error: POST /v1/completions answered HTTP 500")
     assert run_["scored_tokens"] == sum(w["scored"] for w in run_["windows"]) == 399 + 2 * 100
     with pytest.raises(common.UsageError, match="a partial run cannot be compared"):
-        ppl.compare(run_, run_, ppl.gate("fp8", None, None), 64)
+        perplexity.compare(run_, run_, perplexity.gate("fp8", None, None), 64)
 
 
 def test_a_server_that_is_not_deterministic_is_flagged(capsys):

@@ -3,10 +3,10 @@ returns or raises its one documented error, in bounded time (a hypothesis deadli
 and a hard alarm that fails an example stuck in a loop the deadline cannot interrupt).
 
 Parsers: HTTP chunked framing (bench.dechunk, bench.ChunkFraming), a streamed response and its
-SSE events (bench.parse_response / settle, smoke_toolcall.sse_events), Prometheus text
-(metrics.parse_exposition, snapshot, report), a model's config.json (sizing.checked_model), a
-serve profile (serve.load_profile, render), inference.env (common.parse_env_file, load_env_file)
-and saved records read back (ppl.load_run, smoke_toolcall.load_baseline).
+SSE events (bench.parse_response / settle, toolcalls.sse_events), Prometheus text
+(engine_metrics.parse_exposition, snapshot, report), a model's config.json (sizing.checked_model), a
+serve profile (profiles.load_profile, render), inference.env (common.parse_env_file, load_env_file)
+and saved records read back (perplexity.load_run, toolcalls.load_baseline).
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import bench
 import common
-import metrics
-import ppl
-import serve
+import engine_metrics
+import perplexity
+import profiles
 import sizing
-import smoke_toolcall
+import toolcalls
 from common import UsageError
 
 EXAMPLE_BOUND_S = 10  # a hard stop per example, far above the deadline: only a hang reaches it
@@ -134,7 +134,7 @@ def test_smoke_stream_parser_raises_only_what_send_reports(lines):
     # send() turns ValueError (bad JSON) and TypeError/AttributeError/KeyError (another shape)
     # into one ServerError line; nothing else may escape.
     try:
-        smoke_toolcall.merge_stream(list(smoke_toolcall.sse_events(iter(lines))))
+        toolcalls.merge_stream(list(toolcalls.sse_events(iter(lines))))
     except (ValueError, TypeError, AttributeError, KeyError):
         pass
 
@@ -158,13 +158,13 @@ metric_line = st.one_of(
 def test_prometheus_text_gives_a_report_or_one_invalid_scrape_line(lines, newline):
     text = "\n".join(lines) + ("\n" if newline else "")
     try:
-        report = metrics.report(metrics.snapshot(text, "scrape"))
-    except metrics.InvalidScrape as exc:
+        report = engine_metrics.report(engine_metrics.snapshot(text, "scrape"))
+    except engine_metrics.InvalidScrape as exc:
         assert "\n" not in str(exc)
         return
     json.dumps(common.json_safe(report), default=str, allow_nan=False)  # valid JSON, NaN or not
     # No figure printed as "nan" (the warning that names NaN samples aside).
-    assert "nan" not in metrics.format_report(report).replace("NaN or Inf", "").lower().split()
+    assert "nan" not in engine_metrics.format_report(report).replace("NaN or Inf", "").lower().split()
 
 
 # ---------------------------------------------------------------- model config.json
@@ -210,7 +210,7 @@ def test_profile_gives_a_command_or_one_usage_line(tmp_path_factory, text):
     path = tmp_path_factory.mktemp("profile") / "p.yaml"
     path.write_text(text, encoding="utf-8")
     try:
-        serve.render(serve.load_profile(path), 8000)
+        profiles.render(profiles.load_profile(path), 8000)
     except UsageError as exc:
         assert "\n" not in str(exc)
 
@@ -222,7 +222,7 @@ def test_an_alias_bomb_is_refused_before_it_expands(tmp_path):
     path = tmp_path / "bomb.yaml"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     with pytest.raises(UsageError, match="alias"):
-        serve.load_profile(path)
+        profiles.load_profile(path)
 
 
 # ---------------------------------------------------------------- inference.env and saved runs
@@ -251,7 +251,7 @@ saved = st.one_of(st.binary(max_size=200), json_value.map(lambda v: json.dumps(v
 def test_saved_runs_and_baselines_load_or_give_one_usage_line(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("saved") / "run.json"
     path.write_bytes(data)
-    for load in (ppl.load_run, smoke_toolcall.load_baseline):
+    for load in (perplexity.load_run, toolcalls.load_baseline):
         try:
             load(str(path))
         except UsageError as exc:
@@ -260,7 +260,7 @@ def test_saved_runs_and_baselines_load_or_give_one_usage_line(tmp_path_factory, 
 
 def test_endless_and_directory_inputs_are_one_usage_line(tmp_path):
     for path in ("/dev/zero", str(tmp_path)):
-        for read in (ppl.read_text, common.load_env_file, lambda p: serve.load_profile(Path(p))):
+        for read in (perplexity.read_text, common.load_env_file, lambda p: profiles.load_profile(Path(p))):
             with pytest.raises(UsageError, match=path) as caught:
                 read(path)
             assert "\n" not in str(caught.value)

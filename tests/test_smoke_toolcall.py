@@ -8,6 +8,7 @@ import pytest
 
 import common
 import smoke_toolcall as smoke
+import toolcalls
 from fake_toolcall_server import fake_toolcall_server
 
 CATALOG = common.load_catalog("toolcall_cases")
@@ -32,7 +33,7 @@ GOOD_EVENT = {"title": "x", "start": "2025-03-14T15:00", "duration_minutes": 45,
     ({"colour": "red"}, "unexpected property 'colour'"),
 ])
 def test_schema_errors_on_the_event_tool(change, error):
-    errors = smoke.schema_errors({**GOOD_EVENT, **change}, EVENT)
+    errors = toolcalls.schema_errors({**GOOD_EVENT, **change}, EVENT)
     if error is None:
         assert errors == []
     else:
@@ -40,10 +41,10 @@ def test_schema_errors_on_the_event_tool(change, error):
 
 
 def test_schema_errors_missing_required_and_combinators():
-    assert smoke.schema_errors({}, EVENT)[:2] == ["$: missing required 'title'", "$: missing required 'start'"]
+    assert toolcalls.schema_errors({}, EVENT)[:2] == ["$: missing required 'title'", "$: missing required 'start'"]
     either = {"anyOf": [{"type": "string"}, {"type": "null"}]}
-    assert smoke.schema_errors(None, either) == [] and smoke.schema_errors(3, either) == ["$: matches none of anyOf"]
-    assert smoke.schema_errors(None, {"type": ["string", "null"]}) == []
+    assert toolcalls.schema_errors(None, either) == [] and toolcalls.schema_errors(3, either) == ["$: matches none of anyOf"]
+    assert toolcalls.schema_errors(None, {"type": ["string", "null"]}) == []
 
 
 @pytest.mark.parametrize("actual, expected, same", [
@@ -57,7 +58,7 @@ def test_schema_errors_missing_required_and_combinators():
     ({"name": "HQ", "lat": 37.77}, {"name": "hq", "lat": 37.77}, True),
 ])
 def test_value_matches_bfcl_style(actual, expected, same):
-    assert smoke.value_matches(actual, expected) is same
+    assert toolcalls.value_matches(actual, expected) is same
 
 
 def test_merge_stream_keys_by_index_and_accepts_batched_deltas():
@@ -71,7 +72,7 @@ def test_merge_stream_keys_by_index_and_accepts_batched_deltas():
         {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]},
         {"choices": [], "usage": {"total_tokens": 3}},
     ]
-    answer = smoke.merge_stream(chunks)
+    answer = toolcalls.merge_stream(chunks)
     assert answer.tool_calls == [{"id": "a", "name": "f", "arguments": '{"x": 1}'},
                                  {"id": "b", "name": "g", "arguments": "{}"}]
     assert answer.finish_reasons == ["tool_calls"] and answer.stream_problems == []
@@ -79,9 +80,9 @@ def test_merge_stream_keys_by_index_and_accepts_batched_deltas():
 
 def test_merge_stream_reports_a_repeated_name():
     delta = {"tool_calls": [{"index": None, "function": {"name": "f", "arguments": "{}"}}]}
-    answer = smoke.merge_stream([{"choices": [{"delta": delta}]}] * 2)
+    answer = toolcalls.merge_stream([{"choices": [{"delta": delta}]}] * 2)
     assert answer.tool_calls[0]["arguments"] == "{}{}"
-    assert answer.stream_problems == [smoke.Check("WARN", "call 0: the name was streamed 2 times")]
+    assert answer.stream_problems == [toolcalls.Check("WARN", "call 0: the name was streamed 2 times")]
 
 
 def run(capsys, url, *extra):
@@ -196,14 +197,14 @@ def test_random_weight_model_fails_with_specific_reasons(vllm_server, capsys):
 
 
 def test_ctrl_c_reports_the_finished_cases(capsys, monkeypatch):
-    real_run_repeat = smoke.run_repeat
+    real_run_repeat = toolcalls.run_repeat
 
     def interrupt_on_the_third_case(http, case, *args):
         if case["description"].startswith("choosing the right tool"):
             raise KeyboardInterrupt
         return real_run_repeat(http, case, *args)
 
-    monkeypatch.setattr(smoke, "run_repeat", interrupt_on_the_third_case)
+    monkeypatch.setattr(toolcalls, "run_repeat", interrupt_on_the_third_case)
     with fake_toolcall_server() as url:
         code, report, _ = run(capsys, url, "--repeat", "1")
     assert code == 130 and report["interrupted"] and report["verdict"] == "FAIL"

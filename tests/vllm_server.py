@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import common
-import serve
+import profiles
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLBOX = REPO / "roofline-toolbox" / "Taskfile.yml"
@@ -66,7 +66,7 @@ def running_vllm(log_dir: Path, sets: Sequence[str] = (), model: str = "tiny-qwe
                  env: dict[str, str] | None = None) -> Iterator[Server]:
     """A real vLLM serving `model` (a name from setup_cpu_vllm.MODELS) with profile overrides."""
     setup([model])
-    port = serve.free_port()
+    port = profiles.free_port()
     overrides = list(sets)
     if model != "tiny-qwen3":
         overrides += [f"model={{cache}}/models/{model}", f"served_model_name={model}"]
@@ -77,7 +77,7 @@ def running_vllm(log_dir: Path, sets: Sequence[str] = (), model: str = "tiny-qwe
     url = f"http://127.0.0.1:{port}"
     stack = ExitStack()
     try:  # only a failed start is "unavailable"; errors inside the tests stay theirs
-        stack.enter_context(serve.running(cmd, url, log_path, STARTUP_TIMEOUT_S, cwd=log_dir,
+        stack.enter_context(profiles.running(cmd, url, log_path, STARTUP_TIMEOUT_S, cwd=log_dir,
                                           env={**os.environ, **(env or {})}))
     except common.ServerError as exc:
         raise ServerUnavailable(f"vLLM did not start: {exc}")
