@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import common
 import metrics
 
 import engine_metrics
