@@ -28,6 +28,7 @@ GIB = 1 << 30
 DEFAULT_VLLM_VERSION = "0.32"
 V1_DEFAULT = (0, 8)       # the V1 engine (new profiler and log lines) is the default from 0.8.0
 TRITON_TOP_K_TOP_P = (0, 17)  # see default_sampler
+NON_TORCH_V1_EARLY = ((0, 8), (0, 19))  # V1 releases with a small non-torch increase, see non_torch_bytes
 HF_URL = "https://huggingface.co"
 # Bytes per weight of a quantized linear layer, scales included (group 128 for AWQ/GPTQ: an fp16
 # scale and a 4-bit zero per group; MXFP4: an 8-bit scale per 32; NVFP4: an fp8 scale per 16).
@@ -741,13 +742,20 @@ SYMMETRIC_MEMORY_GPUS = ("h100", "h200", "h20", "h800", "b200", "b300", "gb200",
 
 
 def non_torch_bytes(inp: Inputs, version: tuple[int, ...]) -> float:
-    """Memory the profile run allocates outside torch's allocator: cuBLAS/NCCL workspaces, ~0.25 GiB
-    alone and ~0.4 GiB at TP > 1; on Hopper/Blackwell with TP > 1, vLLM >= 0.19 adds the buffers of
-    its symmetric-memory all-reduce and allreduce_rms fusion (the llm-d-planner v0.19 H100 logs of
-    benchmarks/vram_accuracy.py: "Enabled custom fusions: allreduce_rms", VLLM_ALLREDUCE_USE_SYMM_MEM
-    True, and "non-torch forward increase memory" 2.07-2.17 GiB at TP 2 and 4, 0.25 at TP 1)."""
+    """Memory the profile run allocates outside torch's allocator: vLLM counts the growth of (used
+    device memory - torch's reserved memory) from the worker's first snapshot to the end of the
+    profile run (non_torch_increase in memory_profiling, vllm/utils/mem_utils.py), so the CUDA
+    context and other processes stay out of it. Alone on a GPU that is ~0.05 GiB in the V1 engine
+    before 0.19 (the in-sample V1 logs of 0.9-0.18 in benchmarks/vram_accuracy.py sat 0.1-0.3 GiB
+    below a 0.25 GiB term) and ~0.25 GiB from 0.19 and in V0 ("non-torch forward increase memory"
+    0.24-0.26 GiB in every llm-d-planner v0.19 log at TP 1; "non_torch_memory" 0.26-0.35 in the V0
+    logs); ~0.4 GiB at TP > 1. On Hopper/Blackwell with TP > 1, vLLM >= 0.19 adds the buffers of
+    its symmetric-memory all-reduce and allreduce_rms fusion (the llm-d-planner v0.19 H100 logs:
+    "Enabled custom fusions: allreduce_rms", VLLM_ALLREDUCE_USE_SYMM_MEM True, and "non-torch
+    forward increase memory" 2.07-2.17 GiB at TP 2 and 4)."""
     if inp.tp == 1:
-        return 0.25 * GIB
+        early_v1 = NON_TORCH_V1_EARLY[0] <= version < NON_TORCH_V1_EARLY[1] and not runs_v0(inp)
+        return (0.05 if early_v1 else 0.25) * GIB
     symmetric = str(inp.gpu.get("id", "")).startswith(SYMMETRIC_MEMORY_GPUS)
     return (2.1 if symmetric and version >= (0, 19) else 0.4) * GIB
 

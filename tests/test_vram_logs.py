@@ -2,9 +2,9 @@
 evaluable; the benchmark's bookkeeping (split, held back, sources) adds up; and the accuracy on the
 fixed logs holds, per split, so a change to sizing.py that loses accuracy fails here.
 
-In-sample logs must meet the goal (90% within 5% of the logged KV tokens). The held-out logs do
-not meet it yet (see the fixture's held-out notes); their floor is today's count, so the held-out
-figure can only move up."""
+In-sample logs must meet the goal (90% within 5% of the logged KV tokens). The held-out logs meet
+the share (30 of 33) but not the bound on the worst error (one 0.49 GiB pool, -15.8%; see the
+fixture's held-out notes); their floor is today's count, so the held-out figure can only move up."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,8 +19,10 @@ FIXTURE = REPO / "tests" / "fixtures" / "vllm_startup_logs.yaml"
 CASES = yaml.safe_load(FIXTURE.read_text())["cases"]
 REQUIRED = ("id", "source", "vllm_version", "model", "tp", "gpu_util", "max_model_len", "kv_dtype",
             "logged_kv_tokens", "log")
-# Held-out logs within 5% when the held-out split was last extended; raise it when it improves.
-HELD_OUT_WITHIN_FLOOR = 17
+# Held-out logs within 5% when the held-out split was last extended, and the worst held-out error
+# then (the goal's bound is 15%); tighten them when the figures improve.
+HELD_OUT_WITHIN_FLOOR = 30
+HELD_OUT_WORST_CEILING = 0.16
 
 
 @cache
@@ -90,6 +92,8 @@ def test_in_sample_logs_meet_the_accuracy_goal():
 def test_held_out_accuracy_does_not_fall():
     part = report()["summary"]["held_out"]
     assert part["within"] >= HELD_OUT_WITHIN_FLOOR, f"{part['within']}/{part['counted']} held-out logs within 5%"
+    assert part["share"] >= 0.90, f"{part['within']}/{part['counted']} held-out logs within 5%"
+    assert part["worst_abs_error"] <= HELD_OUT_WORST_CEILING, part["worst_abs_error"]
     assert part["goal_met"] == (part["share"] >= 0.90 and part["worst_abs_error"] <= 0.15)
 
 
