@@ -49,7 +49,8 @@ def point_summary(concurrency: int, result: dict[str, Any]) -> dict[str, Any]:
             "failed": result["requests"]["failed"], **{k: result["throughput"][k] for k in
                                                         ("req_s", "output_tok_s", "total_tok_s")},
             "ttft_ms": result["ttft_ms"], "tpot_ms": result["tpot_ms"], "itl_ms": result["itl_ms"],
-            "e2e_ms": result["e2e_ms"], "client_valid": result["client"]["valid"]}
+            "e2e_ms": result["e2e_ms"], "client_valid": result["client"]["valid"],
+            "workload": result["workload"], "samples": result["samples"]}
 
 
 def knee(points: Sequence[dict[str, Any]], has_slo: bool) -> dict[str, Any] | None:
@@ -64,14 +65,14 @@ def human(report: dict[str, Any]) -> str:
     lines = [f"{'C':>5}{'req/s':>9}{'out tok/s':>11}{'total tok/s':>13}{'TTFT p50':>10}{'p95':>9}"
              f"{'TPOT p50':>10}{'p95':>8}  verdict"]
     for p in report["points"]:
-        lines.append(f"{p['concurrency']:>5}{bench._fmt(p['req_s']):>9}{bench._fmt(p['output_tok_s'], 1):>11}"
-                     f"{bench._fmt(p['total_tok_s'], 1):>13}{bench._fmt(p['ttft_ms']['p50'], 1):>10}"
-                     f"{bench._fmt(p['ttft_ms']['p95'], 1):>9}{bench._fmt(p['tpot_ms']['p50'], 1):>10}"
-                     f"{bench._fmt(p['tpot_ms']['p95'], 1):>8}  {p['verdict']}")
+        lines.append(f"{p['concurrency']:>5}{bench.fmt(p['req_s']):>9}{bench.fmt(p['output_tok_s'], 1):>11}"
+                     f"{bench.fmt(p['total_tok_s'], 1):>13}{bench.fmt(p['ttft_ms']['p50'], 1):>10}"
+                     f"{bench.fmt(p['ttft_ms']['p95'], 1):>9}{bench.fmt(p['tpot_ms']['p50'], 1):>10}"
+                     f"{bench.fmt(p['tpot_ms']['p95'], 1):>8}  {p['verdict']}")
     k = report["knee"]
     if k:
-        lines.append(f"Knee: C = {k['concurrency']}: {bench._fmt(k['total_tok_s'], 1)} total tok/s at TPOT p95 "
-                     f"{bench._fmt(k['tpot_ms']['p95'], 1)} ms, TTFT p95 {bench._fmt(k['ttft_ms']['p95'], 1)} ms")
+        lines.append(f"Knee: C = {k['concurrency']}: {bench.fmt(k['total_tok_s'], 1)} total tok/s at TPOT p95 "
+                     f"{bench.fmt(k['tpot_ms']['p95'], 1)} ms, TTFT p95 {bench.fmt(k['ttft_ms']['p95'], 1)} ms")
     elif report["slo_set"]:
         lines.append("Knee: none: no concurrency met the SLO")
     else:
@@ -96,12 +97,10 @@ def exit_code(report: dict[str, Any]) -> int:
     return common.EXIT_OK
 
 
-def run(args: Any) -> int:
-    settings = common.settings_from_args(args)
+def run(args: Any, settings: common.Settings) -> int:
     if args.concurrency:
         raise UsageError("sweep sets the concurrency itself: use --sweep-c (SWEEP_C), not -c")
     levels = parse_levels(settings.get("SWEEP_C", args.sweep_c, DEFAULT_SWEEP))
-    base_url, api_key = common.server_settings(args)
     # -n (BENCH_N) is per point; by default 4 x C, at least 16, so each point has several waves.
     per_point = settings.get("BENCH_N", args.num_requests, None)
     points, interrupted = [], False
@@ -111,8 +110,7 @@ def run(args: Any) -> int:
         args.num_requests = str(per_point or max(16, 4 * concurrency))
         cfg = bench.make_config(args, settings)
         if target is None:
-            target = bench.find_target(base_url, api_key, settings.get("INFER_MODEL", args.model) or None,
-                                       cfg["timeout_s"])
+            target = bench.resolve_target(args, settings, cfg["timeout_s"])
         common.progress(f"sweep: C = {concurrency}")
         result = bench.execute(target, cfg)
         result.pop("records")
@@ -123,11 +121,11 @@ def run(args: Any) -> int:
             interrupted = True
             break
     has_slo = bool(points) and bool(result["slo"])
-    report = {"points": points, "knee": knee(points, has_slo), "slo_set": has_slo,
+    report = {"kind": "sweep", "schema_version": 1, "points": points, "knee": knee(points, has_slo), "slo_set": has_slo,
               "slo": {"ttft_p95_ms": cfg["slo_ttft_p95_ms"], "tpot_p95_ms": cfg["slo_tpot_p95_ms"]},
               "levels": levels, "interrupted": interrupted,
               "config": {k: cfg[k] for k in ("input_tokens", "output_tokens", "endpoint", "warmup")}
-              | {"url": base_url, "model": target.model if target else None}}
+              | {"url": target.base_url if target else None, "model": target.model if target else None}}
     common.emit(report, human(report), args.json)
     return exit_code(report)
 
@@ -136,12 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = bench.build_parser()
     p.description, p.epilog = common.split_doc(__doc__)
     p.add_argument("--sweep-c", default="", help=f"concurrencies to run (else $SWEEP_C, {DEFAULT_SWEEP})")
-    args = p.parse_args(argv)
-    try:
-        _, api_key = common.server_settings(args)
-    except UsageError:
-        api_key = None
-    return common.run_main(lambda: run(args), secret=api_key)
+    return bench.run_with_settings(p.parse_args(argv), run)
 
 
 if __name__ == "__main__":

@@ -300,7 +300,7 @@ def test_verdicts_and_exit_codes():
     lagged = bench.analyse(outcomes, _config(slo_tpot_p95_ms=20), [0.01] * 50 + [30.0] * 5, 1, 2)
     assert lagged["verdict"] == "INVALID" and bench.exit_code(lagged) == 4
     assert not lagged["client"]["valid"]
-    rare = bench.analyse(outcomes, _config(slo_tpot_p95_ms=20), [0.01] * 97 + [30.0] * 3, 1, 2)
+    rare = bench.analyse(outcomes, _config(slo_tpot_p95_ms=20), [0.01] * 97 + [30.0] * 3, 1, 20)
     assert rare["verdict"] == "PASS" and any("p99 figures may include client delay" in w for w in rare["warnings"])
     errored = bench.analyse([bench.Outcome(1, error="unreachable")], _config(), [], 1, 2)
     assert errored["verdict"] == "ERROR" and bench.exit_code(errored) == 3

@@ -1,0 +1,175 @@
+"""What the server says while bench.py loads it: a /metrics timeline, the client-vs-server
+cross-check of TTFT and e2e, and a probe of a trivial endpoint that sizes network and proxy time.
+
+The timeline (bench JSON "timeline", read by other tools: keep the keys):
+  {"interval_s": 2.0, "samples": [{"t_s", "running", "waiting", "kv_cache_usage_perc",
+   "preemptions", "prefix_cache_hit_rate", "prompt_tok_s", "generation_tok_s"}, ...]}
+t_s counts from the first scrape (just before the first measured request); preemptions are
+cumulative since then; rates and the hit rate cover the interval since the previous sample;
+any value may be null (not exported by this engine).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Sequence
+
+import httpx
+
+import common
+import metrics
+from common import ServerError, UsageError
+
+PERCENTILES = ("p50", "p95", "p99")
+
+
+class Timeline:
+    """Scrapes /metrics every `interval_s` in a thread until stopped (and once more then)."""
+
+    def __init__(self, base_url: str, api_key: str | None, interval_s: float):
+        self.base_url, self.api_key, self.interval_s = base_url, api_key, interval_s
+        self.snapshots: list[tuple[float, dict[str, Any]]] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-timeline", daemon=True)
+        self._start = 0.0
+
+    def start(self) -> "Timeline":
+        self._start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        self._scrape()
+        return {"interval_s": self.interval_s, "samples": timeline_samples(self.snapshots),
+                **({"errors": self.errors[:3]} if self.errors else {})}
+
+    def during(self) -> list[dict[str, Any]]:
+        return [snap for _, snap in self.snapshots]
+
+    def _run(self) -> None:
+        tick = 0
+        while True:
+            self._scrape()
+            tick += 1
+            if self._stop.wait(max(0.0, self._start + tick * self.interval_s - time.monotonic())):
+                return
+
+    def _scrape(self) -> None:
+        at = time.monotonic() - self._start
+        try:
+            text, wall = metrics.scrape(self.base_url, self.api_key, timeout=max(1.0, self.interval_s))
+            self.snapshots.append((at, metrics.snapshot(text, self.base_url, wall)))
+        except (ServerError, UsageError, metrics.InvalidScrape) as exc:
+            self.errors.append(f"t={at:.1f}s: {exc}")
+
+
+def _value(snap: dict[str, Any], kind: str, concept: str) -> float | None:
+    entry = snap[kind].get(concept)
+    return None if entry is None else entry["value"]
+
+
+def timeline_samples(snapshots: Sequence[tuple[float, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Snapshots -> timeline samples (see the module docstring)."""
+    out = []
+    first = snapshots[0][1] if snapshots else None
+    previous: tuple[float, dict[str, Any]] | None = None
+    for t_s, snap in snapshots:
+        def since(concept: str, base: dict[str, Any] | None) -> float | None:
+            now = _value(snap, "counters", concept)
+            then = None if base is None else _value(base, "counters", concept)
+            return None if now is None or then is None else now - then
+
+        dt = t_s - previous[0] if previous else 0.0
+        base = previous[1] if previous else snap
+        hits, queries = since("prefix_hits", base), since("prefix_queries", base)
+        preempted = since("preemptions", first)
+
+        def rate(concept: str) -> float | None:
+            delta = since(concept, base)
+            return None if delta is None else (delta / dt if dt > 0 else 0.0)
+        out.append({"t_s": round(t_s, 3), "running": _value(snap, "gauges", "running"),
+                    "waiting": _value(snap, "gauges", "waiting"),
+                    "kv_cache_usage_perc": _value(snap, "gauges", "kv_cache_usage"),
+                    "preemptions": None if preempted is None else int(preempted),
+                    "prefix_cache_hit_rate": hits / queries if hits is not None and queries else None,
+                    "prompt_tok_s": rate("prompt_tokens"), "generation_tok_s": rate("generation_tokens")})
+        previous = (t_s, snap)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Client against server
+
+def cross_check(delta: dict[str, Any], client: dict[str, dict[str, Any]], loop_lag_p99: float | None,
+                probe: dict[str, Any] | None) -> dict[str, Any]:
+    """Client TTFT/e2e percentiles against the bucket of the server's histogram (same window)
+    that holds the same percentile. Within the bucket: agreement. Above it at every
+    percentile: time spent outside the engine, at least `excess_ms`; below it: the server's
+    histogram holds other requests too (other traffic) or the client lost time it should have
+    measured. `probe` (a trivial endpoint's round trip) splits the excess into network/proxy
+    and API-server time."""
+    checks, findings = {}, []
+    for concept, key in (("ttft", "ttft_ms"), ("e2e", "e2e_ms")):
+        hist = delta["histograms"].get(concept)
+        if not hist or not hist.get("counts") or not client[key].get("n"):
+            continue
+        buckets = list(zip(hist["le"], hist["counts"]))
+        rows = {}
+        for p in PERCENTILES:
+            bounds = metrics.quantile_bucket(int(p[1:]) / 100, buckets)
+            value = client[key][p]
+            if bounds is None or value is None:
+                continue
+            low, high = bounds[0] * 1e3, bounds[1] * 1e3
+            side = "above" if value > high else "below" if value < low else "within"
+            rows[p] = {"client": value, "server_bucket_ms": [low, None if high == float("inf") else high],
+                       "side": side, "excess_ms": value - high if side == "above" else
+                       (value - low if side == "below" else 0.0)}
+        if not rows:
+            continue
+        sides = {r["side"] for r in rows.values()}
+        checks[key] = rows
+        name = "TTFT" if concept == "ttft" else "e2e"
+        if sides == {"above"}:
+            excess = min(r["excess_ms"] for r in rows.values())
+            findings.append(outside_engine(name, excess, loop_lag_p99, probe))
+        elif sides == {"below"}:
+            findings.append(f"{name}: the client measured less than the engine at every percentile "
+                            f"(by at least {-max(r['excess_ms'] for r in rows.values()):.1f} ms): the server's "
+                            "histograms hold other traffic too, so they are not this run's")
+    return {"percentiles": checks, "findings": findings}
+
+
+def outside_engine(name: str, excess: float, loop_lag_p99: float | None, probe: dict[str, Any] | None) -> str:
+    """Which side is off when the client is slower than the engine by `excess` ms or more."""
+    text = (f"{name}: the client measured at least {excess:.1f} ms more than the engine at every "
+            "percentile: time outside the engine")
+    if loop_lag_p99 is not None and loop_lag_p99 >= excess:
+        return text + f"; the client's own loop lag (p99 {loop_lag_p99:.1f} ms) can explain it"
+    if probe and probe.get("p50_ms") is not None:
+        network = probe["p50_ms"]
+        rest = excess - network
+        return (text + f"; a trivial request ({probe['path']}) takes {network:.1f} ms round trip, so network "
+                f"and proxy explain about {min(network, excess):.1f} ms"
+                + (f" and the API server (HTTP, tokenizing, detokenizing) the other {rest:.1f} ms" if rest > 0 else ""))
+    return text + " (proxy, gateway, network, or the API server's HTTP and tokenizing): --probe sizes the network part"
+
+
+def probe(base_url: str, api_key: str | None, path: str, count: int = 20, timeout: float = 10.0) -> dict[str, Any]:
+    """Round trips of a trivial GET (/health, /v1/models) on one keep-alive connection."""
+    times = []
+    with common.client(base_url, api_key, timeout, max_connections=1) as http:
+        try:
+            http.get(path)  # connect first: the run reuses connections too
+            for _ in range(count):
+                start = time.perf_counter()
+                response = http.get(path)
+                times.append((time.perf_counter() - start) * 1e3)
+        except httpx.HTTPError as exc:
+            return {"path": path, "p50_ms": None, "error": f"{type(exc).__name__}: {exc}"}
+    times.sort()
+    return {"path": path, "status": response.status_code, "n": len(times), "p50_ms": times[len(times) // 2],
+            "min_ms": times[0], "max_ms": times[-1]}
