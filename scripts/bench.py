@@ -1206,7 +1206,8 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
     if any(not o.usage_reported for o in done):
         warnings.append("the server sent no usage: output tokens counted as content chunks "
                         "(an undercount when a chunk carries several tokens)")
-    target_in = config["input_tokens"]
+    fixed_length = config.get("workload", "synthetic") == "synthetic" and not config.get("input_dist")
+    target_in = config["input_tokens"] if fixed_length else None
     mismatched = [o.prompt_tokens - o.prompt_target for o in done
                   if o.prompt_target is not None and o.prompt_tokens is not None and o.prompt_tokens != o.prompt_target]
     if mismatched and config.get("prompt_tokenizer", "").startswith("server"):
@@ -1315,8 +1316,6 @@ def samples(done: Sequence[Outcome]) -> dict[str, list[float | None]]:
         return None if value is None else round(value, 2)
     return {"ttft_ms": [r(o.ttft_ms) for o in done], "tpot_ms": [r(o.tpot_ms) for o in done],
             "e2e_ms": [r(o.e2e_ms) for o in done],
-            "itl_p95_ms": [r(summarize(o.chunk_gaps_ms())["p95"]) for o in done],
-            "output_tokens": [o.completion_tokens for o in done],
             **({"ttft_answer_ms": [r(o.ttft_answer_ms) for o in done]} if any(o.reasoning_seen for o in done) else {})}
 
 
@@ -1576,8 +1575,8 @@ def make_config(args: Any, settings: common.Settings) -> dict[str, Any]:
     return cfg
 
 
-def describe_load(cfg: dict[str, Any]) -> str:
-    rate, c, n = cfg["rate"], cfg["concurrency"], cfg["num_requests"]
+def describe_load(cfg: dict[str, Any], n: int) -> str:
+    rate, c = cfg["rate"], cfg["concurrency"]
     if cfg["workload"] == "trace":
         load = f"trace replay at {cfg['speed']:g}x" + (f", at most {c} in flight" if c else "")
     elif rate:
@@ -1754,7 +1753,7 @@ def execute(target: Target, cfg: dict[str, Any], quiet: bool = False) -> dict[st
     plan = Plan(source, cfg["warmup"], cfg["concurrency"], chat, cfg["rate"], cfg["burstiness"],
                 cfg["duration_s"], cfg["seed"], turns, offsets)
     config = {**{k: v for k, v in cfg.items() if k not in ("extra_body", "num_requests_given")},
-              "num_requests": load.count - cfg["warmup"], "load": describe_load(cfg),
+              "num_requests": load.count - cfg["warmup"], "load": describe_load(cfg, load.count - cfg["warmup"]),
               "url": target.base_url, "model": target.model, "prompt_tokenizer": prompt_source, "run_id": run_id,
               "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "extra_body": cfg["extra_body"] or None}
