@@ -1770,13 +1770,16 @@ def execute(target: Target, cfg: dict[str, Any], quiet: bool = False) -> dict[st
         else:
             run = run_in_loop(plan, cfg["timeout_s"], quiet=quiet)
     finally:
-        timeline_doc = timeline.stop() if timeline else None
+        if timeline:
+            timeline.stop()
     first_sent = min((o.sent_ns for o in run.outcomes if o.sent_ns), default=None)
-    # Seconds from the start of execute to the first request on the wire: building the
-    # workload, probing and the first scrape included (what a 100,000-request run waits).
+    # vLLM counts a request's last tokens just after it streamed them: by now it has.
     after, note_after = metrics_snapshot(target) if before is not None else (None, note)
+    timeline_doc = timeline.result(after) if timeline else None
     result = analyse(run.outcomes, config, run.loop_lag_ms, run.cpu_s, run.wall_s, run.interrupted)
     result["workload"] = workload_identity(cfg, load)
+    # Seconds from the start of execute to the first request on the wire: building the
+    # workload, probing and the first scrape included (what a 100,000-request run waits).
     result["startup_s"] = None if first_sent is None else first_sent / 1e9 - started
     all_tokens = sum(o.completion_tokens or 0 for o in run.outcomes if o.ok or o.error == "stream_cut")
     during = timeline.during() if timeline else []

@@ -334,7 +334,8 @@ class CalibrationServer:
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._server = await self.loop.create_server(lambda: HttpProtocol(self), self.host, self.port)
+        self._server = await self.loop.create_server(lambda: HttpProtocol(self), self.host, self.port,
+                                                     backlog=4096)  # 1,024 streams connect at once
         self.port = self._server.sockets[0].getsockname()[1]
         for sock in self._server.sockets:
             # Accepted connections inherit it, so even a request sent at once with the connection

@@ -24,7 +24,8 @@ PERCENTILES = ("p50", "p95", "p99")
 
 
 class Timeline:
-    """Scrapes /metrics every `interval_s` in a thread until stopped (and once more then)."""
+    """Scrapes /metrics every `interval_s` in a thread until stopped; the scrape after the run
+    (taken once the server has counted the last tokens) closes it."""
 
     def __init__(self, base_url: str, api_key: str | None, interval_s: float):
         self.base_url, self.api_key, self.interval_s = base_url, api_key, interval_s
@@ -39,10 +40,14 @@ class Timeline:
         self._thread.start()
         return self
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        self._scrape()
+
+    def result(self, final: dict[str, Any] | None) -> dict[str, Any]:
+        """The timeline document, closed by `final` (the scrape after the run)."""
+        if final is not None:
+            self.snapshots.append((time.monotonic() - self._start, final))
         return {"interval_s": self.interval_s, "samples": timeline_samples(self.snapshots),
                 **({"errors": self.errors[:3]} if self.errors else {})}
 

@@ -392,8 +392,10 @@ def test_real_vllm_sharegpt_with_a_timeline(vllm_server, capsys):
     assert set(samples[0]) == {"t_s", "running", "waiting", "kv_cache_usage_perc", "preemptions",
                                "prefix_cache_hit_rate", "prompt_tok_s", "generation_tok_s"}
     assert max(s["running"] for s in samples) >= 1  # a scrape saw the bench's requests running
+    # The rates add up to what the server generated during the run (the bench's tokens).
     assert sum(s["generation_tok_s"] * (s["t_s"] - p["t_s"]) for p, s in zip(samples, samples[1:])) == \
-        pytest.approx(result["requests"]["output_tokens"]["total"], rel=0.02)
+        pytest.approx(result["server"]["metrics"]["generation_tokens"], rel=1e-6)
+    assert result["server"]["metrics"]["generation_tokens"] == result["requests"]["output_tokens"]["total"]
     assert result["server"]["probe"]["p50_ms"] is not None
     assert "percentiles" in result["server"]["cross_check"]
 
