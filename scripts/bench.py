@@ -17,12 +17,23 @@ have distorted the figures, the run is INVALID (exit 4). /metrics is read before
 SGLang is supported from its documented formats (checked against recorded streams, not a live
 server); its /tokenize takes text only, so chat prompts there do not count the chat template.
 
+Real traffic (scripts/workload.py has the formats): --prompts JSONL, --sharegpt conversations
+(every turn), --input-dist/--output-dist length distributions, --trace (Mooncake/BurstGPT JSONL
+replayed on its own absolute schedule, --speed; the schedule lag is reported). Requests are made
+when sent, from words the tokenizer counts as one token each (a sample is checked first), so a
+100,000-request run starts at once. Reasoning models: TTFT of the first answer token and the
+reasoning/answer split of tokens and TPOT. /metrics is scraped every --timeline-interval seconds
+("timeline"), and the client's TTFT/e2e are checked against the server's histograms.
+
 Examples:
   bench.py --url http://127.0.0.1:8000 -n 32 -c 8 --input-tokens 2048 --output-tokens 256
   bench.py -n 64 -c 16 --slo-ttft-p95-ms 500 --slo-tpot-p95-ms 50 --log bench-log.md
   bench.py --rate 4 --burstiness 0.5 --duration 60 -n 1000 --json
   bench.py --endpoint chat --shared-prefix 1024 -n 32 -c 8 --records requests.jsonl
   INFER_URL=http://gpu-box:8000 INFER_API_KEY=... bench.py -n 256 -c 64 --workers 2
+  bench.py --endpoint chat --sharegpt scripts/data/sharegpt-sample.json -c 4 --probe /health
+  bench.py --trace scripts/data/trace-sample.jsonl --speed 2 --json > run.json
+  bench.py --input-dist lognormal:400,2000 --output-dist uniform:64,512 -n 200 -c 16
 
 Exit codes: 0 SLO met (or no SLO set and every request completed), 1 SLO missed or requests
 failed, 2 usage error, 3 server unreachable or every request failed, 4 run invalid (the client
@@ -1188,8 +1199,10 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
     schedule = summarize((o.sent_ns - o.scheduled_ns) / 1e6 for o in measured
                          if o.scheduled_ns is not None and not config.get("concurrency"))
     cpu_util = cpu_s / wall_s if wall_s else 0.0
-    valid, threshold, invalid_reasons = client_validity(lag, ttft, tpot, schedule, cpu_util, lag_ms, wall_s)
-    stalled = stalls(lag_ms, threshold, wall_s)
+    # Worker processes each probe their own loop: their stalls add up over workers x wall time.
+    probed_s = wall_s * config.get("workers", 1)
+    valid, threshold, invalid_reasons = client_validity(lag, ttft, tpot, schedule, cpu_util, lag_ms, probed_s)
+    stalled = stalls(lag_ms, threshold, probed_s)
     slo = slo_check(ttft["p95"], tpot["p95"], config.get("slo_ttft_p95_ms"), config.get("slo_tpot_p95_ms"))
     good = [o for o in done if all(
         (name != "ttft_p95_ms" or o.ttft_ms <= c["target"]) and
