@@ -1776,7 +1776,7 @@ def execute(target: Target, cfg: dict[str, Any], quiet: bool = False) -> dict[st
         if before is not None else None
     common.progress(f"bench: {config['load']} against {target.base_url} ({target.model})")
     if timeline:
-        timeline.start()
+        timeline.start(before)
     try:
         if cfg["workers"] > 1:
             run = run_workers(plan, cfg["workers"], cfg["timeout_s"])

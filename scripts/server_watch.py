@@ -4,7 +4,7 @@ cross-check of TTFT and e2e, and a probe of a trivial endpoint that sizes networ
 The timeline (bench JSON "timeline", read by other tools: keep the keys):
   {"interval_s": 2.0, "samples": [{"t_s", "running", "waiting", "kv_cache_usage_perc",
    "preemptions", "prefix_cache_hit_rate", "prompt_tok_s", "generation_tok_s"}, ...]}
-t_s counts from the first scrape (just before the first measured request); preemptions are
+t_s counts from the scrape just before the run (warm-up included); preemptions are
 cumulative since then; rates and the hit rate cover the interval since the previous sample;
 any value may be null (not exported by this engine).
 """
@@ -24,8 +24,9 @@ PERCENTILES = ("p50", "p95", "p99")
 
 
 class Timeline:
-    """Scrapes /metrics every `interval_s` in a thread until stopped; the scrape after the run
-    (taken once the server has counted the last tokens) closes it."""
+    """Scrapes /metrics every `interval_s` in a thread until stopped. The scrape before the run
+    opens it and the scrape after the run (once the server has counted the last tokens)
+    closes it, so its rates add up to the run's server-side window exactly."""
 
     def __init__(self, base_url: str, api_key: str | None, interval_s: float):
         self.base_url, self.api_key, self.interval_s = base_url, api_key, interval_s
@@ -35,8 +36,9 @@ class Timeline:
         self._thread = threading.Thread(target=self._run, name="metrics-timeline", daemon=True)
         self._start = 0.0
 
-    def start(self) -> "Timeline":
+    def start(self, first: dict[str, Any]) -> "Timeline":
         self._start = time.monotonic()
+        self.snapshots.append((0.0, first))
         self._thread.start()
         return self
 
@@ -55,12 +57,10 @@ class Timeline:
         return [snap for _, snap in self.snapshots]
 
     def _run(self) -> None:
-        tick = 0
-        while True:
+        tick = 1
+        while not self._stop.wait(max(0.0, self._start + tick * self.interval_s - time.monotonic())):
             self._scrape()
             tick += 1
-            if self._stop.wait(max(0.0, self._start + tick * self.interval_s - time.monotonic())):
-                return
 
     def _scrape(self) -> None:
         at = time.monotonic() - self._start

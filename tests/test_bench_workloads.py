@@ -391,9 +391,10 @@ def test_real_vllm_sharegpt_with_a_timeline(vllm_server, capsys):
     assert len(samples) >= 3 and result["timeline"]["interval_s"] == 0.5
     assert set(samples[0]) == {"t_s", "running", "waiting", "kv_cache_usage_perc", "preemptions",
                                "prefix_cache_hit_rate", "prompt_tok_s", "generation_tok_s"}
-    # The rates add up to what the server generated during the run (the bench's tokens).
+    # The rates add up to what the server generated during the run (the bench's tokens); t_s
+    # is rounded to the millisecond.
     assert sum(s["generation_tok_s"] * (s["t_s"] - p["t_s"]) for p, s in zip(samples, samples[1:])) == \
-        pytest.approx(result["server"]["metrics"]["generation_tokens"], rel=1e-6)
+        pytest.approx(result["server"]["metrics"]["generation_tokens"], rel=0.01)
     assert result["server"]["metrics"]["generation_tokens"] == result["requests"]["output_tokens"]["total"]
     assert result["server"]["probe"]["p50_ms"] is not None
     assert "percentiles" in result["server"]["cross_check"]
@@ -420,7 +421,9 @@ def test_real_vllm_compare_two_runs(vllm_server, capsys, tmp_path):
     for name, c in (("a", "2"), ("b", "2"), ("c", "3")):
         _, result = _bench(capsys, "--url", vllm_server.url, "-n", "10", "-c", c, "--input-dist", "uniform:50,150",
                            "--output-dist", "fixed:8", *VISIBLE)
-        assert result["requests"]["completed"] == 10
+        # A random model may write only bytes that decode to no text: no content, empty_output.
+        assert result["requests"]["completed"] + result["requests"]["errors"].get("empty_output", 0) == 10
+        assert result["requests"]["completed"] >= 5
         files.append(tmp_path / f"{name}.json")
         files[-1].write_text(json.dumps(result))
     code = compare.main([str(files[0]), str(files[1]), "--json"])
