@@ -1699,7 +1699,7 @@ def build_workload(target: Target, cfg: dict[str, Any]) -> tuple[workload_mod.Wo
                 output_dist=workload_mod.parse_distribution(cfg["output_dist"] or str(out), "--output-dist"))
         load.maker = calibrate_maker(counter, cfg["seed"])
         if load.maker is not None and cfg["shared_prefix"]:
-            load.shared_tokens = max(cfg["shared_prefix"], load.maker.shortest)
+            load.shared_tokens = load.maker.fits(cfg["shared_prefix"], 0)
             load.shared_prefix = load.maker.text(load.shared_tokens, 0)
         wrong = verify_sample(counter, load) if load.maker is not None else ["too few one-token words"]
         fixed = load.kind == "synthetic" and load.input_dist.kind == "fixed"

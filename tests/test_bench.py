@@ -564,7 +564,7 @@ def test_real_vllm_counts_and_latencies_match_the_server(vllm_server, capsys, tm
     assert result["config"]["prompt_tokenizer"] == "server /tokenize"
     # Exact prompts and outputs, by the server's own count; warm-up requests are in both.
     assert result["requests"]["prompt_tokens"]["min"] == result["requests"]["prompt_tokens"]["max"] == 200
-    assert result["requests"]["output_tokens"] == {"requested": 24, "total": 288, "short": 0,
+    assert result["requests"]["output_tokens"] == {"requested": 24, "requested_total": 288, "total": 288, "short": 0,
                                                    "ignore_eos_honoured": True}
     assert delta["counters"]["generation_tokens"]["value"] == sum(r["completion_tokens"] for r in records) == 336
     assert result["server"]["metrics"]["generation_tokens"] == 336

@@ -182,6 +182,18 @@ def test_synthetic_workload_draws_lengths_per_request_and_repeats_them():
     assert 10 < statistics.mean(s.output_tokens for s in specs) < 50
 
 
+def test_synthetic_shared_prefix_starts_every_prompt():
+    maker = _maker()
+    load = workload.Workload("synthetic", 8, 4, seed=1, maker=maker,
+                             input_dist=workload.parse_distribution("30", "x"),
+                             output_dist=workload.parse_distribution("4", "x"),
+                             shared_prefix=maker.text(20, 0), shared_tokens=20)
+    specs = [load.spec(i) for i in range(8)]
+    assert all(s.prompt.startswith(load.shared_prefix + " ") and _words(s.prompt) == s.prompt_tokens == 30
+               for s in specs)
+    assert len({s.prompt for s in specs}) == 8
+
+
 # ---------------------------------------------------------------------------------------------
 # Validity: stalls, one-read streams
 
@@ -356,6 +368,14 @@ def test_distributions_and_prompts_files_run(calibration, capsys):
                           "--warmup", "0")
     assert result["requests"]["completed"] == 6
     assert result["requests"]["output_tokens"]["requested_total"] == 48 + 96 + 40 + 256 + 16 + 80
+
+
+def test_a_shared_prefix_is_shared_and_exact(calibration, capsys, tmp_path):
+    records = tmp_path / "r.jsonl"
+    code, result = _bench(capsys, "--url", calibration.url, "-n", "6", "-c", "3", "--input-tokens", "60",
+                          "--shared-prefix", "40", "--output-tokens", "2", "--records", str(records))
+    assert result["requests"]["completed"] == 6
+    assert result["requests"]["prompt_tokens"]["min"] == result["requests"]["prompt_tokens"]["max"] == 60
 
 
 @pytest.mark.parametrize("argv, message", [
