@@ -168,14 +168,16 @@ def compare(a: dict[str, Any], b: dict[str, Any], files: tuple[str, str], labels
         if differ:
             raise UsageError(f"different workloads{' at ' + prefix.strip() if prefix else ''}: "
                              + "; ".join(differ) + ": rerun one with the other's settings")
-    for name, doc in zip("AB", (a, b)):
-        for prefix, point in [(p, x) for p, x, _ in pairs] if name == "A" else [(p, y) for p, _, y in pairs]:
+    for side, name, doc in ((1, "A", a), (2, "B", b)):
+        for pair in pairs:
+            prefix, point = pair[0].strip(), pair[side]
+            where = f"run {name}" + (f" at {prefix}" if prefix else "")
             if point.get("verdict") == "INVALID":
-                warnings.append(f"run {name}{' ' + prefix.strip() if prefix else ''} was INVALID (the client may "
-                                "have distorted its figures): this comparison inherits that")
-            if point.get("failed") or (point.get("requests") or {}).get("failed"):
-                warnings.append(f"run {name}{' ' + prefix.strip() if prefix else ''} had failed requests: "
-                                "percentiles cover the completed ones only")
+                warnings.append(f"{where} was INVALID (the client may have distorted its figures): "
+                                "this comparison inherits that")
+            requests = point.get("requests")  # a bench document's section; a sweep point's count
+            if requests["failed"] if isinstance(requests, dict) else point.get("failed"):
+                warnings.append(f"{where} had failed requests: percentiles cover the completed ones only")
         if doc.get("interrupted"):
             warnings.append(f"run {name} was interrupted: partial results")
     rows = [row for prefix, pa, pb in pairs for row in metric_rows(pa, pb, prefix, rng)]

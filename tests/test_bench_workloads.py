@@ -378,6 +378,25 @@ def test_a_shared_prefix_is_shared_and_exact(calibration, capsys, tmp_path):
     assert result["requests"]["prompt_tokens"]["min"] == result["requests"]["prompt_tokens"]["max"] == 60
 
 
+def test_two_sweeps_compare_point_by_point(calibration, capsys, tmp_path):
+    import sweep
+
+    files = []
+    for name, levels in (("a", "1,2"), ("b", "1,2"), ("c", "1,3")):
+        sweep.main(["--url", calibration.url, "--json", "--sweep-c", levels, "-n", "6", "--input-tokens", "8",
+                    "--output-tokens", "4"])
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(capsys.readouterr().out)
+    report = json.loads(files[0].read_text())
+    assert report["kind"] == "sweep" and all("samples" in p and "workload" in p for p in report["points"])
+    code = compare.main([str(files[0]), str(files[1]), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    names = {r["name"] for r in doc["metrics"]}
+    assert {"c=1 ttft_ms.p50", "c=2 tpot_ms.p95"} <= names and code in (0, 1)
+    assert compare.main([str(files[0]), str(files[2])]) == 2
+    assert "different concurrencies ([1, 2] vs [1, 3])" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--trace", str(TRACE), "--rate", "3"], "use --speed, not --rate"),
     (["--prompts", str(PROMPTS), "--trace", str(TRACE)], "choose one"),
