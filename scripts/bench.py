@@ -1460,10 +1460,11 @@ def append_log(path: str, entry: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # The server: what it says about itself
 
-def find_target(base_url: str, api_key: str | None, model: str | None, timeout: float) -> Target:
-    """Ask /v1/models what is served (the model defaults to the first one listed) and the version."""
-    with common.client(base_url, api_key, timeout) as http:
-        entry, served = common.pick_model(common.get_json(http, "/v1/models"), model, base_url)
+def find_target(server: Target, model: str | None, timeout: float) -> Target:
+    """The server with its model: /v1/models says what is served (the model defaults to the
+    first one listed), /version (or SGLang's /server_info) the engine version."""
+    with common.client(server.base_url, server.api_key, timeout) as http:
+        entry, served = common.pick_model(common.get_json(http, "/v1/models"), model, server.base_url)
         version = None
         for path in ("/version", "/server_info", "/get_server_info"):
             try:
@@ -1475,7 +1476,7 @@ def find_target(base_url: str, api_key: str | None, model: str | None, timeout: 
     info = {"model": entry["id"], "served": served, "root": entry.get("root"),
             "max_model_len": entry.get("max_model_len"), "owned_by": entry.get("owned_by"),
             "engine_version": version}
-    return Target(base_url, api_key, entry["id"], info)
+    return Target(server.base_url, server.api_key, entry["id"], info)
 
 
 def metrics_snapshot(target: Target) -> tuple[dict[str, Any] | None, str]:
@@ -1818,21 +1819,15 @@ def execute(target: Target, cfg: dict[str, Any], quiet: bool = False) -> dict[st
     return result
 
 
-def resolve_target(args: Any, settings: common.Settings, timeout: float) -> Target:
-    """URL, API key and model, once per run, for bench and sweep alike."""
-    base_url, api_key = common.server_settings(args, settings)
-    return find_target(base_url, api_key, settings.get("INFER_MODEL", args.model) or None, timeout)
-
-
 def write_records(path: str, records: Sequence[dict[str, Any]]) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         for record in records:
             handle.write(json.dumps(record) + "\n")
 
 
-def run(args: Any, settings: common.Settings) -> int:
+def run(args: Any, settings: common.Settings, server: Target) -> int:
     cfg = make_config(args, settings)
-    target = resolve_target(args, settings, cfg["timeout_s"])
+    target = find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
     result = execute(target, cfg)
     records = result.pop("records")
     if args.records:
@@ -1844,15 +1839,16 @@ def run(args: Any, settings: common.Settings) -> int:
     return exit_code(result)
 
 
-def run_with_settings(args: Any, body: Callable[[Any, common.Settings], int]) -> int:
-    """Read the settings (inference.env) once, learn the API key to redact, run `body`."""
+def run_with_settings(args: Any, body: Callable[[Any, common.Settings, Target], int]) -> int:
+    """Read the settings (inference.env) and resolve the server (URL, API key) once, for bench
+    and sweep alike; errors are redacted with that key."""
     try:
         settings = common.settings_from_args(args)
-        _, api_key = common.server_settings(args, settings)
+        server = Target(*common.server_settings(args, settings))
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return common.EXIT_USAGE
-    return common.run_main(lambda: body(args, settings), secret=api_key)
+    return common.run_main(lambda: body(args, settings, server), secret=server.api_key)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

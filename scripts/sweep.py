@@ -97,7 +97,7 @@ def exit_code(report: dict[str, Any]) -> int:
     return common.EXIT_OK
 
 
-def run(args: Any, settings: common.Settings) -> int:
+def run(args: Any, settings: common.Settings, server: bench.Target) -> int:
     if args.concurrency:
         raise UsageError("sweep sets the concurrency itself: use --sweep-c (SWEEP_C), not -c")
     levels = parse_levels(settings.get("SWEEP_C", args.sweep_c, DEFAULT_SWEEP))
@@ -110,7 +110,7 @@ def run(args: Any, settings: common.Settings) -> int:
         args.num_requests = str(per_point or max(16, 4 * concurrency))
         cfg = bench.make_config(args, settings)
         if target is None:
-            target = bench.resolve_target(args, settings, cfg["timeout_s"])
+            target = bench.find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
         common.progress(f"sweep: C = {concurrency}")
         result = bench.execute(target, cfg)
         result.pop("records")
