@@ -41,6 +41,7 @@ from typing import Any, Sequence
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import bench  # noqa: E402
+import calibration_server  # noqa: E402
 import common  # noqa: E402
 from common import ServerError  # noqa: E402
 
@@ -140,27 +141,25 @@ def human(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_bench(cmd: list[str], who: str) -> dict[str, Any]:
+    """bench.py --json as a subprocess: its result (a valid or INVALID run), else ServerError."""
+    common.progress(f"{who}: " + " ".join(cmd))
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode not in (0, 4):
+        raise ServerError(f"bench.py exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout)
+
+
 def measure(args: Any, streams: int, requests: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One calibration run at `streams` concurrent streams: (rows against the targets, details)."""
-    server_cmd = pinned(0) + [sys.executable, str(SCRIPTS / "calibration_server.py"), "--port", "0",
-                              "--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms)]
-    server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, text=True)
-    try:
-        line = server.stdout.readline().strip()
-        if not line.startswith("listening on "):
-            raise ServerError(f"the calibration server did not start: {line or 'no output'}")
-        url = line.split()[-1]
+    with calibration_server.spawned(["--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms)], pinned(0)) as url:
         with tempfile.TemporaryDirectory() as tmp:
             records_file = Path(tmp) / "records.jsonl"
             bench_cmd = pinned(1) + [sys.executable, str(SCRIPTS / "bench.py"), "--url", url, "--json",
                                      "-n", str(requests), "-c", str(streams), "--input-tokens", str(args.input_tokens),
                                      "--output-tokens", str(args.output_tokens), "--records", str(records_file),
                                      "--workers", str(args.workers), "--timeout", "120"]
-            common.progress("bench_accuracy: " + " ".join(bench_cmd))
-            done = subprocess.run(bench_cmd, capture_output=True, text=True)
-            if done.returncode not in (0, 4):
-                raise ServerError(f"bench.py exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
-            result = json.loads(done.stdout)
+            result = run_bench(bench_cmd, "bench_accuracy")
             records = [json.loads(line) for line in records_file.read_text().splitlines()]
         with common.client(url) as http:
             truth = common.get_json(http, "/calibration/truth")
@@ -177,9 +176,6 @@ def measure(args: Any, streams: int, requests: int) -> tuple[list[dict[str, Any]
         if args.httpx_baseline:
             info["httpx_baseline"] = asyncio.run(httpx_baseline(url, requests, streams, "word " * args.input_tokens,
                                                                 args.output_tokens))
-    finally:
-        server.terminate()
-        server.wait(10)
     return rows, info
 
 

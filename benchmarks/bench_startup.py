@@ -15,16 +15,14 @@ Exit codes: 0 within the goal, 1 slower, 2 bad arguments, 3 the server or bench 
 """
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-import common  # noqa: E402
-from common import ServerError  # noqa: E402
+import bench_accuracy  # beside this script; it puts scripts/ on the path
+import calibration_server
+import common
+from bench_accuracy import SCRIPTS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,23 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> int:
-        server = subprocess.Popen([sys.executable, str(SCRIPTS / "calibration_server.py"), "--port", "0",
-                                   "--ttft-ms", "10", "--itl-ms", "5"], stdout=subprocess.PIPE, text=True)
-        try:
-            line = server.stdout.readline().strip()
-            if not line.startswith("listening on "):
-                raise ServerError(f"the calibration server did not start: {line or 'no output'}")
-            cmd = [sys.executable, str(SCRIPTS / "bench.py"), "--url", line.split()[-1], "--json",
-                   "-n", str(args.n), "-c", "64", "--duration", str(args.duration),
-                   "--input-tokens", str(args.input_tokens), "--output-tokens", "4"]
-            common.progress("bench_startup: " + " ".join(cmd))
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode not in (0, 4):
-                raise ServerError(f"bench.py exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
-            result = json.loads(done.stdout)
-        finally:
-            server.terminate()
-            server.wait(10)
+        with calibration_server.spawned(["--ttft-ms", "10", "--itl-ms", "5"]) as url:
+            result = bench_accuracy.run_bench(
+                [sys.executable, str(SCRIPTS / "bench.py"), "--url", url, "--json", "-n", str(args.n), "-c", "64",
+                 "--duration", str(args.duration), "--input-tokens", str(args.input_tokens), "--output-tokens", "4"],
+                "bench_startup")
         report = {"requests": args.n, "input_tokens": args.input_tokens, "startup_s": result["startup_s"],
                   "goal_s": args.goal_s, "sent": result["requests"]["sent"],
                   "prompt_tokens": result["requests"]["prompt_tokens"], "ok": result["startup_s"] <= args.goal_s}
