@@ -83,9 +83,12 @@ LIMITS = {"num_requests": 1_000_000, "concurrency": 100_000, "input_tokens": 10_
 LAG_FLOOR_MS = 1.0
 LAG_SHARE = 0.10
 LAG_PROBE_S = 0.005
-# Client stalls (lag above the threshold) may cover at most this share of the run: beyond it,
-# more requests than a p99 tolerates had a stall inside their TTFT or e2e.
-STALL_SHARE = 0.01
+# Client stalls (lag above the threshold) may cover at most this share of the run. On a busy
+# 2-core machine, task bench:calibrate runs with 3% and 7% of their time in stalls stayed within
+# 0.3% of the truth at p50 and p95 (the server stalled with the client: nothing was waiting),
+# one with 34% had TTFT p50 21% off. Above STALL_WARN the run says how much it stalled.
+STALL_SHARE = 0.10
+STALL_WARN = 0.01
 EPOLL_ROUNDING_MS = 1.0
 DEFINITIONS = {
     "ttft_ms": "request sent -> first chunk with content (role-only chunks excluded) = vLLM TTFT",
@@ -1233,9 +1236,10 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
     if valid and lag["p99"] is not None and lag["p99"] > threshold:
         warnings.append(f"client event-loop lag p99 {lag['p99']:.2f} ms > {threshold:.2f} ms: "
                         "p99 figures may include client delay (p95 ones do not)")
-    if valid and stalled["worst_ms"] > max(threshold, 0.5 * (ttft["p50"] or 0)):
-        warnings.append(f"the client stalled once for {stalled['worst_ms']:.0f} ms ({stalled['share']:.1%} of the "
-                        "run in stalls): the requests in flight then carry that delay in their maxima")
+    if valid and (stalled["share"] > STALL_WARN or stalled["worst_ms"] > max(threshold, 0.5 * (ttft["p50"] or 0))):
+        warnings.append(f"the client stalled {stalled['total_s']:.2f} s in all ({stalled['share']:.1%} of the run, "
+                        f"worst {stalled['worst_ms']:.0f} ms): requests in flight then may carry that delay "
+                        f"(the run stays valid below {STALL_SHARE:.0%} of its time in stalls)")
     if valid and schedule["p99"] is not None and schedule["p99"] > threshold + EPOLL_ROUNDING_MS:
         warnings.append(f"open-loop sends ran late: schedule lag p99 {schedule['p99']:.2f} ms: the slowest "
                         "1% of arrivals were bunched (p95 kept to the schedule)")
