@@ -1557,7 +1557,7 @@ def make_config(args: Any, settings: common.Settings) -> dict[str, Any]:
         "speed": common.number("--speed", args.speed, float, 1e-6, 1e6, default=1.0),
         "trace_block_tokens": common.number("--trace-block-tokens", args.trace_block_tokens, int, 1, 1_000_000,
                                             default=workload_mod.MOONCAKE_BLOCK_TOKENS),
-        "timeline_interval_s": common.number("--timeline-interval (s)", args.timeline_interval, float, 0.1, 3600, default=2.0),
+        "timeline_interval_s": common.number("--timeline-interval (s)", args.timeline_interval, float, 0, 3600, default=2.0),
         "probe": args.probe or None,
         "endpoint": args.endpoint,
         "workload": sources[0] if sources else "synthetic",
@@ -1637,7 +1637,8 @@ def build_parser():
                    "each turn adds a user message of --input-tokens to the history and the answers (default 1)")
     p.add_argument("--records", default="", help="write one JSON line per request to this file")
     p.add_argument("--workers", default="", help="client processes sharing the load, when one core cannot keep up (default 1)")
-    p.add_argument("--timeline-interval", default="", help="seconds between /metrics scrapes during the run (default 2)")
+    p.add_argument("--timeline-interval", default="", help="seconds between /metrics scrapes during the run (default 2; 0: none, "
+                   "as each scrape costs the server a moment)")
     p.add_argument("--probe", default="", help="time a trivial GET (e.g. /health) to split client-vs-engine gaps into network and server")
     p.add_argument("--seed", default="", help="seed for prompts and arrivals (default 0)")
     p.add_argument("--extra-body", default="", help="JSON object merged into every request body")
@@ -1778,7 +1779,7 @@ def execute(target: Target, cfg: dict[str, Any], quiet: bool = False) -> dict[st
     probed = server_watch.probe(target.base_url, target.api_key, cfg["probe"]) if cfg["probe"] else None
     before, note = metrics_snapshot(target)
     timeline = server_watch.Timeline(target.base_url, target.api_key, cfg["timeline_interval_s"]) \
-        if before is not None else None
+        if before is not None and cfg["timeline_interval_s"] else None
     common.progress(f"bench: {config['load']} against {target.base_url} ({target.model})")
     if timeline:
         timeline.start(before)

@@ -10,8 +10,10 @@ any value may be null (not exported by this engine).
 """
 from __future__ import annotations
 
-import threading
+import multiprocessing
+import signal
 import time
+from queue import Empty
 from typing import Any, Sequence
 
 import httpx
@@ -24,27 +26,46 @@ PERCENTILES = ("p50", "p95", "p99")
 
 
 class Timeline:
-    """Scrapes /metrics every `interval_s` in a thread until stopped. The scrape before the run
-    opens it and the scrape after the run (once the server has counted the last tokens)
-    closes it, so its rates add up to the run's server-side window exactly."""
+    """Scrapes /metrics every `interval_s` from a child process until stopped, and parses the
+    pages after the run: a scrape parsed in the client's process would hold the interpreter
+    lock for milliseconds and delay the timestamps of arriving tokens. The scrape before the
+    run opens the timeline and the scrape after it (once the server has counted the last
+    tokens) closes it, so its rates add up to the run's server-side window exactly."""
 
     def __init__(self, base_url: str, api_key: str | None, interval_s: float):
         self.base_url, self.api_key, self.interval_s = base_url, api_key, interval_s
         self.snapshots: list[tuple[float, dict[str, Any]]] = []
         self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="metrics-timeline", daemon=True)
+        context = multiprocessing.get_context("spawn")
+        self._stop, self._pages = context.Event(), context.Queue()
+        self._process: Any = None
+        self._context = context
         self._start = 0.0
 
     def start(self, first: dict[str, Any]) -> "Timeline":
-        self._start = time.monotonic()
+        self._start = time.monotonic()  # CLOCK_MONOTONIC: the same clock in the child
         self.snapshots.append((0.0, first))
-        self._thread.start()
+        self._process = self._context.Process(
+            target=scrape_pages, daemon=True, name="metrics-timeline",
+            args=(self.base_url, self.api_key, self.interval_s, self._start, self._stop, self._pages))
+        self._process.start()
         return self
 
     def stop(self) -> None:
+        """Stop scraping and parse what was scraped."""
         self._stop.set()
-        self._thread.join()
+        try:
+            pages = self._pages.get(timeout=30 + self.interval_s)
+        except Empty:
+            pages, self.errors = [], ["the scraping process sent nothing back"]
+        self._process.join(5)
+        for at, text, wall, error in pages:
+            try:
+                if error:
+                    raise ServerError(error)
+                self.snapshots.append((at, metrics.snapshot(text, self.base_url, wall)))
+            except (ServerError, UsageError, metrics.InvalidScrape) as exc:
+                self.errors.append(f"t={at:.1f}s: {exc}")
 
     def result(self, final: dict[str, Any] | None) -> dict[str, Any]:
         """The timeline document, closed by `final` (the scrape after the run)."""
@@ -56,19 +77,21 @@ class Timeline:
     def during(self) -> list[dict[str, Any]]:
         return [snap for _, snap in self.snapshots]
 
-    def _run(self) -> None:
-        tick = 1
-        while not self._stop.wait(max(0.0, self._start + tick * self.interval_s - time.monotonic())):
-            self._scrape()
-            tick += 1
 
-    def _scrape(self) -> None:
-        at = time.monotonic() - self._start
+def scrape_pages(base_url: str, api_key: str | None, interval_s: float, start: float, stop, pages) -> None:
+    """The child process: GET /metrics every interval until `stop`, then send the pages
+    [(t since start, text, unix time, error)] back at once."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the run; the parent stops us
+    got, tick = [], 1
+    while not stop.wait(max(0.0, start + tick * interval_s - time.monotonic())):
+        at = time.monotonic() - start
         try:
-            text, wall = metrics.scrape(self.base_url, self.api_key, timeout=max(1.0, self.interval_s))
-            self.snapshots.append((at, metrics.snapshot(text, self.base_url, wall)))
-        except (ServerError, UsageError, metrics.InvalidScrape) as exc:
-            self.errors.append(f"t={at:.1f}s: {exc}")
+            text, wall = metrics.scrape(base_url, api_key, timeout=max(1.0, interval_s))
+            got.append((at, text, wall, None))
+        except (ServerError, UsageError) as exc:
+            got.append((at, "", None, str(exc)))
+        tick += 1
+    pages.put(got)
 
 
 def _value(snap: dict[str, Any], kind: str, concept: str) -> float | None:

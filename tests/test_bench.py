@@ -551,8 +551,11 @@ def _bucket_shifts(delta: dict, records: list[dict], concept: str, key: str) -> 
 
 def _measure_against_vllm(url: str, capsys, records: Path) -> tuple[dict, list[dict], dict]:
     before = _scrape(url)
+    # No /metrics scrapes during the run: vLLM's API server renders each page between token
+    # writes, a delay the engine's histograms do not hold (this test compares to the bucket).
     code, result = _run(capsys, url, "-n", "12", "-c", "4", "--input-tokens", "200",
-                        "--output-tokens", "24", "--warmup", "2", "--records", str(records))
+                        "--output-tokens", "24", "--warmup", "2", "--records", str(records),
+                        "--timeline-interval", "0")
     delta = metrics.difference(before, _scrape(url))
     return result, [json.loads(line) for line in records.read_text().splitlines()], delta
 
@@ -571,10 +574,13 @@ def test_real_vllm_counts_and_latencies_match_the_server(vllm_server, capsys, tm
     assert not any("generated" in w for w in result["warnings"])
     shifts = {c: _bucket_shifts(delta, records, c, k) for c, k in (("ttft", "ttft_ms"), ("e2e", "e2e_ms"))}
     assert all(s >= 0 for row in shifts.values() for s in row), shifts
-    if any(s > 1 for row in shifts.values() for s in row):
+    for attempt in range(2, 4):
+        if all(s <= 1 for row in shifts.values() for s in row):
+            break
         # Other processes on a 2-core machine can stall vLLM's API server between the engine's
-        # clock and the socket for 100+ ms; one such spike is not the client's error: measure again.
-        result, records, delta = _measure_against_vllm(vllm_server.url, capsys, tmp_path / "r2.jsonl")
+        # clock and the socket, or the client's own loop (the run then says INVALID), for 100+ ms;
+        # such a spike is not a timestamping error: measure again.
+        result, records, delta = _measure_against_vllm(vllm_server.url, capsys, tmp_path / f"r{attempt}.jsonl")
         shifts = {c: _bucket_shifts(delta, records, c, k) for c, k in (("ttft", "ttft_ms"), ("e2e", "e2e_ms"))}
     assert all(0 <= s <= 1 for row in shifts.values() for s in row), shifts
 

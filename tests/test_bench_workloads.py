@@ -471,7 +471,8 @@ def test_real_vllm_compare_two_runs(vllm_server, capsys, tmp_path):
     code = compare.main([str(files[0]), str(files[1]), "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert code in (0, 1) and doc["verdict"] in ("better", "worse", "no significant difference", "mixed")
-    assert {r["name"] for r in doc["metrics"]} >= {"ttft_ms.p50", "ttft_ms.p95", "tpot_ms.p95", "e2e_ms.p50"}
+    # (TPOT rows only where the runs' TPOT is above 0: vLLM may stream a short output in one read)
+    assert {r["name"] for r in doc["metrics"]} >= {"ttft_ms.p50", "ttft_ms.p95", "e2e_ms.p50", "e2e_ms.p95"}
     assert compare.main([str(files[0]), str(files[2])]) == 2
     assert "concurrency: 2 vs 3" in capsys.readouterr().err
 
