@@ -18,7 +18,8 @@ later, so it can only make bench.py's error look larger); bench.py's own figures
 any run (from its send time to its receive timestamps).
 
 Examples:
-  bench_accuracy.py                                   # 256 streams x 64 tokens, 1024 requests
+  bench_accuracy.py                                   # 256 then 1,024 streams x 64 tokens, 4 requests a stream
+  bench_accuracy.py -c 1024 --workers 2 --json
   bench_accuracy.py -c 32 -n 256 --itl-ms 10 --json
   bench_accuracy.py --httpx-baseline
 
@@ -40,6 +41,7 @@ from typing import Any, Sequence
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import bench  # noqa: E402
+import calibration_server  # noqa: E402
 import common  # noqa: E402
 from common import ServerError  # noqa: E402
 
@@ -139,11 +141,49 @@ def human(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run_bench(cmd: list[str], who: str) -> dict[str, Any]:
+    """bench.py --json as a subprocess: its result (a valid or INVALID run), else ServerError."""
+    common.progress(f"{who}: " + " ".join(cmd))
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode not in (0, 4):
+        raise ServerError(f"bench.py exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout)
+
+
+def measure(args: Any, streams: int, requests: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One calibration run at `streams` concurrent streams: (rows against the targets, details)."""
+    with calibration_server.spawned(["--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms)], pinned(0)) as url:
+        with tempfile.TemporaryDirectory() as tmp:
+            records_file = Path(tmp) / "records.jsonl"
+            bench_cmd = pinned(1) + [sys.executable, str(SCRIPTS / "bench.py"), "--url", url, "--json",
+                                     "-n", str(requests), "-c", str(streams), "--input-tokens", str(args.input_tokens),
+                                     "--output-tokens", str(args.output_tokens), "--records", str(records_file),
+                                     "--workers", str(args.workers), "--timeout", "120"]
+            result = run_bench(bench_cmd, "bench_accuracy")
+            records = [json.loads(line) for line in records_file.read_text().splitlines()]
+        with common.client(url) as http:
+            truth = common.get_json(http, "/calibration/truth")
+            server_lag = common.get_json(http, "/calibration/lag")
+        truth_ms = truth_of(truth, result["config"]["run_id"], records)
+        rows = compare(result, truth_ms)
+        info = {"load": result["config"]["load"], "paired_ttft_error_ms": bench.summarize(truth_ms["ttft_error_ms"]),
+                "send_to_server_socket_ms": bench.summarize(truth_ms["upstream_ms"]),
+                "arrived_by": truth_ms["arrived_by"],
+                "server_write_to_client_ms": bench.summarize(truth_ms["downstream_ms"]), "ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms,
+                "pinning": "server core 0, client core 1" if pinned(0) else "none (one core or no taskset)",
+                "client": result["client"], "server_loop_lag_ms": server_lag, "verdict": result["verdict"],
+                "command": " ".join(bench_cmd)}
+        if args.httpx_baseline:
+            info["httpx_baseline"] = asyncio.run(httpx_baseline(url, requests, streams, "word " * args.input_tokens,
+                                                                args.output_tokens))
+    return rows, info
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = common.parser(__doc__)
     common.add_output_args(p)
-    p.add_argument("-n", type=int, default=1024, help="measured requests")
-    p.add_argument("-c", type=int, default=256, help="concurrent streams")
+    p.add_argument("-n", type=int, default=0, help="measured requests per level (default 4 x the streams)")
+    p.add_argument("-c", default="256,1024", help="concurrent streams, one run per value (comma-separated)")
     p.add_argument("--input-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--ttft-ms", type=float, default=40.0)
@@ -153,45 +193,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> int:
-        server_cmd = pinned(0) + [sys.executable, str(Path(__file__).resolve().parent / "calibration_server.py"), "--port", "0",
-                                  "--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms)]
-        server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, text=True)
         try:
-            line = server.stdout.readline().strip()
-            if not line.startswith("listening on "):
-                raise ServerError(f"the calibration server did not start: {line or 'no output'}")
-            url = line.split()[-1]
-            with tempfile.TemporaryDirectory() as tmp:
-                records_file = Path(tmp) / "records.jsonl"
-                bench_cmd = pinned(1) + [sys.executable, str(SCRIPTS / "bench.py"), "--url", url, "--json",
-                                         "-n", str(args.n), "-c", str(args.c), "--input-tokens", str(args.input_tokens),
-                                         "--output-tokens", str(args.output_tokens), "--records", str(records_file),
-                                         "--workers", str(args.workers)]
-                common.progress("bench_accuracy: " + " ".join(bench_cmd))
-                done = subprocess.run(bench_cmd, capture_output=True, text=True)
-                if done.returncode not in (0, 4):
-                    raise ServerError(f"bench.py exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
-                result = json.loads(done.stdout)
-                records = [json.loads(line) for line in records_file.read_text().splitlines()]
-            with common.client(url) as http:
-                truth = common.get_json(http, "/calibration/truth")
-                server_lag = common.get_json(http, "/calibration/lag")
-            truth_ms = truth_of(truth, result["config"]["run_id"], records)
-            rows = compare(result, truth_ms)
-            info = {"load": result["config"]["load"], "paired_ttft_error_ms": bench.summarize(truth_ms["ttft_error_ms"]),
-                    "send_to_server_socket_ms": bench.summarize(truth_ms["upstream_ms"]),
-                    "arrived_by": truth_ms["arrived_by"],
-                    "server_write_to_client_ms": bench.summarize(truth_ms["downstream_ms"]), "ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms,
-                    "pinning": "server core 0, client core 1" if pinned(0) else "none (one core or no taskset)",
-                    "client": result["client"], "server_loop_lag_ms": server_lag, "verdict": result["verdict"], "command": " ".join(bench_cmd)}
-            if args.httpx_baseline:
-                info["httpx_baseline"] = asyncio.run(httpx_baseline(url, args.n, args.c, "word " * args.input_tokens,
-                                                                    args.output_tokens))
-        finally:
-            server.terminate()
-            server.wait(10)
-        common.emit({"rows": rows, **info}, human(rows, info), args.json)
-        return common.EXIT_OK if all(r["ok"] for r in rows) else common.EXIT_CHECK_FAILED
+            levels = [int(x) for x in args.c.split(",") if x.strip()]
+        except ValueError:
+            raise common.UsageError(f"-c takes stream counts separated by commas, got {args.c!r}")
+        if not levels or min(levels) < 1:
+            raise common.UsageError(f"-c takes stream counts separated by commas, got {args.c!r}")
+        runs, texts = [], []
+        for streams in levels:
+            rows, info = measure(args, streams, args.n or 4 * streams)
+            runs.append({"streams": streams, "rows": rows, **info})
+            texts.append(f"--- {streams} streams ---\n" + human(rows, info))
+        ok = all(r["ok"] for run in runs for r in run["rows"])
+        common.emit({"runs": runs, "within_targets": ok}, "\n".join(texts), args.json)
+        return common.EXIT_OK if ok else common.EXIT_CHECK_FAILED
     return common.run_main(body)
 
 

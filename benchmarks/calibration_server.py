@@ -33,12 +33,14 @@ import os
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import bench  # noqa: E402
@@ -334,7 +336,8 @@ class CalibrationServer:
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._server = await self.loop.create_server(lambda: HttpProtocol(self), self.host, self.port)
+        self._server = await self.loop.create_server(lambda: HttpProtocol(self), self.host, self.port,
+                                                     backlog=4096)  # 1,024 streams connect at once
         self.port = self._server.sockets[0].getsockname()[1]
         for sock in self._server.sockets:
             # Accepted connections inherit it, so even a request sent at once with the connection
@@ -387,6 +390,21 @@ def parse_fault(text: str) -> tuple[str, int]:
     if kind not in FAULTS or not every.isdigit() or int(every) < 1:
         raise UsageError(f"--fault {text!r}: use KIND:EVERY with KIND one of {', '.join(FAULTS)}, e.g. cut:5")
     return kind, int(every)
+
+
+@contextmanager
+def spawned(args: Sequence[str] = (), prefix: Sequence[str] = ()) -> Iterator[str]:
+    """This server in a child process on a free port (`prefix`: e.g. taskset): its URL."""
+    server = subprocess.Popen([*prefix, sys.executable, str(Path(__file__).resolve()), "--port", "0", *args],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline().strip()
+        if not line.startswith("listening on "):
+            raise common.ServerError(f"the calibration server did not start: {line or 'no output'}")
+        yield line.split()[-1]
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

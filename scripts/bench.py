@@ -17,12 +17,23 @@ have distorted the figures, the run is INVALID (exit 4). /metrics is read before
 SGLang is supported from its documented formats (checked against recorded streams, not a live
 server); its /tokenize takes text only, so chat prompts there do not count the chat template.
 
+Real traffic (scripts/workload.py has the formats): --prompts JSONL, --sharegpt conversations
+(every turn), --input-dist/--output-dist length distributions, --trace (Mooncake/BurstGPT JSONL
+replayed on its own absolute schedule, --speed; the schedule lag is reported). Requests are made
+when sent, from words the tokenizer counts as one token each (a sample is checked first), so a
+100,000-request run starts at once. Reasoning models: TTFT of the first answer token and the
+reasoning/answer split of tokens and TPOT. /metrics is scraped every --timeline-interval seconds
+("timeline"), and the client's TTFT/e2e are checked against the server's histograms.
+
 Examples:
   bench.py --url http://127.0.0.1:8000 -n 32 -c 8 --input-tokens 2048 --output-tokens 256
   bench.py -n 64 -c 16 --slo-ttft-p95-ms 500 --slo-tpot-p95-ms 50 --log bench-log.md
   bench.py --rate 4 --burstiness 0.5 --duration 60 -n 1000 --json
   bench.py --endpoint chat --shared-prefix 1024 -n 32 -c 8 --records requests.jsonl
   INFER_URL=http://gpu-box:8000 INFER_API_KEY=... bench.py -n 256 -c 64 --workers 2
+  bench.py --endpoint chat --sharegpt scripts/data/sharegpt-sample.json -c 4 --probe /health
+  bench.py --trace scripts/data/trace-sample.jsonl --speed 2 --json > run.json
+  bench.py --input-dist lognormal:400,2000 --output-dist uniform:64,512 -n 200 -c 16
 
 Exit codes: 0 SLO met (or no SLO set and every request completed), 1 SLO missed or requests
 failed, 2 usage error, 3 server unreachable or every request failed, 4 run invalid (the client
@@ -38,6 +49,7 @@ import contextlib
 import datetime
 import errno
 import gc
+import hashlib
 import json
 import math
 import multiprocessing
@@ -59,6 +71,8 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import server_watch  # noqa: E402
+import workload as workload_mod  # noqa: E402
 from common import ServerError, UsageError  # noqa: E402
 
 SCHEMA_VERSION = 1
@@ -73,6 +87,12 @@ LIMITS = {"num_requests": 1_000_000, "concurrency": 100_000, "input_tokens": 10_
 LAG_FLOOR_MS = 1.0
 LAG_SHARE = 0.10
 LAG_PROBE_S = 0.005
+# Client stalls (lag above the threshold) may cover at most this share of the run. On a busy
+# 2-core machine, task bench:calibrate runs with 3% and 7% of their time in stalls stayed within
+# 0.3% of the truth at p50 and p95 (the server stalled with the client: nothing was waiting),
+# one with 34% had TTFT p50 21% off. Above STALL_WARN the run says how much it stalled.
+STALL_SHARE = 0.10
+STALL_WARN = 0.01
 EPOLL_ROUNDING_MS = 1.0
 DEFINITIONS = {
     "ttft_ms": "request sent -> first chunk with content (role-only chunks excluded) = vLLM TTFT",
@@ -269,6 +289,10 @@ class Outcome:
     settled: bool = False
     turn: int = 0
     text: str = field(default="", repr=False)  # the answer, kept for multi-turn histories
+    requested_tokens: int | None = None  # max_tokens asked for
+    prompt_target: int | None = None     # the prompt length it was built to (None: dataset text)
+    reasoning_seen: bool = False
+    answer_at: int | None = None  # index in token_times of the first answer (not reasoning) chunk
 
     @property
     def ok(self) -> bool:
@@ -286,6 +310,37 @@ class Outcome:
     def tpot_ms(self) -> float | None:
         tokens = self.completion_tokens or 0
         return (self.e2e_ms - self.ttft_ms) / (tokens - 1) if tokens > 1 else None
+
+    @property
+    def reasoning_tokens(self) -> int:
+        if not self.reasoning_seen:
+            return 0
+        end = len(self.chunk_tokens) if self.answer_at is None else self.answer_at
+        return sum(self.chunk_tokens[:end])
+
+    @property
+    def answer_tokens(self) -> int:
+        return (self.completion_tokens or 0) - self.reasoning_tokens
+
+    @property
+    def ttft_answer_ms(self) -> float | None:
+        """Request sent -> first answer chunk (after any reasoning)."""
+        return None if self.answer_at is None else (self.token_times[self.answer_at] - self.sent_ns) / 1e6
+
+    @property
+    def tpot_reasoning_ms(self) -> float | None:
+        n = self.reasoning_tokens
+        if n < 2:
+            return None
+        last = self.token_times[(len(self.token_times) if self.answer_at is None else self.answer_at) - 1]
+        return (last - self.token_times[0]) / 1e6 / (n - 1)
+
+    @property
+    def tpot_answer_ms(self) -> float | None:
+        n = self.answer_tokens
+        if self.answer_at is None or n < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[self.answer_at]) / 1e6 / (n - 1)
 
     def chunk_gaps_ms(self) -> list[float]:
         times = self.token_times
@@ -312,15 +367,48 @@ class Outcome:
                        tpot_ms=None if self.tpot_ms is None else round(self.tpot_ms, 4),
                        chunk_ms=[round((t - self.sent_ns) / 1e6, 3) for t in self.token_times],
                        chunk_tokens=self.chunk_tokens)
+            if self.reasoning_seen:
+                rec.update(reasoning_tokens=self.reasoning_tokens, answer_tokens=self.answer_tokens,
+                           ttft_answer_ms=None if self.ttft_answer_ms is None else round(self.ttft_answer_ms, 3))
         return rec
 
 
-def _content_of(choice: dict[str, Any], chat: bool) -> Any:
+def _content_of(choice: dict[str, Any], chat: bool) -> tuple[Any, bool]:
+    """(what the chunk carries, whether it is a reasoning delta of a reasoning parser)."""
     if not chat:
-        return choice.get("text")
+        return choice.get("text"), False
     delta = choice.get("delta") or {}
-    return (delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
-            or delta.get("tool_calls"))
+    reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+    answer = delta.get("content") or delta.get("tool_calls")
+    return (answer or reasoning), bool(reasoning and not answer)
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def mark_reasoning(outcome: Outcome, content: Any, parsed_reasoning: bool, thinking: bool) -> bool:
+    """Classify the chunk just appended (reasoning or answer) and say whether the text is now
+    inside <think>. Without a reasoning parser the model's <think>...</think> arrives as
+    content; a template that opens the tag itself (DeepSeek-R1) shows only the closing one, so
+    a first </think> makes everything before it reasoning."""
+    chunk = len(outcome.token_times) - 1
+    reasoning = parsed_reasoning
+    if isinstance(content, str) and not parsed_reasoning:
+        if outcome.answer_at is None and not thinking and THINK_OPEN in content:
+            thinking = True
+        if THINK_CLOSE in content and (thinking or not outcome.reasoning_seen):
+            if not thinking:  # no opening tag seen: what came before was reasoning
+                outcome.answer_at = None
+            thinking, after = False, content.split(THINK_CLOSE, 1)[1]
+            reasoning = not after.strip()
+            outcome.reasoning_seen = True
+        elif thinking:
+            reasoning = True
+    if reasoning:
+        outcome.reasoning_seen = True
+    elif outcome.answer_at is None:
+        outcome.answer_at = chunk
+    return thinking
 
 
 def interpret(outcome: Outcome, response: Response, chat: bool) -> Outcome:
@@ -340,7 +428,7 @@ def interpret(outcome: Outcome, response: Response, chat: bool) -> Outcome:
         outcome.error = "malformed_sse"
         outcome.detail = f"content-type {response.headers.get('content-type')!r}, not an event stream"
         return outcome
-    cumulative = 0
+    cumulative, thinking = 0, False
     for t_ns, data in response.events:
         if data.strip() == b"[DONE]":
             outcome.done_ns = t_ns
@@ -373,12 +461,13 @@ def interpret(outcome: Outcome, response: Response, chat: bool) -> Outcome:
         for choice in chunk.get("choices") or []:
             if choice.get("finish_reason"):
                 outcome.finish_reason = choice["finish_reason"]
-            content = _content_of(choice, chat)
+            content, parsed_reasoning = _content_of(choice, chat)
             if content:
-                if isinstance(content, str):
-                    outcome.text += content
                 outcome.token_times.append(t_ns)
                 outcome.chunk_tokens.append(1 if new_tokens is None else new_tokens)
+                thinking = mark_reasoning(outcome, content, parsed_reasoning, thinking)
+                if isinstance(content, str) and not parsed_reasoning:
+                    outcome.text += content
             elif new_tokens and outcome.chunk_tokens:
                 # Tokens with no visible text (e.g. a stop string) belong to the last content chunk.
                 outcome.chunk_tokens[-1] += new_tokens
@@ -573,27 +662,42 @@ class Connection(asyncio.Protocol):
         self._finish(reusable=False)
 
 
-class Client:
-    """Keep-alive connections to one server; request bytes are built before the run."""
+@dataclass
+class Target:
+    """The server a run loads, resolved once and carried through bench and sweep: the URL (the
+    Host header and the socket address both come from it), the API key, the served model and
+    what the server says about itself."""
+    base_url: str
+    api_key: str | None
+    model: str = ""
+    info: dict[str, Any] = field(default_factory=dict)  # /v1/models entry, version
 
-    def __init__(self, base_url: str, api_key: str | None, timeout_s: float):
-        parts = urlsplit(base_url)
+    @property
+    def host_header(self) -> str:
+        return urlsplit(self.base_url).netloc
+
+
+def request_bytes(target: Target, path: str, payload: dict[str, Any], request_id: str) -> bytes:
+    """A complete HTTP/1.1 POST of `payload` to `path` on the target."""
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    auth = f"Authorization: Bearer {target.api_key}\r\n" if target.api_key else ""
+    head = (f"POST {urlsplit(target.base_url).path.rstrip('/')}{path} HTTP/1.1\r\nHost: {target.host_header}\r\n"
+            f"Content-Type: application/json\r\nAccept: text/event-stream\r\n{auth}"
+            f"X-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n\r\n")
+    return head.encode() + body
+
+
+class Client:
+    """Keep-alive connections to the target's address."""
+
+    def __init__(self, target: Target, timeout_s: float):
+        parts = urlsplit(target.base_url)
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
-        self.host_header = parts.netloc
-        self.prefix = parts.path.rstrip("/")
-        self.auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
         self.timeout_ns = int(timeout_s * 1e9)
         self.idle: list[Connection] = []
         self.busy: set[Connection] = set()
-
-    def request_bytes(self, path: str, payload: dict[str, Any], request_id: str) -> bytes:
-        body = json.dumps(payload, separators=(",", ":")).encode()
-        head = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
-                f"Content-Type: application/json\r\nAccept: text/event-stream\r\n{self.auth}"
-                f"X-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n\r\n")
-        return head.encode() + body
 
     async def _connection(self, reuse: bool = True) -> tuple[Connection, float | None]:
         """An idle keep-alive connection (connect time None) or a new one."""
@@ -656,10 +760,44 @@ class Client:
 # Load: closed loop (C in flight) or open loop (absolute Poisson/gamma schedule)
 
 @dataclass
+class RequestSource:
+    """The run's requests as HTTP bytes, each made from the workload when it is about to be
+    sent: a run of 100,000 requests starts at once and holds one request's bytes per stream."""
+    workload: workload_mod.Workload
+    target: Target
+    path: str
+    template: dict[str, Any]  # the body without prompt/messages/max_tokens
+    extra: dict[str, Any]     # --extra-body, merged last
+    run_id: str
+    indices: list[int] | None = None  # a worker's share of the workload
+
+    def __len__(self) -> int:
+        return self.workload.count if self.indices is None else len(self.indices)
+
+    def get(self, i: int) -> tuple[bytes, workload_mod.Spec]:
+        index = i if self.indices is None else self.indices[i]
+        spec = self.workload.spec(index)
+        body = dict(self.template, max_tokens=spec.output_tokens)
+        if spec.messages is not None and self.path == ENDPOINTS["chat"]:
+            body["messages"] = spec.messages
+        elif spec.messages is not None:  # a conversation sent to /v1/completions: its text
+            body["prompt"] = "\n\n".join(m["content"] for m in spec.messages)
+        elif self.path == ENDPOINTS["chat"]:
+            body["messages"] = [{"role": "user", "content": spec.prompt}]
+        else:
+            body["prompt"] = spec.prompt
+        return request_bytes(self.target, self.path, {**body, **self.extra}, f"bench-{self.run_id}-{index}"), spec
+
+    def subset(self, indices: list[int]) -> "RequestSource":
+        mine = indices if self.indices is None else [self.indices[i] for i in indices]
+        return RequestSource(self.workload, self.target, self.path, self.template, self.extra, self.run_id, mine)
+
+
+@dataclass
 class Plan:
-    """What to send. requests[i] are ready-made HTTP request bytes; the first `warmup` ones
-    are warm-up requests, sent at the same concurrency and not counted."""
-    requests: list[bytes]
+    """What to send: the first `warmup` requests are warm-up requests, sent at the same
+    concurrency and not counted. `offsets_s` (a trace) are intended send times, per request."""
+    requests: RequestSource
     warmup: int
     concurrency: int | None
     chat: bool
@@ -670,16 +808,14 @@ class Plan:
     # Multi-turn chat: the user message of every turn of conversation i (requests[i] is its
     # first turn); later turns carry the history, with the answers the server gave.
     turns: list[list[str]] | None = None
-    template: dict[str, Any] | None = None
-    path: str = ENDPOINTS["chat"]
-    run_id: str = ""
+    offsets_s: list[float] | None = None
 
     def part(self, indices: list[int], concurrency: int | None, rate: float | None, seed: int) -> "Plan":
-        """The share of a worker process: the conversations `indices`."""
-        return Plan([self.requests[i] for i in indices], sum(i < self.warmup for i in indices), concurrency,
+        """The share of a worker process: the requests (conversations) `indices`."""
+        return Plan(self.requests.subset(indices), sum(i < self.warmup for i in indices), concurrency,
                     self.chat, rate, self.burstiness, self.duration_s, seed,
                     None if self.turns is None else [self.turns[i] for i in indices],
-                    self.template, self.path, self.run_id)
+                    None if self.offsets_s is None else [self.offsets_s[i] for i in indices])
 
 
 def arrival_offsets(count: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -720,12 +856,12 @@ async def _watchdog(client: Client, stop: asyncio.Event) -> None:
         client.expire_stalled()
 
 
-async def run_plan(plan: Plan, base_url: str, api_key: str | None, timeout_s: float,
+async def run_plan(plan: Plan, timeout_s: float,
                    before_measured: Callable[[], Any] | None = None, on_done: Callable[[Outcome], None] | None = None,
                    interrupt: asyncio.Event | None = None) -> RunResult:
     """Send the plan; returns every outcome (warm-up ones flagged). Ctrl-C (interrupt) stops
     sending and returns what completed."""
-    client = Client(base_url, api_key, timeout_s)
+    client = Client(plan.requests.target, timeout_s)
     stop = asyncio.Event()
     interrupt = interrupt or asyncio.Event()
     lag: list[float] = []
@@ -741,8 +877,10 @@ async def run_plan(plan: Plan, base_url: str, api_key: str | None, timeout_s: fl
     async def one(index: int, scheduled_ns: int | None = None) -> None:
         if plan.turns is not None:
             return await conversation(index, scheduled_ns)
-        outcome = Outcome(index=index, warmup=index < plan.warmup, scheduled_ns=scheduled_ns)
-        await client.send(outcome, plan.requests[index])
+        request, spec = plan.requests.get(index)
+        outcome = Outcome(index=index, warmup=index < plan.warmup, scheduled_ns=scheduled_ns,
+                          requested_tokens=spec.output_tokens, prompt_target=spec.prompt_tokens)
+        await client.send(outcome, request)
         outcomes.append(outcome)
         if on_done:
             on_done(outcome)
@@ -751,12 +889,17 @@ async def run_plan(plan: Plan, base_url: str, api_key: str | None, timeout_s: fl
         """The turns of one conversation, one after the other. Each answer is parsed at once
         (it is part of the next prompt): a little loop time that single-turn runs do not spend."""
         messages: list[dict[str, str]] = []
+        source = plan.requests
+        first, spec = source.get(index)
         for turn, text in enumerate(plan.turns[index]):
             messages.append({"role": "user", "content": text})
-            request = plan.requests[index] if turn == 0 else client.request_bytes(
-                plan.path, {**plan.template, "messages": messages}, f"bench-{plan.run_id}-{index}-{turn}")
+            request = first if turn == 0 else request_bytes(
+                source.target, source.path, {**source.template, "max_tokens": spec.output_tokens,
+                                             "messages": messages, **source.extra},
+                f"bench-{source.run_id}-{index}-{turn}")
             outcome = Outcome(index=index, turn=turn, warmup=index < plan.warmup,
-                              scheduled_ns=scheduled_ns if turn == 0 else None)
+                              scheduled_ns=scheduled_ns if turn == 0 else None,
+                              requested_tokens=spec.output_tokens)
             settle(await client.send(outcome, request), True)
             outcomes.append(outcome)
             if on_done:
@@ -777,8 +920,11 @@ async def run_plan(plan: Plan, base_url: str, api_key: str | None, timeout_s: fl
 
     async def open_loop(indices: list[int]) -> None:
         limit = asyncio.Semaphore(plan.concurrency) if plan.concurrency else None
+        if plan.offsets_s is not None:  # a trace: its own times (the first measured one at 0)
+            offsets = [plan.offsets_s[i] for i in indices]
+        else:
+            offsets = arrival_offsets(len(indices), plan.rate, plan.burstiness, plan.seed)
         start = time.perf_counter_ns()
-        offsets = arrival_offsets(len(indices), plan.rate, plan.burstiness, plan.seed)
         deadline = start + int(plan.duration_s * 1e9) if plan.duration_s else None
         tasks = []
 
@@ -832,7 +978,7 @@ async def _run_phases(plan: Plan, closed_loop, open_loop, before_measured) -> No
         await closed_loop(warm, None)
     if before_measured and not await before_measured():  # workers start measuring together
         return
-    if plan.rate:
+    if plan.rate or plan.offsets_s is not None:
         await open_loop(measured)
     else:
         deadline = time.perf_counter_ns() + int(plan.duration_s * 1e9) if plan.duration_s else None
@@ -847,8 +993,8 @@ def raise_open_file_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard) if hard != resource.RLIM_INFINITY else wanted, hard))
 
 
-def run_in_loop(plan: Plan, base_url: str, api_key: str | None, timeout_s: float,
-                quiet: bool = False, before_measured: Callable[[], Any] | None = None) -> RunResult:
+def run_in_loop(plan: Plan, timeout_s: float, quiet: bool = False,
+                before_measured: Callable[[], Any] | None = None) -> RunResult:
     """asyncio.run with Ctrl-C turned into 'stop and keep what was measured'."""
     raise_open_file_limit(plan.concurrency or len(plan.requests))
 
@@ -860,7 +1006,7 @@ def run_in_loop(plan: Plan, base_url: str, api_key: str | None, timeout_s: float
             loop.add_signal_handler(signal.SIGTERM, interrupt.set)
         except (NotImplementedError, RuntimeError):
             pass
-        return await run_plan(plan, base_url, api_key, timeout_s, before_measured,
+        return await run_plan(plan, timeout_s, before_measured,
                               None if quiet else _progress_printer(plan), interrupt)
     on_term = signal.getsignal(signal.SIGTERM)
     try:
@@ -882,8 +1028,7 @@ def _progress_printer(plan: Plan) -> Callable[[Outcome], None]:
     return report
 
 
-def _worker(number: int, plan: Plan, base_url: str, api_key: str | None, timeout_s: float,
-            barrier, queue) -> None:
+def _worker(number: int, plan: Plan, timeout_s: float, barrier, queue) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent passes Ctrl-C on as SIGTERM
 
     async def meet() -> bool:
@@ -892,11 +1037,10 @@ def _worker(number: int, plan: Plan, base_url: str, api_key: str | None, timeout
             return True
         except threading.BrokenBarrierError:  # the parent was interrupted during warm-up
             return False
-    queue.put((number, run_in_loop(plan, base_url, api_key, timeout_s, quiet=True, before_measured=meet)))
+    queue.put((number, run_in_loop(plan, timeout_s, quiet=True, before_measured=meet)))
 
 
-def run_workers(plan: Plan, workers: int, base_url: str, api_key: str | None,
-                timeout_s: float) -> RunResult:
+def run_workers(plan: Plan, workers: int, timeout_s: float) -> RunResult:
     """Split the plan over worker processes (round robin). They finish their warm-up, meet at
     a barrier and start the measured phase together; they share CLOCK_MONOTONIC, so their
     timestamps merge directly."""
@@ -910,7 +1054,7 @@ def run_workers(plan: Plan, workers: int, base_url: str, api_key: str | None,
         sub = plan.part(mine, concurrency, None if plan.rate is None else plan.rate / workers, plan.seed + number)
         shares.append(mine)
         processes.append(context.Process(target=_worker, daemon=True,
-                                         args=(number, sub, base_url, api_key, timeout_s, barrier, queue)))
+                                         args=(number, sub, timeout_s, barrier, queue)))
     for process in processes:
         process.start()
     results: dict[int, RunResult] = {}
@@ -1078,15 +1222,31 @@ def payload(endpoint: str, model: str, prompt: str, output_tokens: int,
 # ---------------------------------------------------------------------------------------------
 # From outcomes to results
 
+def stalls(lag_ms: Sequence[float], threshold: float, wall_s: float) -> dict[str, Any]:
+    """The client's stalls: lag samples above the threshold, their total and share of the run.
+    The probe takes a sample every 5 ms when the loop is free but one per stall, so a count
+    of samples (a p95) hides long stalls: their time does not."""
+    long = [x for x in lag_ms if x > threshold]
+    total_s = sum(long) / 1e3
+    return {"count": len(long), "total_s": total_s, "worst_ms": max(long, default=0.0),
+            "share": total_s / wall_s if wall_s else 0.0}
+
+
 def client_validity(lag: dict[str, Any], ttft: dict[str, Any], tpot: dict[str, Any],
-                    schedule_delay: dict[str, Any], cpu_util: float) -> tuple[bool, float, list[str]]:
+                    schedule_delay: dict[str, Any], cpu_util: float,
+                    lag_ms: Sequence[float] = (), wall_s: float = 0.0) -> tuple[bool, float, list[str]]:
     """Is the client's own delay small against what it measured? (valid, threshold ms, reasons)
 
-    The verdict stands on p95 figures, so the lag's p95 decides; a p99 above the threshold
-    only earns a warning (see analyse)."""
+    The verdict stands on p95 figures, so the lag's p95 decides, and so does the share of the
+    run the client spent stalled; a p99 above the threshold only earns a warning (see analyse)."""
     medians = [s["p50"] for s in (ttft, tpot) if s["p50"]]
     threshold = max(LAG_FLOOR_MS, LAG_SHARE * min(medians)) if medians else LAG_FLOOR_MS
     reasons = []
+    stalled = stalls(lag_ms, threshold, wall_s)
+    if stalled["share"] > STALL_SHARE:
+        reasons.append(f"the client stalled {stalled['total_s']:.1f} s of the {wall_s:.1f} s run "
+                       f"({stalled['share']:.0%}, worst {stalled['worst_ms']:.0f} ms): requests in flight "
+                       "then were timed late; run the client on a quieter core or with --workers")
     if lag["p95"] is not None and lag["p95"] > threshold:
         cause = (f"the client used {cpu_util:.0%} of a core: use --workers" if cpu_util > 0.5 else
                  f"the client used only {cpu_util:.0%} of a core: other processes kept it waiting; "
@@ -1121,7 +1281,8 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
     ttft = summarize(o.ttft_ms for o in done)
     tpot = summarize(o.tpot_ms for o in done if o.tpot_ms is not None)
     out_tokens = config["output_tokens"]
-    short = [o for o in done if (o.completion_tokens or 0) < out_tokens]
+    short = [o for o in done if (o.completion_tokens or 0) < (o.requested_tokens or out_tokens)]
+    requested_total = sum(o.requested_tokens or out_tokens for o in done)
     prompt_lens = [o.prompt_tokens for o in done if o.prompt_tokens is not None]
     duration_s = 0.0
     if done:
@@ -1132,7 +1293,10 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
     schedule = summarize((o.sent_ns - o.scheduled_ns) / 1e6 for o in measured
                          if o.scheduled_ns is not None and not config.get("concurrency"))
     cpu_util = cpu_s / wall_s if wall_s else 0.0
-    valid, threshold, invalid_reasons = client_validity(lag, ttft, tpot, schedule, cpu_util)
+    # Worker processes each probe their own loop: their stalls add up over workers x wall time.
+    probed_s = wall_s * config.get("workers", 1)
+    valid, threshold, invalid_reasons = client_validity(lag, ttft, tpot, schedule, cpu_util, lag_ms, probed_s)
+    stalled = stalls(lag_ms, threshold, probed_s)
     if errors.get("client_fd_limit"):
         valid = False
         invalid_reasons.append(f"the client ran out of file descriptors for {errors['client_fd_limit']} requests: "
@@ -1144,7 +1308,7 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
     warnings = []
     if short:
         warnings.append(f"ignore_eos not honoured: {len(short)} of {len(done)} requests returned fewer "
-                        f"than {out_tokens} tokens (finish_reason: "
+                        f"tokens than asked (finish_reason: "
                         f"{', '.join(sorted({str(o.finish_reason) for o in short}))}); TPOT holds, throughput is lower")
     uneven = [o for o in done if o.usage_reported and sum(o.chunk_tokens) != o.completion_tokens]
     if uneven:
@@ -1153,18 +1317,31 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
     if any(not o.usage_reported for o in done):
         warnings.append("the server sent no usage: output tokens counted as content chunks "
                         "(an undercount when a chunk carries several tokens)")
-    target_in = config["input_tokens"]
-    mismatched = [n for n in prompt_lens if n != target_in] if not config.get("multi_turn") else []
+    fixed_length = config.get("workload", "synthetic") == "synthetic" and not config.get("input_dist")
+    target_in = config["input_tokens"] if fixed_length else None
+    mismatched = [o.prompt_tokens - o.prompt_target for o in done
+                  if o.prompt_target is not None and o.prompt_tokens is not None and o.prompt_tokens != o.prompt_target]
     if mismatched and config.get("prompt_tokenizer", "").startswith("server"):
-        warnings.append(f"{len(mismatched)} prompts were not {target_in} tokens by the server's usage "
-                        f"(range {min(mismatched)}..{max(mismatched)})")
+        warnings.append(f"{len(mismatched)} prompts were not the length they were built to by the server's usage "
+                        f"(off by {min(mismatched)}..{max(mismatched)} tokens)")
     cached = [o.cached_tokens for o in done if o.cached_tokens]
-    if cached and not config.get("shared_prefix"):
+    if cached and not config.get("shared_prefix") and config.get("workload", "synthetic") == "synthetic":
         warnings.append(f"{len(cached)} requests hit the prefix cache although prompts were unique "
                         f"(up to {max(cached)} cached tokens)")
     if valid and lag["p99"] is not None and lag["p99"] > threshold:
         warnings.append(f"client event-loop lag p99 {lag['p99']:.2f} ms > {threshold:.2f} ms: "
                         "p99 figures may include client delay (p95 ones do not)")
+    if valid and (stalled["share"] > STALL_WARN or stalled["worst_ms"] > max(threshold, 0.5 * (ttft["p50"] or 0))):
+        warnings.append(f"the client stalled {stalled['total_s']:.2f} s in all ({stalled['share']:.1%} of the run, "
+                        f"worst {stalled['worst_ms']:.0f} ms): requests in flight then may carry that delay "
+                        f"(the run stays valid below {STALL_SHARE:.0%} of its time in stalls)")
+    if valid and schedule["p99"] is not None and schedule["p99"] > threshold + EPOLL_ROUNDING_MS:
+        warnings.append(f"open-loop sends ran late: schedule lag p99 {schedule['p99']:.2f} ms: the slowest "
+                        "1% of arrivals were bunched (p95 kept to the schedule)")
+    one_read = [o for o in done if (o.completion_tokens or 0) > 1 and o.token_times[0] == o.token_times[-1]]
+    if one_read:
+        warnings.append(f"{len(one_read)} requests received all their output in one read (TPOT 0.0 ms): a proxy "
+                        "or the server buffered the stream, or the client stalled; their TPOT is not a decode time")
     if 0 < ttft["n"] < 100:
         warnings.append(f"n = {ttft['n']}: p99 is about the maximum" + (", p95 too" if ttft["n"] < 20 else ""))
     reasons = []
@@ -1193,6 +1370,7 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
         "slo": slo,
         "ttft_ms": ttft,
         "tpot_ms": tpot,
+        "reasoning": reasoning_summary(done),
         "itl_ms": summarize(g for o in done for g in o.chunk_gaps_ms()),
         "itl_token_ms": summarize(g for o in done for g in o.token_gaps_ms()),
         "e2e_ms": summarize(o.e2e_ms for o in done),
@@ -1208,7 +1386,8 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
         "requests": {
             "sent": len(measured), "completed": len(done), "failed": len(failed), "errors": errors,
             "warmup": len(outcomes) - len(measured),
-            "output_tokens": {"requested": out_tokens, "total": total_out, "short": len(short),
+            "output_tokens": {"requested": out_tokens, "requested_total": requested_total,
+                              "total": total_out, "short": len(short),
                               "ignore_eos_honoured": not short},
             "prompt_tokens": {"target": target_in, **{k: v for k, v in summarize(prompt_lens).items()
                                                       if k in ("mean", "min", "max", "n")},
@@ -1220,12 +1399,38 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
         "config": config,
         "client": {"valid": valid, "invalid_reasons": invalid_reasons, "loop_lag_ms": lag,
                    "lag_threshold_ms": threshold, "schedule_delay_ms": schedule,
+                   "stalls": stalled,
                    "cpu_util": cpu_util,
                    "transport": "raw asyncio HTTP/1.1, keep-alive, TCP_NODELAY"},
         "warnings": warnings,
         "interrupted": interrupted,
         "definitions": DEFINITIONS,
+        "samples": samples(done),
     }
+
+
+def reasoning_summary(done: Sequence[Outcome]) -> dict[str, Any] | None:
+    """Reasoning models: time to the first answer token, token counts and TPOT of each part;
+    None when no request reasoned."""
+    reasoned = [o for o in done if o.reasoning_seen]
+    if not reasoned:
+        return None
+    return {"requests": len(reasoned), "answered": sum(o.answer_at is not None for o in reasoned),
+            "ttft_answer_ms": summarize(o.ttft_answer_ms for o in reasoned if o.ttft_answer_ms is not None),
+            "reasoning_tokens": summarize(o.reasoning_tokens for o in reasoned),
+            "answer_tokens": summarize(o.answer_tokens for o in reasoned),
+            "tpot_reasoning_ms": summarize(o.tpot_reasoning_ms for o in reasoned if o.tpot_reasoning_ms is not None),
+            "tpot_answer_ms": summarize(o.tpot_answer_ms for o in reasoned if o.tpot_answer_ms is not None)}
+
+
+def samples(done: Sequence[Outcome]) -> dict[str, list[float | None]]:
+    """Per-request figures of the completed measured requests, in request order, for
+    compare.py's bootstrap (compact: 0.01 ms)."""
+    def r(value: float | None) -> float | None:
+        return None if value is None else round(value, 2)
+    return {"ttft_ms": [r(o.ttft_ms) for o in done], "tpot_ms": [r(o.tpot_ms) for o in done],
+            "e2e_ms": [r(o.e2e_ms) for o in done],
+            **({"ttft_answer_ms": [r(o.ttft_answer_ms) for o in done]} if any(o.reasoning_seen for o in done) else {})}
 
 
 def exit_code(result: dict[str, Any]) -> int:
@@ -1241,8 +1446,7 @@ def human_report(result: dict[str, Any]) -> str:
     lines = [f"{' Roofline bench ':=^72}",
              f"{'Server / model:':<34}{cfg['url']} / {cfg['model']}",
              f"{'Load:':<34}{cfg['load']}",
-             f"{'Prompt / output tokens:':<34}{cfg['input_tokens']} / {cfg['output_tokens']} "
-             f"({cfg['endpoint']}, prompts by {cfg['prompt_tokenizer']})",
+             f"{'Workload:':<34}{workload_line(cfg)} ({cfg['endpoint']}, prompts by {cfg['prompt_tokenizer']})",
              f"{'Requests completed / failed:':<34}{req['completed']} / {req['failed']}"
              + (f"  ({', '.join(f'{k} {v}' for k, v in req['errors'].items())})" if req["errors"] else ""),
              f"{'Duration (s):':<34}{common.fmt_number(thr['duration_s'])}",
@@ -1254,16 +1458,39 @@ def human_report(result: dict[str, Any]) -> str:
              f"{'ms':<16}{'p50':>9}{'p95':>9}{'p99':>9}{'mean':>9}{'min':>9}{'max':>9}{'n':>7}"]
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL (chunk)"),
                        ("itl_token_ms", "ITL (token)"), ("e2e_ms", "E2E")):
-        s = result[key]
-        lines.append(f"{label:<16}" + "".join(f"{common.fmt_number(s[k]):>9}" for k in ("p50", "p95", "p99", "mean", "min", "max"))
-                     + f"{s['n']:>7}")
+        lines.append(_row(label, result[key]))
+    reasoning = result.get("reasoning")
+    if reasoning:
+        for key, label in (("ttft_answer_ms", "TTFT answer"), ("tpot_reasoning_ms", "TPOT reasoning"),
+                           ("tpot_answer_ms", "TPOT answer"), ("reasoning_tokens", "reasoning tok"),
+                           ("answer_tokens", "answer tok")):
+            lines.append(_row(label, reasoning[key]))
     lines.append(f"{'':-<72}")
     lag = client["loop_lag_ms"]
     lines.append(f"{'Client loop lag p50/p99/max (ms):':<34}{common.fmt_number(lag['p50'])} / {common.fmt_number(lag['p99'])} / "
                  f"{common.fmt_number(lag['max'])}  (limit {client['lag_threshold_ms']:.2f}, CPU {common.fmt_number((client['cpu_util'] or 0) * 100, 0)}%)")
+    stalled = client.get("stalls") or {}
+    if stalled.get("count"):
+        lines.append(f"{'Client stalls (count, total, worst):':<34}{stalled['count']}, {stalled['total_s']:.2f} s "
+                     f"({stalled['share']:.1%} of the run), {stalled['worst_ms']:.0f} ms")
+    schedule = client["schedule_delay_ms"]
+    if schedule["n"]:
+        lines.append(f"{'Schedule lag p50/p99/max (ms):':<34}{common.fmt_number(schedule['p50'])} / {common.fmt_number(schedule['p99'])} / "
+                     f"{common.fmt_number(schedule['max'])}  (actual - intended send time)")
+    if result.get("startup_s") is not None:
+        lines.append(f"{'First request after (s):':<34}{result['startup_s']:.2f}")
     server = result.get("server") or {}
     for line in server.get("summary", []):
         lines.append(f"{'Server:':<34}{line}")
+    timeline = result.get("timeline")
+    if timeline and timeline["samples"]:
+        lines.append(f"{'Server timeline:':<34}{timeline_line(timeline)}")
+    probe = server.get("probe")
+    if probe:
+        lines.append(f"{'Probe ' + probe['path'] + ':':<34}" + (f"{probe['p50_ms']:.2f} ms round trip (p50 of {probe['n']})"
+                                                                 if probe.get("p50_ms") is not None else probe.get("error", "")))
+    for finding in (server.get("cross_check") or {}).get("findings", []):
+        lines.append(f"client vs server: {finding}")
     for name, check in result["slo"].items():
         lines.append(f"{'SLO ' + name + ':':<34}{common.fmt_number(check['measured'], 1)} <= {check['target']:g}: "
                      f"{'met' if check['met'] else 'MISSED'}")
@@ -1278,21 +1505,38 @@ def human_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _row(label: str, s: dict[str, Any]) -> str:
+    return (f"{label:<16}" + "".join(f"{common.fmt_number(s[k]):>9}" for k in ("p50", "p95", "p99", "mean", "min", "max"))
+            + f"{s['n']:>7}")
+
+
+def workload_line(cfg: dict[str, Any]) -> str:
+    if cfg["workload"] != "synthetic":
+        return f"{cfg['workload']} {Path(cfg['dataset']).name}"
+    return (f"prompt {cfg['input_dist'] or cfg['input_tokens']} / output {cfg['output_dist'] or cfg['output_tokens']} tokens"
+            + (f", {cfg['shared_prefix']} shared" if cfg["shared_prefix"] else ""))
+
+
+def timeline_line(timeline: dict[str, Any]) -> str:
+    """Peaks over the scrapes: what the server went through during the run."""
+    rows = timeline["samples"]
+
+    def peak(key: str, scale: float = 1.0, digits: int = 0) -> str:
+        values = [r[key] for r in rows if r[key] is not None]
+        return common.fmt_number(max(values) * scale, digits) if values else "-"
+    return (f"{len(rows)} scrapes every {timeline['interval_s']:g} s: peak running {peak('running')}, waiting "
+            f"{peak('waiting')}, KV {peak('kv_cache_usage_perc', 100, 1)}%, gen {peak('generation_tok_s', 1, 1)} tok/s, "
+            f"preemptions {common.fmt_number(rows[-1]['preemptions'], 0)}")
+
+
 # ---------------------------------------------------------------------------------------------
 # The server: what it says about itself
 
-@dataclass
-class Target:
-    base_url: str
-    api_key: str | None
-    model: str
-    info: dict[str, Any]  # /v1/models entry, version
-
-
-def find_target(base_url: str, api_key: str | None, model: str | None, timeout: float) -> Target:
-    """Ask /v1/models what is served (the model defaults to the first one listed) and the version."""
-    with common.client(base_url, api_key, timeout) as http:
-        entry, served = common.pick_model(common.get_json(http, "/v1/models"), model, base_url)
+def find_target(server: Target, model: str | None, timeout: float) -> Target:
+    """The server with its model: /v1/models says what is served (the model defaults to the
+    first one listed), /version (or SGLang's /server_info) the engine version."""
+    with common.client(server.base_url, server.api_key, timeout) as http:
+        entry, served = common.pick_model(common.get_json(http, "/v1/models"), model, server.base_url)
         version = None
         for path in ("/version", "/server_info", "/get_server_info"):
             try:
@@ -1303,13 +1547,13 @@ def find_target(base_url: str, api_key: str | None, model: str | None, timeout: 
                 break
             version = None
     info = {"model": entry["id"], "served": served, "root": entry.get("root"),
-            "max_model_len": common.max_model_len(entry, base_url), "owned_by": entry.get("owned_by"),
+            "max_model_len": common.max_model_len(entry, server.base_url), "owned_by": entry.get("owned_by"),
             "engine_version": version}
-    return Target(base_url, api_key, entry["id"], info)
+    return Target(server.base_url, server.api_key, entry["id"], info)
 
 
 def metrics_snapshot(target: Target, timeout: float) -> tuple[dict[str, Any] | None, str]:
-    """One scrape of /metrics through scripts/metrics.py: (snapshot, '') or (None, why not)."""
+    """One scrape of /metrics through scripts/engine_metrics.py: (snapshot, '') or (None, why not)."""
     import engine_metrics
 
     try:
@@ -1320,14 +1564,14 @@ def metrics_snapshot(target: Target, timeout: float) -> tuple[dict[str, Any] | N
 
 
 def server_side(before: dict[str, Any] | None, after: dict[str, Any] | None, note: str,
-                completed_tokens: int, slo: dict[str, Any]) -> dict[str, Any]:
+                completed_tokens: int, slo: dict[str, Any], during: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """What the server's own metrics say about the run: its latency histograms, queue vs
-    prefill time, token counters, preemptions, prefix hits, and metrics.py's diagnosis."""
+    prefill time, token counters, preemptions, prefix hits, and engine_metrics.py's diagnosis."""
     import engine_metrics
 
     if before is None or after is None:
         return {"metrics": None, "metrics_note": note or "/metrics unavailable", "summary": []}
-    delta = engine_metrics.difference(before, after)
+    delta = engine_metrics.difference(before, after, during)
     targets = engine_metrics.Targets(slo.get("ttft_p95_ms", {}).get("target"), slo.get("tpot_p95_ms", {}).get("target"))
     report = engine_metrics.report(delta, slo=targets)
     generated = delta["counters"].get("generation_tokens", {}).get("value")
@@ -1357,12 +1601,16 @@ def server_side(before: dict[str, Any] | None, after: dict[str, Any] | None, not
 
 def make_config(args: Any, settings: common.Settings) -> dict[str, Any]:
     """Validated run settings (flag > environment > inference.env > default)."""
-    n = common.number("-n/--num-requests (BENCH_N)", settings.get("BENCH_N", args.num_requests), int, 1, LIMITS["num_requests"], default=32)
+    n_given = settings.get("BENCH_N", args.num_requests)
+    n = common.number("-n/--num-requests (BENCH_N)", n_given, int, 1, LIMITS["num_requests"], default=32)
     rate = common.number("--rate (requests/s)", args.rate, float, 1e-6, 1e6)
-    c_default = None if rate else 8
+    sources = [name for name in ("prompts", "sharegpt", "trace") if getattr(args, name)]
+    if len(sources) > 1:
+        raise UsageError(f"--{sources[0]} and --{sources[1]} both give the requests: choose one")
+    c_default = None if rate or args.trace else 8
     c = common.number("-c/--concurrency (BENCH_C)", settings.get("BENCH_C", args.concurrency), int, 1, LIMITS["concurrency"], default=c_default)
     cfg = {
-        "num_requests": n, "concurrency": c, "rate": rate,
+        "num_requests": n, "num_requests_given": n_given not in (None, ""), "concurrency": c, "rate": rate,
         "input_tokens": common.number("--input-tokens (BENCH_IN)", settings.get("BENCH_IN", args.input_tokens), int, 1, LIMITS["input_tokens"], default=2048),
         "output_tokens": common.number("--output-tokens (BENCH_OUT)", settings.get("BENCH_OUT", args.output_tokens), int, 1, LIMITS["output_tokens"], default=256),
         "slo_ttft_p95_ms": common.number("--slo-ttft-p95-ms (SLO_TTFT_P95_MS)", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float, 1e-3, None),
@@ -1375,11 +1623,32 @@ def make_config(args: Any, settings: common.Settings) -> dict[str, Any]:
         "multi_turn": common.number("--multi-turn", args.multi_turn, int, 1, 1000, default=1),
         "timeout_s": common.number("--timeout", args.timeout, float, 1e-3, None, default=30.0),
         "seed": common.number("--seed", args.seed, int, 0, None, default=0),
+        "speed": common.number("--speed", args.speed, float, 1e-6, 1e6, default=1.0),
+        "trace_block_tokens": common.number("--trace-block-tokens", args.trace_block_tokens, int, 1, 1_000_000,
+                                            default=workload_mod.MOONCAKE_BLOCK_TOKENS),
+        "timeline_interval_s": common.number("--timeline-interval (s)", args.timeline_interval, float, 0, 3600, default=2.0),
+        "probe": args.probe or None,
         "endpoint": args.endpoint,
+        "workload": sources[0] if sources else "synthetic",
+        "dataset": getattr(args, sources[0]) if sources else None,
+        "input_dist": args.input_dist or None,
+        "output_dist": args.output_dist or None,
         "log": settings.get("BENCH_LOG", args.log, None),
     }
+    if cfg["probe"] and not cfg["probe"].startswith("/"):
+        raise UsageError(f"--probe takes a path such as /health or /v1/models, got {cfg['probe']!r}")
     if cfg["shared_prefix"] > cfg["input_tokens"]:
         raise UsageError(f"--shared-prefix {cfg['shared_prefix']} is longer than --input-tokens {cfg['input_tokens']}")
+    if cfg["workload"] != "synthetic" and (cfg["input_dist"] or cfg["output_dist"] or cfg["shared_prefix"] or cfg["multi_turn"] > 1):
+        raise UsageError(f"--{cfg['workload']} gives the prompts and lengths: drop --input-dist, --output-dist, "
+                         "--shared-prefix and --multi-turn")
+    if cfg["workload"] == "trace" and rate:
+        raise UsageError("--trace sends at the trace's own times: use --speed, not --rate")
+    for key, what in (("input_dist", "--input-dist"), ("output_dist", "--output-dist")):
+        if cfg[key]:
+            workload_mod.parse_distribution(cfg[key], what)
+    if (cfg["input_dist"] or cfg["output_dist"]) and cfg["multi_turn"] > 1:
+        raise UsageError("--multi-turn sends --input-tokens per turn: drop --input-dist/--output-dist")
     try:
         cfg["extra_body"] = json.loads(args.extra_body) if args.extra_body else {}
         if not isinstance(cfg["extra_body"], dict):
@@ -1390,16 +1659,22 @@ def make_config(args: Any, settings: common.Settings) -> dict[str, Any]:
         raise UsageError("--multi-turn needs --endpoint chat: a conversation is a list of chat messages")
     if cfg["workers"] > 1 and c is not None and cfg["workers"] > c:
         raise UsageError(f"--workers {cfg['workers']} exceeds the concurrency {c}: each worker needs a share")
-    if rate:
-        cfg["load"] = (f"open loop {rate:g} req/s, "
-                       f"{'Poisson' if cfg['burstiness'] == 1 else 'gamma burstiness ' + format(cfg['burstiness'], 'g')}"
-                       + (f", at most {c} in flight" if c else ""))
-    else:
-        cfg["load"] = f"closed loop, {c} in flight"
-    unit = f"conversations of {cfg['multi_turn']} turns" if cfg["multi_turn"] > 1 else "requests"
-    cfg["load"] += (f", {n} {unit}" + (f" or {cfg['duration_s']:g} s" if cfg["duration_s"] else "")
-                    + (f", {cfg['warmup']} warm-up" if cfg["warmup"] else ""))
     return cfg
+
+
+def describe_load(cfg: dict[str, Any], n: int) -> str:
+    rate, c = cfg["rate"], cfg["concurrency"]
+    if cfg["workload"] == "trace":
+        load = f"trace replay at {cfg['speed']:g}x" + (f", at most {c} in flight" if c else "")
+    elif rate:
+        load = (f"open loop {rate:g} req/s, "
+                f"{'Poisson' if cfg['burstiness'] == 1 else 'gamma burstiness ' + format(cfg['burstiness'], 'g')}"
+                + (f", at most {c} in flight" if c else ""))
+    else:
+        load = f"closed loop, {c} in flight"
+    unit = f"conversations of {cfg['multi_turn']} turns" if cfg["multi_turn"] > 1 else "requests"
+    return load + (f", {n} {unit}" + (f" or {cfg['duration_s']:g} s" if cfg["duration_s"] else "")
+                   + (f", {cfg['warmup']} warm-up" if cfg["warmup"] else ""))
 
 
 def build_parser():
@@ -1407,10 +1682,17 @@ def build_parser():
     common.add_server_args(p)
     common.add_output_args(p)
     p.add_argument("--model", default="", help="served model name (else $INFER_MODEL, else the first in /v1/models)")
-    p.add_argument("-n", "--num-requests", default="", help="measured requests (else $BENCH_N, 32); the cap of a --duration run")
-    p.add_argument("-c", "--concurrency", default="", help="requests in flight (else $BENCH_C, 8; with --rate: a cap, none by default)")
+    p.add_argument("-n", "--num-requests", default="", help="measured requests (else $BENCH_N, 32; a dataset's or trace's size); the cap of a --duration run")
+    p.add_argument("-c", "--concurrency", default="", help="requests in flight (else $BENCH_C, 8; with --rate or --trace: a cap, none by default)")
     p.add_argument("--input-tokens", default="", help="prompt tokens, exact by the server's tokenizer (else $BENCH_IN, 2048)")
-    p.add_argument("--output-tokens", default="", help="output tokens per request, forced by ignore_eos (else $BENCH_OUT, 256)")
+    p.add_argument("--output-tokens", default="", help="output tokens per request, forced by ignore_eos (else $BENCH_OUT, 256; a dataset's default)")
+    p.add_argument("--input-dist", default="", help="prompt lengths drawn per request: fixed:N, uniform:LO,HI, normal:MEAN,SD, lognormal:P50,P95")
+    p.add_argument("--output-dist", default="", help="output lengths drawn per request (same forms as --input-dist)")
+    p.add_argument("--prompts", default="", help='JSONL of {"prompt": ...} or {"messages": [...]}, optional "output_tokens"')
+    p.add_argument("--sharegpt", default="", help="ShareGPT conversations (JSON array or JSONL): every human turn, with its history")
+    p.add_argument("--trace", default="", help="replay a Mooncake/BurstGPT JSONL trace at its own times (see --speed)")
+    p.add_argument("--speed", default="", help="trace replay speed: 2 = twice as fast (default 1)")
+    p.add_argument("--trace-block-tokens", default="", help="tokens per trace hash id (default 512, Mooncake's)")
     p.add_argument("--slo-ttft-p95-ms", default="", help="SLO: TTFT p95 at most this (else $SLO_TTFT_P95_MS)")
     p.add_argument("--slo-tpot-p95-ms", default="", help="SLO: TPOT p95 at most this (else $SLO_TPOT_P95_MS)")
     p.add_argument("--log", default="", help="append a log entry to this Markdown file (else $BENCH_LOG)")
@@ -1424,71 +1706,201 @@ def build_parser():
                    "each turn adds a user message of --input-tokens to the history and the answers (default 1)")
     p.add_argument("--records", default="", help="write one JSON line per request to this file")
     p.add_argument("--workers", default="", help="client processes sharing the load, when one core cannot keep up (default 1)")
+    p.add_argument("--timeline-interval", default="", help="seconds between /metrics scrapes during the run (default 2; 0: none, "
+                   "as each scrape costs the server a moment)")
+    p.add_argument("--probe", default="", help="time a trivial GET (e.g. /health) to split client-vs-engine gaps into network and server")
     p.add_argument("--seed", default="", help="seed for prompts and arrivals (default 0)")
     p.add_argument("--extra-body", default="", help="JSON object merged into every request body")
     p.epilog += ("\n--timeout is per request: a stream that receives nothing for that long counts as a timeout.")
     return p
 
 
-def execute(target: Target, cfg: dict[str, Any], quiet: bool = False) -> dict[str, Any]:
-    """Build the prompts, run the load, analyse: the result document."""
+VERIFY_SAMPLE = 16
+
+
+def calibrate_maker(counter: TokenCounter, seed: int) -> workload_mod.PromptMaker | None:
+    """Find the words that are one token each after the run's head (one tokenizer call per
+    word); None when too few are, or they do not add up."""
+    head = " ".join(random.SystemRandom().choice(WORDS) for _ in range(3))
+    base = counter.count(head)
+    with ThreadPoolExecutor(8 if counter.exact else 1) as pool:
+        counts = list(pool.map(lambda word: counter.count(f"{head} {word}"), WORDS))
+    units = [word for word, got in zip(WORDS, counts) if got == base + 1]
+    if len(units) < 16 or counter.count(" ".join([head, *units])) != base + len(units):
+        return None
+    return workload_mod.PromptMaker(units, head, base, seed)
+
+
+def verify_sample(counter: TokenCounter, load: workload_mod.Workload) -> list[str]:
+    """Count a sample of built prompts with the tokenizer: the mismatches, described."""
+    rng = random.Random(load.seed)
+    indices = sorted({0, load.count - 1, *(rng.randrange(load.count) for _ in range(VERIFY_SAMPLE - 2))})
+    specs = [load.spec(i) for i in indices]
+    with ThreadPoolExecutor(8 if counter.exact else 1) as pool:
+        got = list(pool.map(lambda spec: counter.count(spec.prompt), specs))
+    return [f"#{i}: {n} tokens, built for {spec.prompt_tokens}" for i, spec, n in zip(indices, specs, got)
+            if n != spec.prompt_tokens]
+
+
+def build_workload(target: Target, cfg: dict[str, Any]) -> tuple[workload_mod.Workload, str, list[list[str]] | None]:
+    """The run's workload, its prompt-length source (for the report), and multi-turn texts."""
     chat = cfg["endpoint"] == "chat"
-    max_len = target.info.get("max_model_len")
-    if max_len and cfg["input_tokens"] + cfg["output_tokens"] > max_len:
-        raise UsageError(f"--input-tokens + --output-tokens = {cfg['input_tokens'] + cfg['output_tokens']} "
-                         f"exceeds the model's max_model_len {max_len}")
+    kind, dataset = cfg["workload"], cfg["dataset"]
+    out = cfg["output_tokens"]
+    if kind in ("prompts", "sharegpt"):
+        if kind == "prompts":
+            entries = workload_mod.read_prompts(dataset)
+            source = "dataset text (lengths by the server's usage)"
+        else:
+            local = fallback_counter()
+            entries = workload_mod.read_sharegpt(dataset, local.count)
+            source = f"dataset text (lengths by the server's usage; answer lengths by {local.name})"
+        count = cfg["num_requests"] if cfg["num_requests_given"] else len(entries)
+        return workload_mod.Workload(kind, cfg["warmup"] + count, out, cfg["seed"], entries=entries), source, None
     with common.client(target.base_url, target.api_key, cfg["timeout_s"], max_connections=8) as http:
         counter = server_counter(http, target.model, chat) or fallback_counter()
         if not counter.exact:
             common.progress(f"bench: the server has no /tokenize; prompt lengths by {counter.name}")
-        total = (cfg["warmup"] + cfg["num_requests"]) * cfg["multi_turn"]
-        common.progress(f"bench: building {total} prompts of {cfg['input_tokens']} tokens ({counter.name})")
-        prompts = build_prompts(counter, total, cfg["input_tokens"], cfg["shared_prefix"], cfg["seed"])
+        if kind == "trace":
+            rows = workload_mod.read_trace(dataset)
+            count = min(cfg["num_requests"], len(rows)) if cfg["num_requests_given"] else len(rows)
+            load = workload_mod.Workload("trace", count, out, cfg["seed"], trace=rows,
+                                         block_tokens=cfg["trace_block_tokens"])
+        else:
+            total = (cfg["warmup"] + cfg["num_requests"]) * cfg["multi_turn"]
+            load = workload_mod.Workload(
+                "synthetic", total, out, cfg["seed"],
+                input_dist=workload_mod.parse_distribution(cfg["input_dist"] or str(cfg["input_tokens"]), "--input-dist"),
+                output_dist=workload_mod.parse_distribution(cfg["output_dist"] or str(out), "--output-dist"))
+        load.maker = calibrate_maker(counter, cfg["seed"])
+        if load.maker is not None and cfg["shared_prefix"]:
+            load.shared_tokens = load.maker.fits(cfg["shared_prefix"], 0)
+            load.shared_prefix = load.maker.text(load.shared_tokens, 0)
+        wrong = verify_sample(counter, load) if load.maker is not None else ["too few one-token words"]
+        fixed = load.kind == "synthetic" and load.input_dist.kind == "fixed"
+        if wrong and fixed:
+            # The slow exact way: every prompt fitted with the tokenizer before the run.
+            common.progress(f"bench: prompt words do not add up ({wrong[0]}): fitting {total} prompts of "
+                            f"{cfg['input_tokens']} tokens one by one ({counter.name})")
+            prompts = build_prompts(counter, total, cfg["input_tokens"], cfg["shared_prefix"], cfg["seed"])
+            entries = [workload_mod.Entry(prompt=p, prompt_tokens=cfg["input_tokens"]) for p in prompts]
+            load = workload_mod.Workload("prompts", total, out, cfg["seed"], entries=entries)
+        elif wrong:
+            raise UsageError(f"prompts of a chosen length cannot be built with this tokenizer ({wrong[0]}): "
+                             "use --input-tokens alone, or --prompts with your own texts")
     turns = None
-    if cfg["multi_turn"] > 1:
-        turns = [prompts[i:i + cfg["multi_turn"]] for i in range(0, len(prompts), cfg["multi_turn"])]
-        prompts = [conversation[0] for conversation in turns]
-    client = Client(target.base_url, target.api_key, cfg["timeout_s"])
+    if cfg["multi_turn"] > 1:  # the conversations' texts, made now: each turn waits for the last answer
+        texts = [load.spec(i).prompt for i in range(load.count)]
+        turns = [texts[i:i + cfg["multi_turn"]] for i in range(0, len(texts), cfg["multi_turn"])]
+        load = workload_mod.Workload("prompts", len(turns), out, cfg["seed"], entries=[
+            workload_mod.Entry(prompt=t[0], prompt_tokens=cfg["input_tokens"]) for t in turns])
+    return load, counter.name, turns
+
+
+def workload_identity(cfg: dict[str, Any], load: workload_mod.Workload) -> dict[str, Any]:
+    """What two runs must share to be compared (compare.py): requests, lengths, load shape."""
+    identity = {k: cfg[k] for k in ("workload", "endpoint", "concurrency", "rate", "burstiness", "duration_s",
+                                    "warmup", "multi_turn", "shared_prefix", "speed")}
+    identity["requests"] = load.count - cfg["warmup"]
+    identity["extra_body"] = cfg["extra_body"] or None
+    if cfg["workload"] == "synthetic":
+        identity["input_tokens"] = cfg["input_dist"] or cfg["input_tokens"]
+        identity["output_tokens"] = cfg["output_dist"] or cfg["output_tokens"]
+        identity["seed"] = cfg["seed"]
+    else:
+        data = Path(cfg["dataset"]).read_bytes()
+        identity["dataset"] = {"name": Path(cfg["dataset"]).name, "sha256": hashlib.sha256(data).hexdigest()}
+        identity["output_tokens"] = cfg["output_tokens"] if cfg["workload"] != "trace" else None
+    return identity
+
+
+def execute(target: Target, cfg: dict[str, Any], quiet: bool = False) -> dict[str, Any]:
+    """Build the workload, run the load, watch the server, analyse: the result document."""
+    started = time.perf_counter()
+    chat = cfg["endpoint"] == "chat"
+    load, prompt_source, turns = build_workload(target, cfg)
+    max_len = target.info.get("max_model_len")
+    longest = 0
+    if load.input_dist and load.output_dist:
+        longest = load.input_dist.upper + load.output_dist.upper
+    elif load.trace:
+        longest = max(r.input_tokens + r.output_tokens for r in load.trace[:load.count])
+    elif cfg["multi_turn"] == 1 and load.kind == "prompts" and cfg["workload"] == "synthetic":
+        longest = cfg["input_tokens"] + cfg["output_tokens"]
+    if max_len and longest > max_len:
+        raise UsageError(f"prompt + output tokens reach {longest}, over the model's max_model_len {max_len}: "
+                         "shorten --input-tokens/--output-tokens or their distributions")
     run_id = f"{random.Random().getrandbits(32):08x}"
     path = ENDPOINTS[cfg["endpoint"]]
-    requests = [client.request_bytes(path, payload(cfg["endpoint"], target.model, prompt, cfg["output_tokens"],
-                                                   cfg["extra_body"]), f"bench-{run_id}-{i}")
-                for i, prompt in enumerate(prompts)]
-    template = {k: v for k, v in payload("chat", target.model, "", cfg["output_tokens"], cfg["extra_body"]).items()
-                if k != "messages"}
-    plan = Plan(requests, cfg["warmup"], cfg["concurrency"], chat, cfg["rate"], cfg["burstiness"],
-                cfg["duration_s"], cfg["seed"], turns, template, path, run_id)
-    config = {**{k: v for k, v in cfg.items() if k != "extra_body"}, "url": target.base_url,
-              "model": target.model, "prompt_tokenizer": counter.name, "run_id": run_id,
+    template = {k: v for k, v in payload(cfg["endpoint"], target.model, "", 0, {}).items()
+                if k not in ("prompt", "messages", "max_tokens")}
+    source = RequestSource(load, target, path, template, cfg["extra_body"], run_id)
+    offsets = load.offsets_s(cfg["speed"])
+    if offsets is not None and cfg["warmup"] < len(offsets):
+        offsets = [o - offsets[cfg["warmup"]] for o in offsets]
+    plan = Plan(source, cfg["warmup"], cfg["concurrency"], chat, cfg["rate"], cfg["burstiness"],
+                cfg["duration_s"], cfg["seed"], turns, offsets)
+    config = {**{k: v for k, v in cfg.items() if k not in ("extra_body", "num_requests_given")},
+              "num_requests": load.count - cfg["warmup"], "load": describe_load(cfg, load.count - cfg["warmup"]),
+              "url": target.base_url, "model": target.model, "prompt_tokenizer": prompt_source, "run_id": run_id,
               "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "extra_body": cfg["extra_body"] or None}
+    probed = server_watch.probe(target.base_url, target.api_key, cfg["probe"]) if cfg["probe"] else None
     before, note = metrics_snapshot(target, cfg["timeout_s"])
+    timeline = server_watch.Timeline(target.base_url, target.api_key, cfg["timeline_interval_s"]) \
+        if before is not None and cfg["timeline_interval_s"] else None
     common.progress(f"bench: {config['load']} against {target.base_url} ({target.model})")
-    if cfg["workers"] > 1:
-        run = run_workers(plan, cfg["workers"], target.base_url, target.api_key, cfg["timeout_s"])
-    else:
-        run = run_in_loop(plan, target.base_url, target.api_key, cfg["timeout_s"], quiet=quiet)
+    if timeline:
+        timeline.start(before)
+    try:
+        if cfg["workers"] > 1:
+            run = run_workers(plan, cfg["workers"], cfg["timeout_s"])
+        else:
+            run = run_in_loop(plan, cfg["timeout_s"], quiet=quiet)
+    finally:
+        if timeline:
+            timeline.stop()
+    first_sent = min((o.sent_ns for o in run.outcomes if o.sent_ns), default=None)
+    # vLLM counts a request's last tokens just after it streamed them: by now it has. After an
+    # interrupt a second Ctrl-C must not lose the run: signals wait while the last scrape runs.
     with common.signals_held("bench") if run.interrupted else contextlib.nullcontext():
         after, note_after = metrics_snapshot(target, cfg["timeout_s"]) if before is not None else (None, note)
+    timeline_doc = timeline.result(after) if timeline else None
     result = analyse(run.outcomes, config, run.loop_lag_ms, run.cpu_s, run.wall_s, run.interrupted)
+    result["workload"] = workload_identity(cfg, load)
+    # Seconds from the start of execute to the first request on the wire: building the
+    # workload, probing and the first scrape included (what a 100,000-request run waits).
+    result["startup_s"] = None if first_sent is None else first_sent / 1e9 - started
     all_tokens = sum(o.completion_tokens or 0 for o in run.outcomes if o.ok or o.error == "stream_cut")
-    result["server"] = {"info": target.info, **server_side(before, after, note or note_after, all_tokens, result["slo"])}
+    during = timeline.during() if timeline else []
+    result["server"] = {"info": target.info, **server_side(before, after, note or note_after, all_tokens,
+                                                           result["slo"], during)}
+    result["timeline"] = timeline_doc
+    result["server"]["probe"] = probed
+    if before is not None and after is not None and first_sent is not None:
+        import engine_metrics
+
+        delta = engine_metrics.difference(before, after, during)
+        checked = server_watch.cross_check(delta, {"ttft_ms": result["ttft_ms"], "e2e_ms": result["e2e_ms"]},
+                                           result["client"]["loop_lag_ms"]["p99"], probed)
+        result["server"]["cross_check"] = checked
     generated = (result["server"]["metrics"] or {}).get("generation_tokens")
     if generated is not None and generated != all_tokens:
-        result["warnings"].append(f"the server generated {generated:.0f} tokens during the run, the bench "
-                                  f"received {all_tokens} (warm-up included): other traffic, or lost streams")
+        result["warnings"].append(
+            f"the server generated {generated:.0f} tokens during the run, the bench received {all_tokens} "
+            "(warm-up included): other traffic shared the server (or streams were lost), so this run measured "
+            "a mixed load: its latencies and the verdict hold for that mix, and the server-side figures are "
+            "not this run's alone")
     result["records"] = [o.record() for o in run.outcomes]
     return result
 
 
-def run(args: Any) -> int:
-    settings = common.settings_from_args(args)
+def run(args: Any, settings: common.Settings, server: Target) -> int:
     cfg = make_config(args, settings)
-    base_url, api_key = common.server_settings(args)
     for what, path in (("--records", args.records), ("--log (BENCH_LOG)", cfg["log"])):
         if path:
             common.check_writable(path, what)
-    target = find_target(base_url, api_key, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
+    target = find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
     result = execute(target, cfg)
     with common.signals_held("bench") if result["interrupted"] else contextlib.nullcontext():
         return print_and_write(args, cfg, result)
@@ -1510,13 +1922,20 @@ def print_and_write(args: Any, cfg: dict[str, Any], result: dict[str, Any]) -> i
     return written if written != common.EXIT_OK else exit_code(result)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_with_settings(args: Any, body: Callable[[Any, common.Settings, Target], int]) -> int:
+    """Read the settings (inference.env) and resolve the server (URL, API key) once, for bench
+    and sweep alike; errors are redacted with that key."""
     try:
-        _, api_key = common.server_settings(args)
-    except UsageError:
-        api_key = None  # run() reports the bad setting
-    return common.run_main(lambda: run(args), secret=api_key)
+        settings = common.settings_from_args(args)
+        server = Target(*common.server_settings(args, settings))
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return common.EXIT_USAGE
+    return common.run_main(lambda: body(args, settings, server), secret=server.api_key)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_with_settings(build_parser().parse_args(argv), run)
 
 
 if __name__ == "__main__":

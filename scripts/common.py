@@ -241,9 +241,10 @@ def normalize_url(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-def server_settings(args: argparse.Namespace) -> tuple[str, str | None]:
-    """The (base URL, API key) to use; the key is never printed."""
-    settings = settings_from_args(args)
+def server_settings(args: argparse.Namespace, settings: Settings | None = None) -> tuple[str, str | None]:
+    """The (base URL, API key) to use; the key is never printed. Pass the settings already
+    read, so inference.env is read once."""
+    settings = settings or settings_from_args(args)
     url = normalize_url(settings.get("INFER_URL", getattr(args, "url", ""), DEFAULT_URL))
     # The Taskfile hands a task argument INFER_API_KEY=... over as ROOFLINE_TASK_API_KEY.
     api_key = settings.get("INFER_API_KEY", os.environ.get("ROOFLINE_TASK_API_KEY")) or None

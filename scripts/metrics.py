@@ -40,7 +40,7 @@ Examples:
   PROMETHEUS_USER=ops PROMETHEUS_PASSWORD=... metrics.py --prometheus https://mon.example/prometheus --json
   metrics.py --url http://127.0.0.1:8000 --gpu H100 --slo-ttft-p95-ms 500 --slo-tpot-p95-ms 50
 
-Functions for other scripts (import metrics; errors: common.ServerError, metrics.InvalidScrape):
+Functions for other scripts live in engine_metrics.py (errors: common.ServerError, engine_metrics.InvalidScrape):
   scrape(url, api_key=None) -> (text, unix_time)   GET <url>/metrics
   parse_exposition(text) -> Exposition             Prometheus text format, any exporter
   snapshot(text, source="", at=None) -> dict       normalized vLLM/SGLang figures of one scrape

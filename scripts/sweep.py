@@ -51,7 +51,8 @@ def point_summary(concurrency: int, result: dict[str, Any]) -> dict[str, Any]:
             "failed": result["requests"]["failed"], **{k: result["throughput"][k] for k in
                                                         ("req_s", "output_tok_s", "total_tok_s")},
             "ttft_ms": result["ttft_ms"], "tpot_ms": result["tpot_ms"], "itl_ms": result["itl_ms"],
-            "e2e_ms": result["e2e_ms"], "client_valid": result["client"]["valid"]}
+            "e2e_ms": result["e2e_ms"], "client_valid": result["client"]["valid"],
+            "workload": result["workload"], "samples": result["samples"]}
 
 
 UNMEASURED = ("INVALID", "ERROR")  # runs that say nothing about the server at that concurrency
@@ -123,12 +124,10 @@ def exit_code(report: dict[str, Any]) -> int:
     return common.EXIT_OK
 
 
-def run(args: Any) -> int:
-    settings = common.settings_from_args(args)
+def run(args: Any, settings: common.Settings, server: bench.Target) -> int:
     if args.concurrency:
         raise UsageError("sweep sets the concurrency itself: use --sweep-c (SWEEP_C), not -c")
     levels = parse_levels(settings.get("SWEEP_C", args.sweep_c, DEFAULT_SWEEP))
-    base_url, api_key = common.server_settings(args)
     log = settings.get("BENCH_LOG", args.log, None)
     if log:
         common.check_writable(log, "--log (BENCH_LOG)")
@@ -142,8 +141,7 @@ def run(args: Any) -> int:
         args.num_requests = str(per_point or max(16, 4 * concurrency))
         cfg = bench.make_config(args, settings)
         if target is None:
-            target = bench.find_target(base_url, api_key, settings.get("INFER_MODEL", args.model) or None,
-                                       cfg["timeout_s"])
+            target = bench.find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
         common.progress(f"sweep: C = {concurrency}")
         result = bench.execute(target, cfg)
         result.pop("records")
@@ -163,7 +161,7 @@ def run(args: Any) -> int:
               "slo": {"ttft_p95_ms": cfg["slo_ttft_p95_ms"], "tpot_p95_ms": cfg["slo_tpot_p95_ms"]},
               "levels": levels, "interrupted": interrupted,
               "config": {k: cfg[k] for k in ("input_tokens", "output_tokens", "endpoint", "warmup")}
-              | {"url": base_url, "model": target.model if target else None}}
+              | {"url": target.base_url if target else None, "model": target.model if target else None}}
     common.emit(report, human(report), args.json)
     if log_error:
         print(f"error: {log_error}", file=sys.stderr)
@@ -175,12 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = bench.build_parser()
     p.description, p.epilog = common.split_doc(__doc__)
     p.add_argument("--sweep-c", default="", help=f"concurrencies to run (else $SWEEP_C, {DEFAULT_SWEEP})")
-    args = p.parse_args(argv)
-    try:
-        _, api_key = common.server_settings(args)
-    except UsageError:
-        api_key = None
-    return common.run_main(lambda: run(args), secret=api_key)
+    return bench.run_with_settings(p.parse_args(argv), run)
 
 
 if __name__ == "__main__":

@@ -107,6 +107,7 @@ def bench_run(requests: int, model: str = "tiny-qwen3", concurrency: int = 4, fa
               "slo_ttft_p95_ms": 200.0, "slo_tpot_p95_ms": 20.0, "model": model, "url": "http://127.0.0.1:8000",
               "load": f"closed loop, {concurrency} in flight, {requests} requests"}
     doc = bench.analyse(outcomes, config, list(lag_ms), 1, 2)
+    doc["workload"] = {"workload": "synthetic", "concurrency": concurrency, **WORKLOAD}  # as bench.execute adds it
     doc["server"] = {"info": {"model": model, "engine_version": "0.32.0", "owned_by": "vllm"}}
     if samples:
         doc["timeline"] = {"interval_s": 2.0, "samples": [

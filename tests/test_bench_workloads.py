@@ -1,0 +1,503 @@
+"""bench.py on real traffic: datasets, length distributions, traces, reasoning streams, the
+/metrics timeline and the client-vs-server cross-check, compare.py, and the client-validity
+rules about stalls. Fake streams for what a real server cannot show on demand; the real CPU
+vLLM for every feature end to end."""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+
+import bench
+import compare
+import server_watch
+import workload
+from calibration_server import CalibrationServer, Schedule
+from common import UsageError
+
+DATA = Path(__file__).resolve().parent.parent / "scripts" / "data"
+SHAREGPT, PROMPTS, TRACE = DATA / "sharegpt-sample.json", DATA / "prompts-sample.jsonl", DATA / "trace-sample.jsonl"
+
+
+def _sse(chunks: list[dict]) -> bench.Response:
+    ms = 1_000_000  # event k arrives at k + 1 ms
+    events = [((k + 1) * ms, json.dumps(c).encode()) for k, c in enumerate(chunks)] + [((len(chunks) + 1) * ms, b"[DONE]")]
+    return bench.Response(200, {"content-type": "text/event-stream"}, True, events)
+
+
+def _usage(n: int) -> dict:
+    return {"prompt_tokens": 10, "completion_tokens": n}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reasoning streams
+
+def test_reasoning_deltas_give_answer_ttft_and_split_counts():
+    chunks = [{"choices": [{"delta": {"role": "assistant"}}]},
+              {"choices": [{"delta": {"reasoning_content": "Let"}}], "usage": _usage(1)},
+              {"choices": [{"delta": {"reasoning": " me think"}}], "usage": _usage(3)},
+              {"choices": [{"delta": {"reasoning": "."}}], "usage": _usage(4)},
+              {"choices": [{"delta": {"content": "Yes"}}], "usage": _usage(5)},
+              {"choices": [{"delta": {"content": "."}}], "usage": _usage(6)},
+              {"choices": [{"delta": {"content": "!"}, "finish_reason": "length"}], "usage": _usage(7)}]
+    o = bench.interpret(bench.Outcome(0, sent_ns=0), _sse(chunks), chat=True)
+    assert o.ok and o.reasoning_seen
+    assert o.ttft_ms == 2.0 and o.ttft_answer_ms == 5.0
+    assert (o.reasoning_tokens, o.answer_tokens) == (4, 3)
+    assert o.tpot_reasoning_ms == pytest.approx((4 - 2) / 3)
+    assert o.tpot_answer_ms == pytest.approx((7 - 5) / 2)
+    assert o.text == "Yes.!"  # the history of a next turn holds the answer, not the reasoning
+
+
+def test_think_tags_in_text_split_reasoning_from_answer():
+    texts = ["<think>", "hmm", " ok</think>", "\n\nThe", " answer"]
+    chunks = [{"choices": [{"text": t}], "usage": _usage(k + 1)} for k, t in enumerate(texts)]
+    o = bench.interpret(bench.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
+    assert o.reasoning_seen and o.ttft_ms == 1.0 and o.ttft_answer_ms == 4.0
+    assert (o.reasoning_tokens, o.answer_tokens) == (3, 2)
+
+
+def test_a_closing_tag_alone_makes_what_came_before_reasoning():
+    """DeepSeek-R1's template opens <think> itself: the stream shows only the closing tag."""
+    texts = ["step", " one", "</think>Done", "."]
+    chunks = [{"choices": [{"text": t}], "usage": _usage(k + 1)} for k, t in enumerate(texts)]
+    o = bench.interpret(bench.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
+    assert o.reasoning_seen and o.ttft_answer_ms == 3.0
+    assert (o.reasoning_tokens, o.answer_tokens) == (2, 2)
+
+
+def test_plain_answers_have_no_reasoning_section():
+    chunks = [{"choices": [{"text": t}], "usage": _usage(k + 1)} for k, t in enumerate(["a", "b"])]
+    o = bench.interpret(bench.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
+    assert not o.reasoning_seen and o.reasoning_tokens == 0 and o.answer_tokens == 2
+    assert bench.reasoning_summary([o]) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributions, datasets, traces
+
+@pytest.mark.parametrize("text, kind, a, b", [
+    ("512", "fixed", 512, 0), ("fixed:64", "fixed", 64, 0), ("uniform:10,20", "uniform", 10, 20),
+    ("normal:100,10", "normal", 100, 10), ("lognormal:400,2000", "lognormal", 400, 2000)])
+def test_distributions_parse(text, kind, a, b):
+    assert workload.parse_distribution(text, "--input-dist") == workload.Distribution(kind, a, b)
+
+
+@pytest.mark.parametrize("text", ["", "x", "uniform:5", "uniform:9,3", "lognormal:100,50", "gamma:1,2", "normal:1,nan"])
+def test_bad_distributions_say_the_forms(text):
+    with pytest.raises(UsageError, match="--input-dist"):
+        workload.parse_distribution(text, "--input-dist")
+
+
+def test_lognormal_is_fitted_to_its_p50_and_p95():
+    rng = random.Random(1)
+    dist = workload.parse_distribution("lognormal:400,2000", "x")
+    draws = sorted(dist.sample(rng) for _ in range(20000))
+    assert draws[10000] == pytest.approx(400, rel=0.05)
+    assert draws[19000] == pytest.approx(2000, rel=0.08)
+    uniform = [workload.parse_distribution("uniform:3,5", "x").sample(rng) for _ in range(300)]
+    assert set(uniform) == {3, 4, 5}
+
+
+def test_sample_datasets_read():
+    prompts = workload.read_prompts(str(PROMPTS))
+    assert len(prompts) == 6 and prompts[0].prompt and prompts[2].messages[0]["role"] == "system"
+    assert prompts[3].output_tokens is None and prompts[0].output_tokens == 48
+    turns = workload.read_sharegpt(str(SHAREGPT), lambda text: len(text.split()))
+    conversations = json.loads(SHAREGPT.read_text())
+    humans = sum(t["from"] == "human" for c in conversations for t in c["conversations"])
+    assert len(turns) == humans  # every human turn, not only the first
+    third = [t for t in turns if len(t.messages) == 5][0]  # the haiku conversation's third question
+    assert [m["role"] for m in third.messages] == ["user", "assistant", "user", "assistant", "user"]
+    trace = workload.read_trace(str(TRACE))
+    assert len(trace) == 40 and trace[0].at_s <= trace[-1].at_s and trace[0].hash_ids
+
+
+@pytest.mark.parametrize("reader, line, message", [
+    ("prompts", '{"prompt": "a"}\n{"nothing": 1}\n', ":2: needs \"prompt\""),
+    ("prompts", '{"prompt": "a"}\n{oops\n', ":2: not JSON"),
+    ("prompts", '{"prompt": "a", "output_tokens": -3}\n', ":1: output_tokens"),
+    ("sharegpt", '{"conversations": [{"from": "human", "value": "hi"}]}\n{"conversations": [{"from": "robot"}]}\n',
+     ":2: turn 1 needs"),
+    ("trace", '{"timestamp": 0, "input_length": 5, "output_length": 2}\n{"timestamp": 1, "input_length": 0, "output_length": 2}\n',
+     ":2: input_length"),
+    ("trace", '{"time": 5}\n', ":1: needs \"timestamp\""),
+])
+def test_a_bad_line_names_the_file_and_line(tmp_path, reader, line, message):
+    file = tmp_path / "data.jsonl"
+    file.write_text(line)
+    read = {"prompts": workload.read_prompts, "trace": workload.read_trace,
+            "sharegpt": lambda p: workload.read_sharegpt(p, len)}[reader]
+    with pytest.raises(UsageError) as error:
+        read(str(file))
+    assert str(file) + message in str(error.value)
+
+
+def test_burstgpt_rows_are_read_in_seconds(tmp_path):
+    file = tmp_path / "burst.jsonl"
+    file.write_text('{"Timestamp": 2.5, "Request tokens": 30, "Response tokens": 7}\n'
+                    '{"Timestamp": 1.0, "Request tokens": 10, "Response tokens": 3}\n')
+    rows = workload.read_trace(str(file))
+    assert [(r.at_s, r.input_tokens, r.output_tokens) for r in rows] == [(1.0, 10, 3), (2.5, 30, 7)]
+
+
+def _maker() -> workload.PromptMaker:
+    return workload.PromptMaker(list(bench.WORDS[:40]), "head words here", 5, seed=3)
+
+
+def _words(text: str) -> int:
+    """A tokenizer of one token per word plus 2 for a template: the maker's overhead is 3 + 2."""
+    return len(text.split()) + 2
+
+
+@pytest.mark.parametrize("tokens", [5, 6, 50, 3000])
+def test_prompt_maker_builds_exact_unique_prompts(tokens):
+    maker = _maker()
+    texts = [maker.text(maker.fits(tokens, i), i) for i in range(60)]
+    assert all(_words(t) == maker.fits(tokens, i) for i, t in enumerate(texts))
+    assert len(set(texts)) == 60
+
+
+def test_trace_blocks_share_prefixes_by_hash_id():
+    maker = _maker()
+    one = maker.blocks(37, [7, 8], 16, salt=1)  # 5 (head, template) + two blocks of 16
+    two = maker.blocks(37, [7, 9], 16, salt=2)
+    same = maker.blocks(37, [7, 8], 16, salt=3)
+    assert _words(one) == _words(two) == 37
+    assert one.split()[:3 + 16] == two.split()[:3 + 16] and one.split()[19] != two.split()[19]
+    assert one == same  # the same ids fill the whole prompt: the same text
+    assert _words(maker.blocks(100, [7], 16, salt=1)) == 100  # short of blocks: unique words after
+
+
+def test_synthetic_workload_draws_lengths_per_request_and_repeats_them():
+    load = workload.Workload("synthetic", 50, 8, seed=4, maker=_maker(),
+                             input_dist=workload.parse_distribution("uniform:20,200", "x"),
+                             output_dist=workload.parse_distribution("normal:30,5", "x"))
+    specs = [load.spec(i) for i in range(50)]
+    assert len({s.prompt_tokens for s in specs}) > 20 and all(_words(s.prompt) == s.prompt_tokens for s in specs)
+    assert load.spec(17) == specs[17]  # any process makes the same request from its index
+    assert 10 < statistics.mean(s.output_tokens for s in specs) < 50
+
+
+def test_synthetic_shared_prefix_starts_every_prompt():
+    maker = _maker()
+    load = workload.Workload("synthetic", 8, 4, seed=1, maker=maker,
+                             input_dist=workload.parse_distribution("30", "x"),
+                             output_dist=workload.parse_distribution("4", "x"),
+                             shared_prefix=maker.text(20, 0), shared_tokens=20)
+    specs = [load.spec(i) for i in range(8)]
+    assert all(s.prompt.startswith(load.shared_prefix + " ") and _words(s.prompt) == s.prompt_tokens == 30
+               for s in specs)
+    assert len({s.prompt for s in specs}) == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Validity: stalls, one-read streams
+
+def _done(index: int, ttft_ms: float, tpot_ms: float, tokens: int = 4) -> bench.Outcome:
+    times = [int((ttft_ms + tpot_ms * k) * 1e6) for k in range(tokens)]
+    return bench.Outcome(index, sent_ns=0, status=200, token_times=times, chunk_tokens=[1] * tokens,
+                         completion_tokens=tokens, usage_reported=True, prompt_tokens=8,
+                         finish_reason="length", done_ns=times[-1], requested_tokens=tokens)
+
+
+CONFIG = {"output_tokens": 4, "input_tokens": 8, "concurrency": 2}
+
+
+def test_long_client_stalls_make_the_run_invalid_even_with_a_quiet_p99():
+    """The run of issue 17: 2 s stalls, ~6 s of them in a 14 s run, and thousands of quiet
+    probe samples in between, so the lag's p99 looked fine."""
+    lag = [0.0] * 2400 + [2000.0, 2100.0, 1900.0]
+    outcomes = [_done(i, 100.0, 10.0) for i in range(40)]
+    result = bench.analyse(outcomes, CONFIG, lag, cpu_s=1.0, wall_s=14.0)
+    assert result["client"]["loop_lag_ms"]["p99"] == 0.0
+    assert result["verdict"] == "INVALID" and not result["client"]["valid"]
+    assert result["client"]["stalls"]["total_s"] == pytest.approx(6.0)
+    assert "stalled 6.0 s of the 14.0 s run" in result["verdict_reasons"][0]
+
+
+def test_one_short_stall_in_a_long_run_is_a_warning():
+    outcomes = [_done(i, 100.0, 10.0) for i in range(40)]
+    result = bench.analyse(outcomes, CONFIG, [0.0] * 5000 + [80.0], cpu_s=1.0, wall_s=600.0)
+    assert result["verdict"] == "NO SLO"
+    assert any("worst 80 ms" in w for w in result["warnings"])
+    # 5% of the run in stalls: a warning, not (yet) an invalid run
+    result = bench.analyse(outcomes, CONFIG, [0.0] * 5000 + [50.0] * 20, cpu_s=1.0, wall_s=20.0)
+    assert result["verdict"] == "NO SLO" and any("(5.0% of the run" in w for w in result["warnings"])
+
+
+def test_a_stream_received_in_one_read_is_flagged():
+    one_read = _done(0, 100.0, 0.0)  # every token timestamped by the same read: TPOT 0.0
+    result = bench.analyse([one_read, _done(1, 100.0, 10.0)], CONFIG, [0.0], 1.0, 10.0)
+    assert result["tpot_ms"]["min"] == 0.0
+    assert any("1 requests received all their output in one read" in w for w in result["warnings"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Timeline and cross-check (pure)
+
+def _snap(running, waiting, kv, preempt, hits, queries, prompt, gen, ttft=None):
+    counters = {"preemptions": preempt, "prefix_hits": hits, "prefix_queries": queries,
+                "prompt_tokens": prompt, "generation_tokens": gen}
+    return {"gauges": {"running": {"value": running}, "waiting": {"value": waiting}, "kv_cache_usage": {"value": kv}},
+            "counters": {k: {"value": v} for k, v in counters.items()}, "histograms": {}}
+
+
+def test_timeline_samples_follow_the_contract():
+    snaps = [(0.0, _snap(0, 0, 0.0, 5, 100, 200, 1000, 50)), (2.0, _snap(3, 1, 0.25, 5, 150, 300, 1400, 250)),
+             (4.0, _snap(2, 0, 0.5, 7, 150, 300, 1400, 650))]
+    samples = server_watch.timeline_samples(snaps)
+    assert samples[0] == {"t_s": 0.0, "running": 0, "waiting": 0, "kv_cache_usage_perc": 0.0, "preemptions": 0,
+                          "prefix_cache_hit_rate": None, "prompt_tok_s": 0.0, "generation_tok_s": 0.0}
+    assert samples[1] == {"t_s": 2.0, "running": 3, "waiting": 1, "kv_cache_usage_perc": 0.25, "preemptions": 0,
+                          "prefix_cache_hit_rate": 0.5, "prompt_tok_s": 200.0, "generation_tok_s": 100.0}
+    assert samples[2]["preemptions"] == 2 and samples[2]["prefix_cache_hit_rate"] is None
+    assert samples[2]["generation_tok_s"] == 200.0
+
+
+def _delta(le_s: list[float], counts: list[int]) -> dict:
+    hist = {"le": [*le_s, float("inf")], "counts": [*counts, counts[-1]]}
+    return {"histograms": {"ttft": hist, "e2e": hist}}
+
+
+def test_cross_check_names_time_outside_the_engine():
+    delta = _delta([0.05, 0.1, 0.2], [0, 90, 100])  # the engine: 90% within 50..100 ms, the rest below 200
+    client = {"p50": 160.0, "p95": 260.0, "p99": 300.0, "n": 100}
+    checked = server_watch.cross_check(delta, {"ttft_ms": client, "e2e_ms": {"n": 0}}, 0.1,
+                                       {"path": "/health", "p50_ms": 20.0, "n": 20})
+    assert checked["percentiles"]["ttft_ms"]["p50"]["side"] == "above"
+    assert checked["percentiles"]["ttft_ms"]["p50"]["excess_ms"] == pytest.approx(60.0)
+    finding = checked["findings"][0]
+    assert "at least 60.0 ms more than the engine" in finding and "/health" in finding
+    assert "the other 40.0 ms" in finding
+    agree = server_watch.cross_check(delta, {"ttft_ms": {"p50": 80.0, "p95": 150.0, "p99": 190.0, "n": 100},
+                                             "e2e_ms": {"n": 0}}, 0.1, None)
+    assert agree["findings"] == [] and agree["percentiles"]["ttft_ms"]["p95"]["side"] == "within"
+
+
+def test_client_lag_explains_a_gap_it_covers():
+    delta = _delta([0.05, 0.1], [0, 100])
+    checked = server_watch.cross_check(delta, {"ttft_ms": {"p50": 120.0, "p95": 125.0, "p99": 130.0, "n": 9},
+                                               "e2e_ms": {"n": 0}}, 40.0, None)
+    assert "client's own loop lag" in checked["findings"][0]
+
+
+# ---------------------------------------------------------------------------------------------
+# compare.py (pure)
+
+def _run_doc(ttft: list[float], **workload_changes) -> dict:
+    return {"kind": "bench", "verdict": "NO SLO", "config": {"model": "m", "url": "u"}, "interrupted": False,
+            "workload": {"workload": "synthetic", "concurrency": 8, "input_tokens": 128, **workload_changes},
+            "samples": {"ttft_ms": ttft, "tpot_ms": [10.0 + (k % 7) * 0.1 for k in range(len(ttft))],
+                        "e2e_ms": [t + 100 for t in ttft]},
+            "throughput": {"output_tok_s": 100.0, "req_s": 2.0}, "requests": {"failed": 0}}
+
+
+def test_compare_finds_a_real_improvement_and_no_change():
+    rng = random.Random(7)
+    a = [rng.gauss(100, 10) for _ in range(400)]
+    b = [rng.gauss(80, 10) for _ in range(400)]
+    doc = compare.compare(_run_doc(a), _run_doc(b), ("a.json", "b.json"), ("A", "B"))
+    rows = {r["name"]: r for r in doc["metrics"]}
+    assert doc["kind"] == "compare" and doc["schema_version"] == 1
+    assert rows["ttft_ms.p50"]["verdict"] == "better" and rows["ttft_ms.p50"]["ci95_pct"][1] < 0
+    assert rows["ttft_ms.p50"]["change_pct"] == pytest.approx(-20, abs=4)
+    assert rows["tpot_ms.p50"]["verdict"] == "no significant difference"
+    assert doc["verdict"] == "better"
+    same = compare.compare(_run_doc(a), _run_doc(list(reversed(a))), ("a", "b"), ("A", "B"))
+    assert same["verdict"] == "no significant difference"
+    assert all(r["ci95_pct"] is None or r["ci95_pct"][0] <= 0 <= r["ci95_pct"][1] for r in same["metrics"])
+
+
+def test_compare_resamples_large_runs_fast_and_alike():
+    rng = random.Random(8)
+    a = [rng.expovariate(1 / 100) for _ in range(5000)]
+    b = [x * 1.1 for x in a]
+    doc = compare.compare(_run_doc(a), _run_doc(b), ("a", "b"), ("A", "B"))
+    row = {r["name"]: r for r in doc["metrics"]}["ttft_ms.p95"]
+    assert row["change_pct"] == pytest.approx(10.0) and row["verdict"] == "worse"
+
+
+def test_compare_refuses_different_workloads_and_says_what_differs():
+    with pytest.raises(UsageError, match=r"concurrency: 8 vs 16; input_tokens: 128 vs 'lognormal:100,400'"):
+        compare.compare(_run_doc([1.0, 2.0]), _run_doc([1.0, 2.0], concurrency=16, input_tokens="lognormal:100,400"),
+                        ("a", "b"), ("A", "B"))
+
+
+def test_compare_cli_bad_files(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"verdict": "PASS"}')
+    assert compare.main([str(bad), str(bad)]) == 2
+    assert "not a bench or sweep result" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the calibration server
+
+@pytest.fixture
+def calibration():
+    server = CalibrationServer(Schedule(ttft_ms=20, itl_ms=5)).start_in_thread()
+    yield server
+    server.stop()
+
+
+def _bench(capsys, *argv: str) -> tuple[int, dict]:
+    code = bench.main(["--json", *argv])
+    captured = capsys.readouterr()
+    assert captured.out.strip(), f"exit {code}: {captured.err.strip()[-400:]}"
+    return code, json.loads(captured.out)
+
+
+def test_trace_replay_reports_schedule_lag(calibration, capsys):
+    code, result = _bench(capsys, "--url", calibration.url, "--trace", str(TRACE), "--speed", "8", "-n", "16")
+    assert result["kind"] == "bench" and result["requests"]["completed"] == 16
+    assert result["client"]["schedule_delay_ms"]["n"] == 16
+    assert result["requests"]["prompt_tokens"]["mismatched"] == 0  # exact lengths by the server's count
+    rows = workload.read_trace(str(TRACE))[:16]
+    assert result["requests"]["output_tokens"]["requested_total"] == sum(r.output_tokens for r in rows)
+    assert result["workload"]["dataset"]["name"] == "trace-sample.jsonl"
+    assert code in (0, 4)
+
+
+def test_distributions_and_prompts_files_run(calibration, capsys):
+    code, result = _bench(capsys, "--url", calibration.url, "-n", "20", "-c", "4", "--input-dist", "uniform:20,300",
+                          "--output-dist", "fixed:3")
+    assert result["requests"]["completed"] == 20 and result["requests"]["prompt_tokens"]["mismatched"] == 0
+    assert result["requests"]["prompt_tokens"]["max"] > result["requests"]["prompt_tokens"]["min"]
+    code, result = _bench(capsys, "--url", calibration.url, "--prompts", str(PROMPTS), "--endpoint", "chat", "-c", "2",
+                          "--warmup", "0")
+    assert result["requests"]["completed"] == 6
+    assert result["requests"]["output_tokens"]["requested_total"] == 48 + 96 + 40 + 256 + 16 + 80
+
+
+def test_a_shared_prefix_is_shared_and_exact(calibration, capsys, tmp_path):
+    records = tmp_path / "r.jsonl"
+    code, result = _bench(capsys, "--url", calibration.url, "-n", "6", "-c", "3", "--input-tokens", "60",
+                          "--shared-prefix", "40", "--output-tokens", "2", "--records", str(records))
+    assert result["requests"]["completed"] == 6
+    assert result["requests"]["prompt_tokens"]["min"] == result["requests"]["prompt_tokens"]["max"] == 60
+
+
+def test_two_sweeps_compare_point_by_point(calibration, capsys, tmp_path):
+    import sweep
+
+    files = []
+    for name, levels in (("a", "1,2"), ("b", "1,2"), ("c", "1,3")):
+        sweep.main(["--url", calibration.url, "--json", "--sweep-c", levels, "-n", "6", "--input-tokens", "8",
+                    "--output-tokens", "4"])
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(capsys.readouterr().out)
+    report = json.loads(files[0].read_text())
+    assert report["kind"] == "sweep" and all("samples" in p and "workload" in p for p in report["points"])
+    code = compare.main([str(files[0]), str(files[1]), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    names = {r["name"] for r in doc["metrics"]}
+    assert {"c=1 ttft_ms.p50", "c=2 tpot_ms.p95"} <= names and code in (0, 1)
+    assert compare.main([str(files[0]), str(files[2])]) == 2
+    assert "different concurrencies ([1, 2] vs [1, 3])" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--trace", str(TRACE), "--rate", "3"], "use --speed, not --rate"),
+    (["--prompts", str(PROMPTS), "--trace", str(TRACE)], "choose one"),
+    (["--prompts", str(PROMPTS), "--input-dist", "fixed:9"], "drop --input-dist"),
+    (["--input-dist", "lognormal:9,3"], "P95 > P50"),
+    (["--probe", "health"], "takes a path"),
+])
+def test_conflicting_workload_flags_are_usage_errors(argv, message, capsys):
+    assert bench.main(["--url", "http://127.0.0.1:9", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_malformed_dataset_line_stops_the_run_with_file_and_line(calibration, tmp_path, capsys):
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt": "ok"}\n\n{"prompt": 3}\n')
+    assert bench.main(["--url", calibration.url, "--prompts", str(file)]) == 2
+    assert f"{file}:3: needs" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# The real CPU vLLM
+
+@pytest.mark.real_vllm
+def test_real_vllm_sharegpt_with_a_timeline(vllm_server, capsys):
+    code, result = _bench(capsys, "--url", vllm_server.url, "--sharegpt", str(SHAREGPT), "--endpoint", "chat",
+                          "-c", "3", "--warmup", "0", "--timeline-interval", "0.5", "--probe", "/health")
+    turns = len(workload.read_sharegpt(str(SHAREGPT), len))
+    assert result["requests"]["completed"] == turns, result["requests"]["first_errors"]
+    assert result["requests"]["output_tokens"]["short"] == 0
+    samples = result["timeline"]["samples"]
+    assert len(samples) >= 3 and result["timeline"]["interval_s"] == 0.5
+    assert set(samples[0]) == {"t_s", "running", "waiting", "kv_cache_usage_perc", "preemptions",
+                               "prefix_cache_hit_rate", "prompt_tok_s", "generation_tok_s"}
+    # The rates add up to what the server generated during the run (the bench's tokens); t_s
+    # is rounded to the millisecond.
+    assert sum(s["generation_tok_s"] * (s["t_s"] - p["t_s"]) for p, s in zip(samples, samples[1:])) == \
+        pytest.approx(result["server"]["metrics"]["generation_tokens"], rel=0.01)
+    assert result["server"]["metrics"]["generation_tokens"] == result["requests"]["output_tokens"]["total"]
+    assert result["server"]["probe"]["p50_ms"] is not None
+    assert "percentiles" in result["server"]["cross_check"]
+
+
+# The random tiny model may generate special tokens only: shown, they are content.
+VISIBLE = ("--extra-body", '{"skip_special_tokens": false}')
+
+
+@pytest.mark.real_vllm
+def test_real_vllm_trace_replay(vllm_server, capsys):
+    code, result = _bench(capsys, "--url", vllm_server.url, "--trace", str(TRACE), "--speed", "2", "-n", "12",
+                          "--records", "/dev/null", *VISIBLE)
+    # A random model may write only bytes that decode to no text: no content, empty_output.
+    assert result["requests"]["completed"] + result["requests"]["errors"].get("empty_output", 0) == 12, \
+        result["requests"]["first_errors"]
+    assert result["requests"]["prompt_tokens"]["n"] >= 8
+    assert result["requests"]["prompt_tokens"]["mismatched"] == 0  # hash-id blocks built to exact lengths
+    assert result["config"]["prompt_tokenizer"] == "server /tokenize"
+    assert result["client"]["schedule_delay_ms"]["n"] == 12
+    assert result["startup_s"] is not None
+
+
+@pytest.mark.real_vllm
+def test_real_vllm_compare_two_runs(vllm_server, capsys, tmp_path):
+    files = []
+    for name, c in (("a", "2"), ("b", "2"), ("c", "3")):
+        _, result = _bench(capsys, "--url", vllm_server.url, "-n", "10", "-c", c, "--input-dist", "uniform:50,150",
+                           "--output-dist", "fixed:8", *VISIBLE)
+        # A random model may write only bytes that decode to no text: no content, empty_output.
+        assert result["requests"]["completed"] + result["requests"]["errors"].get("empty_output", 0) == 10
+        assert result["requests"]["completed"] >= 5
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(result))
+    code = compare.main([str(files[0]), str(files[1]), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code in (0, 1) and doc["verdict"] in ("better", "worse", "no significant difference", "mixed")
+    # (TPOT rows only where the runs' TPOT is above 0: vLLM may stream a short output in one read)
+    assert {r["name"] for r in doc["metrics"]} >= {"ttft_ms.p50", "ttft_ms.p95", "e2e_ms.p50", "e2e_ms.p95"}
+    assert compare.main([str(files[0]), str(files[2])]) == 2
+    assert "concurrency: 2 vs 3" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def reasoning_vllm(vllm_factory):
+    # The tiny models' tokenizer has no <think> tokens, which the qwen3 and deepseek_r1 parsers
+    # require at start-up; Granite's parser works on text ("Here is my thought process:").
+    with vllm_factory(sets=["reasoning_parser=granite"]) as server:
+        yield server
+
+
+@pytest.mark.real_vllm
+def test_real_vllm_with_a_reasoning_parser(reasoning_vllm, capsys):
+    """The server runs its reasoning parser on every chat stream; the random tiny model never
+    writes the markers, so every token is answer: nothing breaks and the counts add up. (The
+    split itself is checked on fake streams above: a random model cannot be made to reason.)"""
+    code, result = _bench(capsys, "--url", reasoning_vllm.url, "--endpoint", "chat", "-n", "4", "-c", "2",
+                          "--input-tokens", "64", "--output-tokens", "12", "--warmup", "0", *VISIBLE)
+    assert result["requests"]["completed"] == 4, result["requests"]["first_errors"]
+    assert result["requests"]["output_tokens"]["total"] == 48
+    reasoning = result["reasoning"]
+    if reasoning is not None:  # a random "<think>" or marker in the text: then the parts add up
+        assert reasoning["reasoning_tokens"]["mean"] + reasoning["answer_tokens"]["mean"] == 12
+    assert all(t is not None for t in result["samples"]["ttft_ms"])
