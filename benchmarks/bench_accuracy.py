@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-import bench  # noqa: E402
+import loadgen  # noqa: E402
 import calibration_server  # noqa: E402
 import common  # noqa: E402
 from common import ServerError  # noqa: E402
@@ -79,7 +79,7 @@ def truth_of(truth: dict[str, Any], run_id: str, records: list[dict[str, Any]]) 
 def compare(measured: dict[str, Any], truth: dict[str, list[float]]) -> list[dict[str, Any]]:
     rows = []
     for metric in ("ttft_ms", "itl_ms", "e2e_ms"):
-        real = bench.summarize(truth[metric])
+        real = loadgen.summarize(truth[metric])
         for stat in ("p50", "p95", "p99", "mean"):
             got, want = measured[metric][stat], real[stat]
             error = 100.0 * (got - want) / want if want else None
@@ -95,7 +95,7 @@ async def httpx_baseline(url: str, n: int, c: int, prompt: str, out: int) -> dic
     import httpx
 
     ttfts: list[float] = []
-    body = bench.payload("completions", "calibration", prompt, out, {})
+    body = loadgen.payload("completions", "calibration", prompt, out, {})
     queue = iter(range(n))
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=c)) as client:
         async def slot() -> None:
@@ -108,7 +108,7 @@ async def httpx_baseline(url: str, n: int, c: int, prompt: str, out: int) -> dic
                             first = time.perf_counter_ns()
                 ttfts.append((first - start) / 1e6)
         await asyncio.gather(*(slot() for _ in range(c)))
-    return bench.summarize(ttfts)
+    return loadgen.summarize(ttfts)
 
 
 def human(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
@@ -166,10 +166,10 @@ def measure(args: Any, streams: int, requests: int) -> tuple[list[dict[str, Any]
             server_lag = common.get_json(http, "/calibration/lag")
         truth_ms = truth_of(truth, result["config"]["run_id"], records)
         rows = compare(result, truth_ms)
-        info = {"load": result["config"]["load"], "paired_ttft_error_ms": bench.summarize(truth_ms["ttft_error_ms"]),
-                "send_to_server_socket_ms": bench.summarize(truth_ms["upstream_ms"]),
+        info = {"load": result["config"]["load"], "paired_ttft_error_ms": loadgen.summarize(truth_ms["ttft_error_ms"]),
+                "send_to_server_socket_ms": loadgen.summarize(truth_ms["upstream_ms"]),
                 "arrived_by": truth_ms["arrived_by"],
-                "server_write_to_client_ms": bench.summarize(truth_ms["downstream_ms"]), "ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms,
+                "server_write_to_client_ms": loadgen.summarize(truth_ms["downstream_ms"]), "ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms,
                 "pinning": "server core 0, client core 1" if pinned(0) else "none (one core or no taskset)",
                 "client": result["client"], "server_loop_lag_ms": server_lag, "verdict": result["verdict"],
                 "command": " ".join(bench_cmd)}

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import bench  # noqa: E402
+import loadgen  # noqa: E402
 import common  # noqa: E402
 from common import UsageError  # noqa: E402
 
@@ -308,7 +308,7 @@ class CalibrationServer:
         elif method == "GET" and path == "/calibration/truth":
             transport.write(_response(200, json.dumps(self.truth).encode()))
         elif method == "GET" and path == "/calibration/lag":
-            transport.write(_response(200, json.dumps(bench.summarize(self.lag_ms)).encode()))
+            transport.write(_response(200, json.dumps(loadgen.summarize(self.lag_ms)).encode()))
         elif method == "GET" and path == "/metrics":
             text = (f"# TYPE calibration:generation_tokens counter\n"
                     f"calibration:generation_tokens_total {self.generation_tokens}\n"
@@ -345,7 +345,7 @@ class CalibrationServer:
             sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         # The server's own lateness, measured as bench.py measures the client's: it tells how
         # much of a gap between the two is the server's.
-        self.loop.create_task(bench.lag_probe(self.lag_ms, asyncio.Event()))
+        self.loop.create_task(loadgen.lag_probe(self.lag_ms, asyncio.Event()))
 
     def start_in_thread(self) -> "CalibrationServer":
         ready = threading.Event()

@@ -41,7 +41,8 @@ from typing import Any, Iterable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from bench import percentile, summarize  # noqa: E402
+from loadgen import summarize  # noqa: E402
+from loadgen import percentile
 from common import UsageError  # noqa: E402
 
 TEMPLATE = Path(__file__).resolve().parent / "templates" / "report.html.j2"

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402
+import loadgen  # noqa: E402
 import common  # noqa: E402
 from common import UsageError  # noqa: E402
 
@@ -40,8 +40,8 @@ def parse_levels(text: str) -> list[int]:
         levels = [int(part) for part in text.replace(" ", "").split(",") if part]
     except ValueError:
         raise UsageError(f"--sweep-c (SWEEP_C) must be whole numbers separated by commas, got {text!r}")
-    if not levels or any(c < 1 or c > bench.LIMITS["concurrency"] for c in levels):
-        raise UsageError(f"--sweep-c (SWEEP_C) needs concurrencies between 1 and {bench.LIMITS['concurrency']}, got {text!r}")
+    if not levels or any(c < 1 or c > loadgen.LIMITS["concurrency"] for c in levels):
+        raise UsageError(f"--sweep-c (SWEEP_C) needs concurrencies between 1 and {loadgen.LIMITS['concurrency']}, got {text!r}")
     return sorted(set(levels))
 
 
@@ -124,7 +124,7 @@ def exit_code(report: dict[str, Any]) -> int:
     return common.EXIT_OK
 
 
-def run(args: Any, settings: common.Settings, server: bench.Target) -> int:
+def run(args: Any, settings: common.Settings, server: loadgen.Target) -> int:
     if args.concurrency:
         raise UsageError("sweep sets the concurrency itself: use --sweep-c (SWEEP_C), not -c")
     levels = parse_levels(settings.get("SWEEP_C", args.sweep_c, DEFAULT_SWEEP))
@@ -139,15 +139,15 @@ def run(args: Any, settings: common.Settings, server: bench.Target) -> int:
     for concurrency in levels:
         args.concurrency = str(concurrency)
         args.num_requests = str(per_point or max(16, 4 * concurrency))
-        cfg = bench.make_config(args, settings)
+        cfg = loadgen.make_config(args, settings)
         if target is None:
-            target = bench.find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
+            target = loadgen.find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
         common.progress(f"sweep: C = {concurrency}")
-        result = bench.execute(target, cfg)
+        result = loadgen.execute(target, cfg)
         result.pop("records")
         if cfg["log"] and not log_error:
             try:  # each point's entry at once (atomically): an interrupted sweep keeps the points done
-                common.append_log(cfg["log"], common.render_log_entry(result, bench.TEMPLATE))
+                common.append_log(cfg["log"], common.render_log_entry(result, loadgen.TEMPLATE))
             except OSError as exc:
                 log_error = f"the result is printed above, but --log {cfg['log']} was not written: {exc.strerror or exc}"
         points.append(point_summary(concurrency, result))
@@ -170,10 +170,10 @@ def run(args: Any, settings: common.Settings, server: bench.Target) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = bench.build_parser()
+    p = loadgen.build_parser()
     p.description, p.epilog = common.split_doc(__doc__)
     p.add_argument("--sweep-c", default="", help=f"concurrencies to run (else $SWEEP_C, {DEFAULT_SWEEP})")
-    return bench.run_with_settings(p.parse_args(argv), run)
+    return loadgen.run_with_settings(p.parse_args(argv), run)
 
 
 if __name__ == "__main__":

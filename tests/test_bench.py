@@ -17,6 +17,8 @@ import httpx
 import pytest
 
 import bench
+
+import loadgen
 import engine_metrics
 import sweep
 from calibration_server import CalibrationServer, Schedule, parse_fault
@@ -30,16 +32,16 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 def test_percentile_is_linear_like_numpy():
     data = [1.0, 2.0, 3.0, 4.0]
-    assert bench.percentile(data, 50) == 2.5
-    assert bench.percentile(data, 95) == pytest.approx(3.85)
-    assert bench.percentile(data, 0) == 1.0 and bench.percentile(data, 100) == 4.0
-    assert bench.percentile([7.0], 99) == 7.0
+    assert loadgen.percentile(data, 50) == 2.5
+    assert loadgen.percentile(data, 95) == pytest.approx(3.85)
+    assert loadgen.percentile(data, 0) == 1.0 and loadgen.percentile(data, 100) == 4.0
+    assert loadgen.percentile([7.0], 99) == 7.0
 
 
 def test_summarize_counts_and_empty():
-    s = bench.summarize([3, 1, 2])
+    s = loadgen.summarize([3, 1, 2])
     assert (s["p50"], s["min"], s["max"], s["mean"], s["n"]) == (2, 1, 3, 2, 3)
-    assert bench.summarize([]) == {"p50": None, "p95": None, "p99": None, "mean": None,
+    assert loadgen.summarize([]) == {"p50": None, "p95": None, "p99": None, "mean": None,
                                    "min": None, "max": None, "n": 0}
 
 
@@ -60,9 +62,9 @@ def _split(raw: bytes, cuts: list[int]) -> list[tuple[int, bytes]]:
 
 def test_dechunk_reports_completeness():
     raw = b"5\r\nhello\r\n3\r\nabc\r\n0\r\n\r\n"
-    segments, complete = bench.dechunk(raw)
+    segments, complete = loadgen.dechunk(raw)
     assert complete and [s[2] for s in segments] == [5, 3]
-    assert bench.dechunk(raw[:-7])[1] is False
+    assert loadgen.dechunk(raw[:-7])[1] is False
 
 
 # A chunk whose data ends in "0\r\n\r\n" looks like the end of the body to a check of the tail.
@@ -71,18 +73,18 @@ FRAMED = b"5\r\nhello\r\n8\r\nx: 0\r\n\r\n\r\n3;ext=1\r\nabc\r\n0\r\n\r\n"
 
 @pytest.mark.parametrize("cut", range(1, len(FRAMED)))
 def test_chunk_framing_notices_the_end_only_after_the_last_chunk(cut):
-    framing = bench.ChunkFraming()
+    framing = loadgen.ChunkFraming()
     ends = [framing.feed(FRAMED[:cut]), framing.feed(FRAMED[cut:])]
     assert ends == [False, True]
 
 
 def test_chunk_framing_byte_by_byte_and_with_trailers():
     raw = b"4\r\n0\r\n\r\n\r\n0\r\nx-trailer: 1\r\n\r\n"
-    framing = bench.ChunkFraming()
+    framing = loadgen.ChunkFraming()
     ends = [framing.feed(raw[i:i + 1]) for i in range(len(raw))]
     assert ends == [False] * (len(raw) - 1) + [True]
     with pytest.raises(ValueError):
-        bench.ChunkFraming().feed(b"zz\r\nhello")
+        loadgen.ChunkFraming().feed(b"zz\r\nhello")
 
 
 def test_each_event_gets_the_time_of_the_read_that_completed_it():
@@ -91,7 +93,7 @@ def test_each_event_gets_the_time_of_the_read_that_completed_it():
     first_event_end = raw.index(b"1}\n\n") + 4
     # read 1 stops one byte before the first event is complete; read 2 completes it and more.
     reads = _split(raw, [first_event_end - 1, raw.index(b"[DONE]")])
-    response = bench.parse_response(reads)
+    response = loadgen.parse_response(reads)
     assert response.complete and response.status == 200
     assert [data for _, data in response.events] == [b'{"a": 1}', b'{"a": 2}', b"[DONE]"]
     assert [t for t, _ in response.events] == [2000, 2000, 3000]
@@ -99,26 +101,26 @@ def test_each_event_gets_the_time_of_the_read_that_completed_it():
 
 def test_last_event_without_blank_line_is_kept():
     raw = _chunked_stream([b"data: {\"a\": 1}\n\n", b"data: [DONE]"])
-    response = bench.parse_response(_split(raw, []))
+    response = loadgen.parse_response(_split(raw, []))
     assert [d for _, d in response.events] == [b'{"a": 1}', b"[DONE]"]
 
 
 def test_content_length_body_and_incomplete_head():
     raw = b"HTTP/1.1 404 Not Found\r\ncontent-length: 5\r\n\r\nabcde"
-    response = bench.parse_response(_split(raw, [10]))
+    response = loadgen.parse_response(_split(raw, [10]))
     assert response.status == 404 and response.complete and response.body == b"abcde"
-    assert bench.parse_response([(1, b"HTTP/1.1 200")]).status is None
+    assert loadgen.parse_response([(1, b"HTTP/1.1 200")]).status is None
 
 
 # ---------------------------------------------------------------------------------------------
 # Interpreting a stream
 
-def _sse_response(chunks: list, status: int = 200, done: bool = True) -> bench.Response:
+def _sse_response(chunks: list, status: int = 200, done: bool = True) -> loadgen.Response:
     events = [(1_000_000 * (i + 1), c if isinstance(c, bytes) else json.dumps(c).encode())
               for i, c in enumerate(chunks)]
     if done:
         events.append((events[-1][0] + 1 if events else 1, b"[DONE]"))
-    return bench.Response(status, {"content-type": "text/event-stream"}, True, events)
+    return loadgen.Response(status, {"content-type": "text/event-stream"}, True, events)
 
 
 def _usage(n: int) -> dict:
@@ -131,7 +133,7 @@ def test_chat_role_only_chunk_does_not_start_ttft():
               {"choices": [{"delta": {"content": "b"}}], "usage": _usage(3)},
               {"choices": [{"delta": {"content": "c"}, "finish_reason": "length"}], "usage": _usage(4)},
               {"choices": [], "usage": _usage(4)}]
-    outcome = bench.interpret(bench.Outcome(0, sent_ns=0), _sse_response(chunks), chat=True)
+    outcome = loadgen.interpret(loadgen.Outcome(0, sent_ns=0), _sse_response(chunks), chat=True)
     assert outcome.ok, outcome.detail
     assert outcome.ttft_ms == 2.0  # the second event, not the role chunk at 1 ms
     assert outcome.e2e_ms == 4.0
@@ -144,7 +146,7 @@ def test_chat_role_only_chunk_does_not_start_ttft():
 
 def test_completions_empty_text_chunk_is_not_a_token():
     chunks = [{"choices": [{"text": ""}]}, {"choices": [{"text": "x"}]}, {"choices": [{"text": "y"}]}]
-    outcome = bench.interpret(bench.Outcome(0, sent_ns=0), _sse_response(chunks), chat=False)
+    outcome = loadgen.interpret(loadgen.Outcome(0, sent_ns=0), _sse_response(chunks), chat=False)
     assert outcome.ttft_ms == 2.0
     assert outcome.completion_tokens == 2 and not outcome.usage_reported
 
@@ -160,7 +162,7 @@ def test_sglang_completion_stream():
     chunks = [chunk(" a"), chunk(" b"), chunk(" c", "length"),
               {"id": "a1", "object": "text_completion", "created": 1, "model": "m", "choices": [],
                "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}]
-    outcome = bench.interpret(bench.Outcome(0, sent_ns=0), _sse_response(chunks), chat=False)
+    outcome = loadgen.interpret(loadgen.Outcome(0, sent_ns=0), _sse_response(chunks), chat=False)
     assert outcome.ok and outcome.completion_tokens == 3 and outcome.prompt_tokens == 5
     assert outcome.usage_reported and outcome.finish_reason == "length"
     assert outcome.ttft_ms == 1.0 and outcome.e2e_ms == 3.0
@@ -173,7 +175,7 @@ def test_sglang_completion_stream():
     ([{"choices": [{"text": ""}]}], 200, True, "empty_output"),
 ])
 def test_stream_faults_are_classified(chunks, status, done, kind):
-    outcome = bench.interpret(bench.Outcome(0), _sse_response(chunks, status, done), chat=False)
+    outcome = loadgen.interpret(loadgen.Outcome(0), _sse_response(chunks, status, done), chat=False)
     assert outcome.error == kind
 
 
@@ -183,46 +185,46 @@ def test_stream_faults_are_classified(chunks, status, done, kind):
     (503, b"overloaded", "http_5xx"),
 ])
 def test_http_errors_are_classified(status, body, kind):
-    response = bench.Response(status, {"content-type": "application/json"}, True, body=body)
-    assert bench.interpret(bench.Outcome(0), response, chat=False).error == kind
+    response = loadgen.Response(status, {"content-type": "application/json"}, True, body=body)
+    assert loadgen.interpret(loadgen.Outcome(0), response, chat=False).error == kind
 
 
 # ---------------------------------------------------------------------------------------------
 # Load schedule, prompts, config
 
 def test_open_loop_schedule_is_absolute_and_rescaled():
-    offsets = bench.arrival_offsets(200, rate=10.0, burstiness=1.0, seed=3)
+    offsets = loadgen.arrival_offsets(200, rate=10.0, burstiness=1.0, seed=3)
     assert offsets == sorted(offsets)
     assert offsets[-1] == pytest.approx(20.0)
-    assert offsets == bench.arrival_offsets(200, 10.0, 1.0, 3)
+    assert offsets == loadgen.arrival_offsets(200, 10.0, 1.0, 3)
 
     def cv(xs):
         gaps = [b - a for a, b in zip([0.0, *xs], xs)]
         mean = sum(gaps) / len(gaps)
         return math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
     # Gamma with shape k has a coefficient of variation 1/sqrt(k): burstier below 1.
-    assert cv(bench.arrival_offsets(2000, 10.0, 0.25, 1)) > 1.5 > cv(bench.arrival_offsets(2000, 10.0, 1.0, 1)) > 0.8
-    assert cv(bench.arrival_offsets(2000, 10.0, 16.0, 1)) < 0.4
+    assert cv(loadgen.arrival_offsets(2000, 10.0, 0.25, 1)) > 1.5 > cv(loadgen.arrival_offsets(2000, 10.0, 1.0, 1)) > 0.8
+    assert cv(loadgen.arrival_offsets(2000, 10.0, 16.0, 1)) < 0.4
 
 
-def _counter(two_token_words=("information", "community")) -> bench.TokenCounter:
+def _counter(two_token_words=("information", "community")) -> loadgen.TokenCounter:
     """A tokenizer where most words are one token, some two, plus a BOS token."""
     def count(text: str) -> int:
         return 1 + sum(2 if w in two_token_words else 1 for w in text.split())
-    return bench.TokenCounter("test", count, exact=True)
+    return loadgen.TokenCounter("test", count, exact=True)
 
 
 @pytest.mark.parametrize("start", [0, 5, 50, 500])
 def test_fit_words_reaches_the_target_from_any_first_guess(start):
     # A first guess above the target (no count below it yet) once ended in max() of nothing.
     counter = _counter()
-    text, _ = bench.fit_words(counter.count, "information community", ["problem", "kid"] * 40, 20, start)
+    text, _ = loadgen.fit_words(counter.count, "information community", ["problem", "kid"] * 40, 20, start)
     assert counter.count(text) == 20
 
 
 def test_prompts_are_exact_and_unique():
     counter = _counter()
-    prompts = bench.build_prompts(counter, 50, 100, 0, seed=1)
+    prompts = loadgen.build_prompts(counter, 50, 100, 0, seed=1)
     assert all(counter.count(p) == 100 for p in prompts)
     heads = {" ".join(p.split()[:6]) for p in prompts}
     assert len(heads) == 50
@@ -230,17 +232,17 @@ def test_prompts_are_exact_and_unique():
 
 def test_shared_prefix_is_the_same_in_every_prompt():
     counter = _counter()
-    prompts = bench.build_prompts(counter, 10, 120, 40, seed=2)
+    prompts = loadgen.build_prompts(counter, 10, 120, 40, seed=2)
     assert all(counter.count(p) == 120 for p in prompts)
     shared = " ".join(prompts[0].split()[:35])
     assert all(p.startswith(shared) for p in prompts)
     assert len({p for p in prompts}) == 10
-    assert len(set(bench.build_prompts(counter, 3, 50, 50, seed=2))) == 1
+    assert len(set(loadgen.build_prompts(counter, 3, 50, 50, seed=2))) == 1
 
 
 def test_prompts_of_two_runs_differ():
     counter = _counter()
-    assert bench.build_prompts(counter, 1, 30, 0, 0) != bench.build_prompts(counter, 1, 30, 0, 0)
+    assert loadgen.build_prompts(counter, 1, 30, 0, 0) != loadgen.build_prompts(counter, 1, 30, 0, 0)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -267,19 +269,19 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("BENCH_N", "7")
     monkeypatch.setenv("BENCH_IN", "33")
     (tmp_path / "inference.env").write_text("BENCH_C=3\n")
-    args = bench.build_parser().parse_args([])
-    cfg = bench.make_config(args, bench.common.settings_from_args(args))
+    args = loadgen.build_parser().parse_args([])
+    cfg = loadgen.make_config(args, bench.common.settings_from_args(args))
     assert (cfg["num_requests"], cfg["input_tokens"], cfg["concurrency"], cfg["warmup"]) == (7, 33, 3, 3)
-    args = bench.build_parser().parse_args(["-n", "5"])
-    assert bench.make_config(args, bench.common.settings_from_args(args))["num_requests"] == 5
+    args = loadgen.build_parser().parse_args(["-n", "5"])
+    assert loadgen.make_config(args, bench.common.settings_from_args(args))["num_requests"] == 5
 
 
 # ---------------------------------------------------------------------------------------------
 # Verdicts
 
-def _done(index: int, ttft_ms: float, tpot_ms: float, tokens: int = 4, warmup: bool = False) -> bench.Outcome:
+def _done(index: int, ttft_ms: float, tpot_ms: float, tokens: int = 4, warmup: bool = False) -> loadgen.Outcome:
     times = [int((ttft_ms + tpot_ms * k) * 1e6) for k in range(tokens)]
-    return bench.Outcome(index, warmup=warmup, sent_ns=0, status=200, token_times=times,
+    return loadgen.Outcome(index, warmup=warmup, sent_ns=0, status=200, token_times=times,
                          chunk_tokens=[1] * tokens, completion_tokens=tokens, usage_reported=True,
                          prompt_tokens=8, finish_reason="length", done_ns=times[-1])
 
@@ -290,27 +292,27 @@ def _config(**slo) -> dict:
 
 def test_verdicts_and_exit_codes():
     outcomes = [_done(0, 500, 50, warmup=True)] + [_done(i, 100 + i, 10) for i in range(1, 21)]
-    passed = bench.analyse(outcomes, _config(slo_ttft_p95_ms=200, slo_tpot_p95_ms=20), [0.01], 1, 2)
-    assert passed["verdict"] == "PASS" and bench.exit_code(passed) == 0
+    passed = loadgen.analyse(outcomes, _config(slo_ttft_p95_ms=200, slo_tpot_p95_ms=20), [0.01], 1, 2)
+    assert passed["verdict"] == "PASS" and loadgen.exit_code(passed) == 0
     assert passed["requests"]["warmup"] == 1 and passed["ttft_ms"]["n"] == 20
     assert passed["ttft_ms"]["max"] == pytest.approx(120)  # the warm-up's 500 ms is not counted
-    failed = bench.analyse(outcomes, _config(slo_tpot_p95_ms=5), [0.01], 1, 2)
-    assert failed["verdict"] == "FAIL" and bench.exit_code(failed) == 1
+    failed = loadgen.analyse(outcomes, _config(slo_tpot_p95_ms=5), [0.01], 1, 2)
+    assert failed["verdict"] == "FAIL" and loadgen.exit_code(failed) == 1
     assert "tpot_p95_ms 10.0 ms > 5 ms" in failed["verdict_reasons"][0]
-    lagged = bench.analyse(outcomes, _config(slo_tpot_p95_ms=20), [0.01] * 50 + [30.0] * 5, 1, 2)
-    assert lagged["verdict"] == "INVALID" and bench.exit_code(lagged) == 4
+    lagged = loadgen.analyse(outcomes, _config(slo_tpot_p95_ms=20), [0.01] * 50 + [30.0] * 5, 1, 2)
+    assert lagged["verdict"] == "INVALID" and loadgen.exit_code(lagged) == 4
     assert not lagged["client"]["valid"]
-    rare = bench.analyse(outcomes, _config(slo_tpot_p95_ms=20), [0.01] * 97 + [30.0] * 3, 1, 20)
+    rare = loadgen.analyse(outcomes, _config(slo_tpot_p95_ms=20), [0.01] * 97 + [30.0] * 3, 1, 20)
     assert rare["verdict"] == "PASS" and any("p99 figures may include client delay" in w for w in rare["warnings"])
-    errored = bench.analyse([bench.Outcome(1, error="unreachable")], _config(), [], 1, 2)
-    assert errored["verdict"] == "ERROR" and bench.exit_code(errored) == 3
-    none = bench.analyse(outcomes, _config(), [0.01], 1, 2)
-    assert none["verdict"] == "NO SLO" and bench.exit_code(none) == 0
+    errored = loadgen.analyse([loadgen.Outcome(1, error="unreachable")], _config(), [], 1, 2)
+    assert errored["verdict"] == "ERROR" and loadgen.exit_code(errored) == 3
+    none = loadgen.analyse(outcomes, _config(), [0.01], 1, 2)
+    assert none["verdict"] == "NO SLO" and loadgen.exit_code(none) == 0
 
 
 def test_a_failed_request_fails_the_verdict():
-    outcomes = [_done(i, 100, 10) for i in range(10)] + [bench.Outcome(10, error="http_5xx", detail="HTTP 500")]
-    result = bench.analyse(outcomes, _config(slo_ttft_p95_ms=1000), [0.01], 1, 2)
+    outcomes = [_done(i, 100, 10) for i in range(10)] + [loadgen.Outcome(10, error="http_5xx", detail="HTTP 500")]
+    result = loadgen.analyse(outcomes, _config(slo_ttft_p95_ms=1000), [0.01], 1, 2)
     assert result["verdict"] == "FAIL" and result["requests"]["errors"] == {"http_5xx": 1}
     assert "1 of 11 requests failed" in result["verdict_reasons"][0]
 
@@ -318,7 +320,7 @@ def test_a_failed_request_fails_the_verdict():
 def test_short_outputs_are_reported():
     outcomes = [_done(i, 100, 10, tokens=4) for i in range(5)] + [_done(5, 100, 10, tokens=2)]
     outcomes[-1].finish_reason = "stop"
-    result = bench.analyse(outcomes, _config(), [0.01], 1, 2)
+    result = loadgen.analyse(outcomes, _config(), [0.01], 1, 2)
     assert result["requests"]["output_tokens"]["short"] == 1
     assert not result["requests"]["output_tokens"]["ignore_eos_honoured"]
     assert any("ignore_eos not honoured" in w and "stop" in w for w in result["warnings"])

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 import bench
+
+import loadgen
 import compare
 import server_watch
 import workload
@@ -22,10 +24,10 @@ DATA = Path(__file__).resolve().parent.parent / "scripts" / "data"
 SHAREGPT, PROMPTS, TRACE = DATA / "sharegpt-sample.json", DATA / "prompts-sample.jsonl", DATA / "trace-sample.jsonl"
 
 
-def _sse(chunks: list[dict]) -> bench.Response:
+def _sse(chunks: list[dict]) -> loadgen.Response:
     ms = 1_000_000  # event k arrives at k + 1 ms
     events = [((k + 1) * ms, json.dumps(c).encode()) for k, c in enumerate(chunks)] + [((len(chunks) + 1) * ms, b"[DONE]")]
-    return bench.Response(200, {"content-type": "text/event-stream"}, True, events)
+    return loadgen.Response(200, {"content-type": "text/event-stream"}, True, events)
 
 
 def _usage(n: int) -> dict:
@@ -43,7 +45,7 @@ def test_reasoning_deltas_give_answer_ttft_and_split_counts():
               {"choices": [{"delta": {"content": "Yes"}}], "usage": _usage(5)},
               {"choices": [{"delta": {"content": "."}}], "usage": _usage(6)},
               {"choices": [{"delta": {"content": "!"}, "finish_reason": "length"}], "usage": _usage(7)}]
-    o = bench.interpret(bench.Outcome(0, sent_ns=0), _sse(chunks), chat=True)
+    o = loadgen.interpret(loadgen.Outcome(0, sent_ns=0), _sse(chunks), chat=True)
     assert o.ok and o.reasoning_seen
     assert o.ttft_ms == 2.0 and o.ttft_answer_ms == 5.0
     assert (o.reasoning_tokens, o.answer_tokens) == (4, 3)
@@ -55,7 +57,7 @@ def test_reasoning_deltas_give_answer_ttft_and_split_counts():
 def test_think_tags_in_text_split_reasoning_from_answer():
     texts = ["<think>", "hmm", " ok</think>", "\n\nThe", " answer"]
     chunks = [{"choices": [{"text": t}], "usage": _usage(k + 1)} for k, t in enumerate(texts)]
-    o = bench.interpret(bench.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
+    o = loadgen.interpret(loadgen.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
     assert o.reasoning_seen and o.ttft_ms == 1.0 and o.ttft_answer_ms == 4.0
     assert (o.reasoning_tokens, o.answer_tokens) == (3, 2)
 
@@ -64,16 +66,16 @@ def test_a_closing_tag_alone_makes_what_came_before_reasoning():
     """DeepSeek-R1's template opens <think> itself: the stream shows only the closing tag."""
     texts = ["step", " one", "</think>Done", "."]
     chunks = [{"choices": [{"text": t}], "usage": _usage(k + 1)} for k, t in enumerate(texts)]
-    o = bench.interpret(bench.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
+    o = loadgen.interpret(loadgen.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
     assert o.reasoning_seen and o.ttft_answer_ms == 3.0
     assert (o.reasoning_tokens, o.answer_tokens) == (2, 2)
 
 
 def test_plain_answers_have_no_reasoning_section():
     chunks = [{"choices": [{"text": t}], "usage": _usage(k + 1)} for k, t in enumerate(["a", "b"])]
-    o = bench.interpret(bench.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
+    o = loadgen.interpret(loadgen.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
     assert not o.reasoning_seen and o.reasoning_tokens == 0 and o.answer_tokens == 2
-    assert bench.reasoning_summary([o]) is None
+    assert loadgen.reasoning_summary([o]) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +147,7 @@ def test_burstgpt_rows_are_read_in_seconds(tmp_path):
 
 
 def _maker() -> workload.PromptMaker:
-    return workload.PromptMaker(list(bench.WORDS[:40]), "head words here", 5, seed=3)
+    return workload.PromptMaker(list(loadgen.WORDS[:40]), "head words here", 5, seed=3)
 
 
 def _words(text: str) -> int:
@@ -197,9 +199,9 @@ def test_synthetic_shared_prefix_starts_every_prompt():
 # ---------------------------------------------------------------------------------------------
 # Validity: stalls, one-read streams
 
-def _done(index: int, ttft_ms: float, tpot_ms: float, tokens: int = 4) -> bench.Outcome:
+def _done(index: int, ttft_ms: float, tpot_ms: float, tokens: int = 4) -> loadgen.Outcome:
     times = [int((ttft_ms + tpot_ms * k) * 1e6) for k in range(tokens)]
-    return bench.Outcome(index, sent_ns=0, status=200, token_times=times, chunk_tokens=[1] * tokens,
+    return loadgen.Outcome(index, sent_ns=0, status=200, token_times=times, chunk_tokens=[1] * tokens,
                          completion_tokens=tokens, usage_reported=True, prompt_tokens=8,
                          finish_reason="length", done_ns=times[-1], requested_tokens=tokens)
 
@@ -212,7 +214,7 @@ def test_long_client_stalls_make_the_run_invalid_even_with_a_quiet_p99():
     probe samples in between, so the lag's p99 looked fine."""
     lag = [0.0] * 2400 + [2000.0, 2100.0, 1900.0]
     outcomes = [_done(i, 100.0, 10.0) for i in range(40)]
-    result = bench.analyse(outcomes, CONFIG, lag, cpu_s=1.0, wall_s=14.0)
+    result = loadgen.analyse(outcomes, CONFIG, lag, cpu_s=1.0, wall_s=14.0)
     assert result["client"]["loop_lag_ms"]["p99"] == 0.0
     assert result["verdict"] == "INVALID" and not result["client"]["valid"]
     assert result["client"]["stalls"]["total_s"] == pytest.approx(6.0)
@@ -221,17 +223,17 @@ def test_long_client_stalls_make_the_run_invalid_even_with_a_quiet_p99():
 
 def test_one_short_stall_in_a_long_run_is_a_warning():
     outcomes = [_done(i, 100.0, 10.0) for i in range(40)]
-    result = bench.analyse(outcomes, CONFIG, [0.0] * 5000 + [80.0], cpu_s=1.0, wall_s=600.0)
+    result = loadgen.analyse(outcomes, CONFIG, [0.0] * 5000 + [80.0], cpu_s=1.0, wall_s=600.0)
     assert result["verdict"] == "NO SLO"
     assert any("worst 80 ms" in w for w in result["warnings"])
     # 5% of the run in stalls: a warning, not (yet) an invalid run
-    result = bench.analyse(outcomes, CONFIG, [0.0] * 5000 + [50.0] * 20, cpu_s=1.0, wall_s=20.0)
+    result = loadgen.analyse(outcomes, CONFIG, [0.0] * 5000 + [50.0] * 20, cpu_s=1.0, wall_s=20.0)
     assert result["verdict"] == "NO SLO" and any("(5.0% of the run" in w for w in result["warnings"])
 
 
 def test_a_stream_received_in_one_read_is_flagged():
     one_read = _done(0, 100.0, 0.0)  # every token timestamped by the same read: TPOT 0.0
-    result = bench.analyse([one_read, _done(1, 100.0, 10.0)], CONFIG, [0.0], 1.0, 10.0)
+    result = loadgen.analyse([one_read, _done(1, 100.0, 10.0)], CONFIG, [0.0], 1.0, 10.0)
     assert result["tpot_ms"]["min"] == 0.0
     assert any("1 requests received all their output in one read" in w for w in result["warnings"])
 

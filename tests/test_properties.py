@@ -2,8 +2,8 @@
 returns or raises its one documented error, in bounded time (a hypothesis deadline per example,
 and a hard alarm that fails an example stuck in a loop the deadline cannot interrupt).
 
-Parsers: HTTP chunked framing (bench.dechunk, bench.ChunkFraming), a streamed response and its
-SSE events (bench.parse_response / settle, toolcalls.sse_events), Prometheus text
+Parsers: HTTP chunked framing (loadgen.dechunk, loadgen.ChunkFraming), a streamed response and its
+SSE events (loadgen.parse_response / settle, toolcalls.sse_events), Prometheus text
 (engine_metrics.parse_exposition, snapshot, report), a model's config.json (sizing.checked_model), a
 serve profile (profiles.load_profile, render), inference.env (common.parse_env_file, load_env_file)
 and saved records read back (perplexity.load_run, toolcalls.load_baseline).
@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import bench
+
+import loadgen
 import common
 import engine_metrics
 import perplexity
@@ -71,11 +72,11 @@ def splits(data: bytes, cuts: list[int]) -> list[bytes]:
 def test_chunked_framing_is_total(pieces, cuts):
     raw = b"".join(pieces)
     try:
-        segments, complete = bench.dechunk(raw)
+        segments, complete = loadgen.dechunk(raw)
         assert all(size >= 0 and 0 <= start <= len(raw) for _, start, size in segments)
     except ValueError:
         pass
-    framing = bench.ChunkFraming()
+    framing = loadgen.ChunkFraming()
     try:
         for piece in splits(raw, cuts):
             framing.feed(piece)
@@ -88,9 +89,9 @@ def test_chunked_framing_is_total(pieces, cuts):
 @hard_bound
 def test_chunked_framing_reads_valid_coding_exactly(datas, cuts):
     raw = b"".join(b"%x\r\n%s\r\n" % (len(d), d) for d in datas) + b"0\r\n\r\n"
-    segments, complete = bench.dechunk(raw)
+    segments, complete = loadgen.dechunk(raw)
     assert complete and b"".join(raw[start:start + size] for _, start, size in segments) == b"".join(datas)
-    framing = bench.ChunkFraming()
+    framing = loadgen.ChunkFraming()
     done = [framing.feed(piece) for piece in splits(raw, cuts)]
     assert done[-1] and not any(done[:-1])
 
@@ -120,8 +121,8 @@ def test_streamed_response_always_settles_to_a_classified_outcome(events, chunke
     raw = head(chunked=chunked) + ((b"%x\r\n%s\r\n" % (len(body), body) if body else b"") +
                                    (b"0\r\n\r\n" if terminated else b"") if chunked else body)
     reads = [(i * 1000, piece) for i, piece in enumerate(splits(raw, cuts))]
-    outcome = bench.settle(bench.Outcome(index=0, reads=reads), chat=False)
-    assert outcome.error is None or outcome.error in bench.ERROR_KINDS
+    outcome = loadgen.settle(loadgen.Outcome(index=0, reads=reads), chat=False)
+    assert outcome.error is None or outcome.error in loadgen.ERROR_KINDS
     if outcome.error is None:
         assert outcome.token_times and outcome.completion_tokens is not None
 

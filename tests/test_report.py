@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 import bench
+
+import loadgen
 import chromium
 import report
 import roofline
@@ -85,19 +87,19 @@ def assert_every_series_drawn(page: dict) -> None:
 # ---------------------------------------------------------------- documents per the contracts
 
 def outcome(index: int, sent_ms: float, ttft_ms: float, tpot_ms: float, tokens: int, failed: bool = False,
-            warmup: bool = False) -> bench.Outcome:
+            warmup: bool = False) -> loadgen.Outcome:
     sent = int(sent_ms * 1e6)
     if failed:
-        return bench.Outcome(index, warmup=warmup, sent_ns=sent, status=500, error="http_5xx", detail="boom")
+        return loadgen.Outcome(index, warmup=warmup, sent_ns=sent, status=500, error="http_5xx", detail="boom")
     times = [sent + int((ttft_ms + tpot_ms * k) * 1e6) for k in range(tokens)]
-    return bench.Outcome(index, warmup=warmup, sent_ns=sent, status=200, token_times=times,
+    return loadgen.Outcome(index, warmup=warmup, sent_ns=sent, status=200, token_times=times,
                          chunk_tokens=[1] * tokens, completion_tokens=tokens, usage_reported=True,
                          prompt_tokens=WORKLOAD["input_tokens"], finish_reason="length", done_ns=times[-1])
 
 
 def bench_run(requests: int, model: str = "tiny-qwen3", concurrency: int = 4, failed: int = 0,
               lag_ms: tuple = (0.01,), samples: int = 0, seed: int = 0) -> tuple[dict, list[dict]]:
-    """A bench result and its records, through bench.analyse (the real code) on made-up requests;
+    """A bench result and its records, through loadgen.analyse (the real code) on made-up requests;
     with `samples`, a server timeline scraped every 2 s over the same span as the requests."""
     rng = random.Random(seed)
     spacing_ms = 2000 * samples / requests if samples else 5
@@ -106,8 +108,8 @@ def bench_run(requests: int, model: str = "tiny-qwen3", concurrency: int = 4, fa
     config = {**WORKLOAD, "num_requests": requests, "concurrency": concurrency, "rate": None,
               "slo_ttft_p95_ms": 200.0, "slo_tpot_p95_ms": 20.0, "model": model, "url": "http://127.0.0.1:8000",
               "load": f"closed loop, {concurrency} in flight, {requests} requests"}
-    doc = bench.analyse(outcomes, config, list(lag_ms), 1, 2)
-    doc["workload"] = {"workload": "synthetic", "concurrency": concurrency, **WORKLOAD}  # as bench.execute adds it
+    doc = loadgen.analyse(outcomes, config, list(lag_ms), 1, 2)
+    doc["workload"] = {"workload": "synthetic", "concurrency": concurrency, **WORKLOAD}  # as loadgen.execute adds it
     doc["server"] = {"info": {"model": model, "engine_version": "0.32.0", "owned_by": "vllm"}}
     if samples:
         doc["timeline"] = {"interval_s": 2.0, "samples": [
