@@ -426,10 +426,13 @@ def test_a_malformed_dataset_line_stops_the_run_with_file_and_line(calibration, 
 
 @pytest.mark.real_vllm
 def test_real_vllm_sharegpt_with_a_timeline(vllm_server, capsys):
+    # Four passes over the sample: a run of several seconds on an idle machine too, so the child
+    # that scrapes (a fresh interpreter, up in about a second) gets in several scrapes.
+    requests = 4 * len(workload.read_sharegpt(str(SHAREGPT), len))
     code, result = _bench(capsys, "--url", vllm_server.url, "--sharegpt", str(SHAREGPT), "--endpoint", "chat",
-                          "-c", "3", "--warmup", "0", "--timeline-interval", "0.5", "--probe", "/health")
-    turns = len(workload.read_sharegpt(str(SHAREGPT), len))
-    assert result["requests"]["completed"] == turns, result["requests"]["first_errors"]
+                          "-n", str(requests), "-c", "3", "--warmup", "0", "--timeline-interval", "0.5",
+                          "--probe", "/health")
+    assert result["requests"]["completed"] == requests, result["requests"]["first_errors"]
     assert result["requests"]["output_tokens"]["short"] == 0
     samples = result["timeline"]["samples"]
     assert len(samples) >= 3 and result["timeline"]["interval_s"] == 0.5
