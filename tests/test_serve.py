@@ -177,7 +177,11 @@ def test_real_vllm_streams_completions(vllm_server):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     text_chunks = [c for c in chunks if c["choices"]]
-    assert len(text_chunks) == 8
+    # One chunk per token only when the client keeps up: vLLM V1 merges the deltas a slow
+    # reader has not collected yet (RequestOutputCollector in vllm/v1/engine/output_processor.py),
+    # so a busy machine sees fewer chunks.
+    assert 1 <= len(text_chunks) <= 8
+    assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 8
     assert "CPU KV cache size: 524,288 tokens" in vllm_server.log()
 
