@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import httpx
+
 import common
 import profiles
 
@@ -40,6 +42,16 @@ class Server:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def plain_words_body(self) -> str:
+        """An --extra-body that keeps the random model to the tokens of a few plain words.
+
+        Left alone, the random tiny model may write only byte tokens that decode to no text
+        (bench counts those streams as empty_output), and which ones it writes depends on how
+        requests are batched; limited to whole words, every stream carries text."""
+        words = httpx.post(f"{self.url}/tokenize", json={"model": self.model, "prompt": " the cat sat on a mat"},
+                           timeout=60).json()["tokens"]
+        return json.dumps({"skip_special_tokens": False, "allowed_token_ids": sorted(set(words))})
 
 
 def task_exe() -> str:
