@@ -1724,9 +1724,9 @@ def execute(target: Target, cfg: dict[str, Any], quiet: bool = False) -> dict[st
     timeline = server_watch.Timeline(target.base_url, target.api_key, cfg["timeline_interval_s"]) \
         if before is not None and cfg["timeline_interval_s"] else None
     common.progress(f"bench: {config['load']} against {target.base_url} ({target.model})")
-    if timeline:
-        timeline.start(before)
-    try:
+    try:  # a Ctrl-C as the timeline starts still stops it
+        if timeline:
+            timeline.start(before)
         if cfg["workers"] > 1:
             run = run_workers(plan, cfg["workers"], cfg["timeout_s"])
         else:

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -163,3 +164,28 @@ def test_bench_final_scrape_after_ctrl_c_honours_timeout(tmp_path):
     check("bench", code, out, err, tmp_path, via_task=False)
     server = json.loads(out)["server"]
     assert server["metrics"] is None and "metrics" in server["metrics_note"], server
+
+
+def test_ctrl_c_as_the_timeline_starts_leaves_no_traceback(server):
+    """bench starts its /metrics timeline, a spawned child, as the run starts: a Ctrl-C to the
+    process group at that moment reaches a child still starting up, before it can ignore Ctrl-C
+    itself. It must neither die nor print a traceback: the parent stops it and takes its pages."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(SCRIPTS)!r})
+        import server_watch
+        timeline = server_watch.Timeline({server!r}, None, 0.1)
+        try:
+            timeline.start({{}})
+            os.killpg(0, signal.SIGINT)  # at once: the child is not yet up
+            time.sleep(30)
+            raise SystemExit("the parent missed its Ctrl-C")
+        except KeyboardInterrupt:
+            pass
+        timeline.stop()
+        print(timeline._process.exitcode, timeline.errors)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND_S,
+                          start_new_session=True)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.split() == ["0", "[]"], done.stdout
