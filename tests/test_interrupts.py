@@ -53,7 +53,7 @@ def case(script: str, url: str, tmp: Path) -> tuple[list[str], str, str]:
                   "sweep", "requests done"),
         "metrics": (["metrics.py", "--url", url, "--window", "120"], "metrics", "measuring for"),
         "ppl": (["ppl.py", "--url", url, "--text", str(text), "--window", "8", "--stride", "4"], "ppl", "window 10/"),
-        "smoke_toolcall": (["smoke_toolcall.py", "--url", url, "--repeat", "3"], "smoke-toolcall", "case parallel"),
+        "smoke_toolcall": (["smoke_toolcall.py", "--url", url, "--repeat", "30"], "smoke-toolcall", "case parallel"),
         "accept": (["accept.py", "--base", url, "--candidate", url, "--text", str(text), "--window", "8",
                     "--stride", "4", "--skip-bench", "--log", str(tmp / "log.md")], "accept", "window 10/"),
     }[script]
