@@ -151,8 +151,8 @@ def run(args: Any, settings: common.Settings, server: loadgen.Target) -> int:
         if path:
             common.check_writable(path, what)
     target = loadgen.find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
-    result = loadgen.execute(target, cfg)
-    with common.signals_held("bench") if result["interrupted"] else contextlib.nullcontext():
+    with contextlib.ExitStack() as hold:  # after an interrupt: signals held until the result is written
+        result = loadgen.execute(target, cfg, hold)
         return print_and_write(args, cfg, result)
 
 

@@ -557,6 +557,18 @@ def signals_held(what: str):
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def signals_blocked(*signums: int):
+    """Around starting a child process that ignores these signals itself and then unblocks them:
+    it inherits the mask, so a Ctrl-C to the process group while it starts up waits until it
+    ignores it (else it dies or prints a traceback). This process gets what came meanwhile after."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def run_main(body: Callable[[], int], secret: str | None = None) -> int:
     """Run a script body and map errors to one line on stderr and an exit code. Everything it
     prints is redacted; SIGTERM is handled as Ctrl-C."""

@@ -1688,8 +1688,10 @@ def workload_identity(cfg: dict[str, Any], load: workload_mod.Workload) -> dict[
     return identity
 
 
-def execute(target: Target, cfg: dict[str, Any], quiet: bool = False) -> dict[str, Any]:
-    """Build the workload, run the load, watch the server, analyse: the result document."""
+def execute(target: Target, cfg: dict[str, Any], hold: contextlib.ExitStack, quiet: bool = False) -> dict[str, Any]:
+    """Build the workload, run the load, watch the server, analyse: the result document. After
+    an interrupt, a further Ctrl-C or SIGTERM is held off from the moment the run stops until
+    `hold` closes: the caller keeps it open until the result is printed and written."""
     started = time.perf_counter()
     chat = cfg["endpoint"] == "chat"
     load, prompt_source, turns = build_workload(target, cfg)
@@ -1724,21 +1726,21 @@ def execute(target: Target, cfg: dict[str, Any], quiet: bool = False) -> dict[st
     timeline = server_watch.Timeline(target.base_url, target.api_key, cfg["timeline_interval_s"]) \
         if before is not None and cfg["timeline_interval_s"] else None
     common.progress(f"bench: {config['load']} against {target.base_url} ({target.model})")
-    if timeline:
-        timeline.start(before)
-    try:
+    try:  # a Ctrl-C as the timeline starts still stops it
+        if timeline:
+            timeline.start(before)
         if cfg["workers"] > 1:
             run = run_workers(plan, cfg["workers"], cfg["timeout_s"])
         else:
             run = run_in_loop(plan, cfg["timeout_s"], quiet=quiet)
+        if run.interrupted:  # a second Ctrl-C must not lose what was measured
+            hold.enter_context(common.signals_held("bench"))
     finally:
         if timeline:
             timeline.stop()
     first_sent = min((o.sent_ns for o in run.outcomes if o.sent_ns), default=None)
-    # vLLM counts a request's last tokens just after it streamed them: by now it has. After an
-    # interrupt a second Ctrl-C must not lose the run: signals wait while the last scrape runs.
-    with common.signals_held("bench") if run.interrupted else contextlib.nullcontext():
-        after, note_after = metrics_snapshot(target, cfg["timeout_s"]) if before is not None else (None, note)
+    # vLLM counts a request's last tokens just after it streamed them: by now it has.
+    after, note_after = metrics_snapshot(target, cfg["timeout_s"]) if before is not None else (None, note)
     timeline_doc = timeline.result(after) if timeline else None
     result = analyse(run.outcomes, config, run.loop_lag_ms, run.cpu_s, run.wall_s, run.interrupted)
     result["workload"] = workload_identity(cfg, load)

@@ -46,14 +46,18 @@ class Timeline:
     def start(self, first: dict[str, Any]) -> "Timeline":
         self._start = time.monotonic()  # CLOCK_MONOTONIC: the same clock in the child
         self.snapshots.append((0.0, first))
-        self._process = self._context.Process(
+        process = self._context.Process(
             target=scrape_pages, daemon=True, name="metrics-timeline",
             args=(self.base_url, self.api_key, self.interval_s, self._start, self._stop, self._pages))
-        self._process.start()
+        with common.signals_blocked(signal.SIGINT, signal.SIGTERM):  # until the child ignores them
+            process.start()
+            self._process = process
         return self
 
     def stop(self) -> None:
         """Stop scraping and parse what was scraped."""
+        if self._process is None:  # start failed: nothing runs
+            return
         self._stop.set()
         pages, deadline = None, time.monotonic() + 30 + self.interval_s
         while pages is None and time.monotonic() < deadline:
@@ -91,6 +95,8 @@ def scrape_pages(base_url: str, api_key: str | None, interval_s: float, start: f
     # the pages. A parent that is gone (killed) leaves us an orphan: stop then too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Blocked since Timeline.start: one that came while we started up is dropped now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     parent = os.getppid()
     got, tick = [], 1
     while not stop.wait(max(0.0, start + tick * interval_s - time.monotonic())) and os.getppid() == parent:

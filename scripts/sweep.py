@@ -22,6 +22,7 @@ concurrency meets the SLO, 2 usage error, 3 server unreachable or failing at eve
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -125,6 +126,11 @@ def exit_code(report: dict[str, Any]) -> int:
 
 
 def run(args: Any, settings: common.Settings, server: loadgen.Target) -> int:
+    with contextlib.ExitStack() as hold:  # after an interrupt: signals held until the report is out
+        return run_points(args, settings, server, hold)
+
+
+def run_points(args: Any, settings: common.Settings, server: loadgen.Target, hold: contextlib.ExitStack) -> int:
     if args.concurrency:
         raise UsageError("sweep sets the concurrency itself: use --sweep-c (SWEEP_C), not -c")
     levels = parse_levels(settings.get("SWEEP_C", args.sweep_c, DEFAULT_SWEEP))
@@ -143,7 +149,7 @@ def run(args: Any, settings: common.Settings, server: loadgen.Target) -> int:
         if target is None:
             target = loadgen.find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
         common.progress(f"sweep: C = {concurrency}")
-        result = loadgen.execute(target, cfg)
+        result = loadgen.execute(target, cfg, hold)
         result.pop("records")
         if cfg["log"] and not log_error:
             try:  # each point's entry at once (atomically): an interrupted sweep keeps the points done

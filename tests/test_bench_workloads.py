@@ -426,8 +426,9 @@ def test_a_malformed_dataset_line_stops_the_run_with_file_and_line(calibration, 
 
 @pytest.mark.real_vllm
 def test_real_vllm_sharegpt_with_a_timeline(vllm_server, capsys):
-    # Four passes over the sample: a run of several seconds on an idle machine too, so the child
-    # that scrapes (a fresh interpreter, up in about a second) gets in several scrapes.
+    # Four passes over the sample: a run of several seconds, so the child that scrapes (a fresh
+    # interpreter, up in about a second) usually gets in scrapes mid-run. Only the scrapes
+    # before and after the run are certain: a busy machine may start the child late.
     requests = 4 * len(workload.read_sharegpt(str(SHAREGPT), len))
     code, result = _bench(capsys, "--url", vllm_server.url, "--sharegpt", str(SHAREGPT), "--endpoint", "chat",
                           "-n", str(requests), "-c", "3", "--warmup", "0", "--timeline-interval", "0.5",
@@ -435,7 +436,7 @@ def test_real_vllm_sharegpt_with_a_timeline(vllm_server, capsys):
     assert result["requests"]["completed"] == requests, result["requests"]["first_errors"]
     assert result["requests"]["output_tokens"]["short"] == 0
     samples = result["timeline"]["samples"]
-    assert len(samples) >= 3 and result["timeline"]["interval_s"] == 0.5
+    assert len(samples) >= 2 and result["timeline"]["interval_s"] == 0.5
     assert set(samples[0]) == {"t_s", "running", "waiting", "kv_cache_usage_perc", "preemptions",
                                "prefix_cache_hit_rate", "prompt_tok_s", "generation_tok_s"}
     # The rates add up to what the server generated during the run (the bench's tokens); t_s

@@ -27,7 +27,7 @@ import smoke_toolcall
 import sweep
 from fault_server import FAULTS, KEY, fault_server, paced, refused_url
 
-RUN_BOUND_S = 40  # far above any run here (--timeout 1); only a hang reaches it
+RUN_BOUND_S = 40  # far above any run here (a hanging fault times out in 1 s); only a hang reaches it
 TEXT = " ".join(f"w{i % 7} word{i % 5} text" for i in range(16))
 
 
@@ -35,7 +35,14 @@ class Hang(BaseException):
     """Raised by the alarm: not an Exception, so no handler in a script swallows it."""
 
 
-def argv_of(script: str, url: str, tmp: Path) -> list[str]:
+# The faults after which the server says nothing more (or drips for hours): only the client's
+# timeout ends them, so their rows run with --timeout 1. The other rows answer at once, but a
+# busy machine may take a while: they get 30 s.
+HANGS = {"never_answers", "slow_drip_head", "chunk_size_negative", "chunk_size_garbage",
+         "chunk_line_endless", "content_length_garbage"}
+
+
+def argv_of(script: str, url: str, tmp: Path, timeout_s: float) -> list[str]:
     text = tmp / "text.txt"
     text.write_text(TEXT, encoding="utf-8")
     load = ["-n", "2", "-c", "2", "--warmup", "0", "--input-tokens", "32", "--output-tokens", "4"]
@@ -48,7 +55,7 @@ def argv_of(script: str, url: str, tmp: Path) -> list[str]:
         "smoke_toolcall": ["--url", url, "--repeat", "1", "--cases", "single_auto,irrelevance"],
         "accept": ["--base", url, "--candidate", url, "--text", str(text), "--window", "8", "--stride", "4",
                    "--repeat", "1", "--skip-bench", "--log", str(tmp / "log.md")],
-    }[script] + ["--timeout", "1", "--json"]
+    }[script] + ["--timeout", f"{timeout_s:g}", "--json"]
 
 
 MAINS = {"bench": bench.main, "sweep": sweep.main, "metrics": metrics.main, "ppl": ppl.main,
@@ -134,15 +141,17 @@ def test_every_fault(script, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("INFER_API_KEY", KEY)
     monkeypatch.delenv("INFER_URL", raising=False)
+    assert HANGS <= set(FAULTS)
     failures = []
     for fault in ROWS:
         tmp = tmp_path / fault
         tmp.mkdir()
+        timeout_s = 1 if fault in HANGS else 30
         if fault == "refused":
-            code = run_guarded(MAINS[script], argv_of(script, refused_url(), tmp))
+            code = run_guarded(MAINS[script], argv_of(script, refused_url(), tmp, timeout_s))
         else:
             with fault_server(FAULTS.get(fault)) as url:
-                code = run_guarded(MAINS[script], argv_of(script, url, tmp))
+                code = run_guarded(MAINS[script], argv_of(script, url, tmp, timeout_s))
         out, err = capsys.readouterr()
         try:
             check_run(script, fault, code, out, err, tmp)

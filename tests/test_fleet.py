@@ -59,7 +59,7 @@ def fleet(vllm_factory, tmp_path_factory):
             servers = dict(zip(KV_BYTES, pool.map(start, KV_BYTES)))
         with running_prometheus(tmp_path_factory.mktemp("prometheus"),
                                 [instance(s.url) for s in servers.values()], SCRAPE_S) as prom:
-            time.sleep(3 * SCRAPE_S)
+            scraped_since(prom, [instance(s.url) for s in servers.values()], time.time())
             yield {"servers": servers, "prometheus": prom, "stacks": stacks}
     except ServerUnavailable as exc:
         _unavailable(str(exc))
@@ -84,17 +84,35 @@ def measured(fleet, load) -> tuple[dict[str, dict], float]:
     urls = fleet.get("live") or [s.url for s in fleet["servers"].values()]
     before = {url: engine_metrics.snapshot(*_scrape(url)) for url in urls}
     start = time.time()
-    time.sleep(2.5 * SCRAPE_S)  # samples before the load, inside the window
+    time.sleep(5 * SCRAPE_S)  # flat samples before the load, inside the window (see the end)
     load()
+    loaded = time.time()
     after = {url: engine_metrics.snapshot(*_scrape(url)) for url in urls}
-    # Prometheus scrapes the final values; a window of 20 intervals keeps increase()'s
-    # extrapolation small (see assert_agrees).
-    time.sleep(max(3 * SCRAPE_S, start + 21 * SCRAPE_S - time.time()))
+    # A window of 20 intervals keeps increase()'s extrapolation small (see assert_agrees).
+    time.sleep(max(0.0, start + 21 * SCRAPE_S - time.time()))
+    scraped_since(fleet["prometheus"], [instance(url) for url in urls], loaded)  # the final values
     direct = {}
     for url in urls:
         delta = engine_metrics.difference(before[url], after[url])
         direct[instance(url)] = {**engine_metrics.report(delta), "histograms": delta["histograms"]}
-    return direct, time.time() - start - SCRAPE_S
+    # From 2 intervals after `start`, give or take the rounding to whole seconds: after the
+    # scrape `before`, and 3 intervals of flat samples before the load.
+    return direct, time.time() - start - 2 * SCRAPE_S
+
+
+def scraped_since(prom, instances: list[str], since: float) -> None:
+    """Wait (60 s at most) until the latest scrape of each instance began after `since` (unix
+    time) and succeeded: on a busy machine a /metrics page may take longer than the scrape
+    timeout (up == 0), and then the next scrape is waited for."""
+    deadline = time.monotonic() + 60
+    while True:
+        rows = prom.get("/api/v1/query", query=f'up{{job="vllm"}}[{5 * SCRAPE_S}s]').json()["data"]["result"]
+        latest = {row["metric"]["instance"]: row["values"][-1] for row in rows}  # [time, value]
+        waiting = [i for i in instances if i not in latest or latest[i][0] <= since or latest[i][1] != "1"]
+        if not waiting:
+            return
+        assert time.monotonic() < deadline, f"no fresh successful scrape of {waiting}: {latest}"
+        time.sleep(0.2 * SCRAPE_S)
 
 
 def _scrape(url: str) -> tuple[str, str, float]:

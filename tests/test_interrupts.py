@@ -13,11 +13,13 @@ stdout too, before or after the JSON: references/faults.md says so and how to dr
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -51,7 +53,7 @@ def case(script: str, url: str, tmp: Path) -> tuple[list[str], str, str]:
                   "sweep", "requests done"),
         "metrics": (["metrics.py", "--url", url, "--window", "120"], "metrics", "measuring for"),
         "ppl": (["ppl.py", "--url", url, "--text", str(text), "--window", "8", "--stride", "4"], "ppl", "window 10/"),
-        "smoke_toolcall": (["smoke_toolcall.py", "--url", url, "--repeat", "3"], "smoke-toolcall", "case parallel"),
+        "smoke_toolcall": (["smoke_toolcall.py", "--url", url, "--repeat", "30"], "smoke-toolcall", "case parallel"),
         "accept": (["accept.py", "--base", url, "--candidate", url, "--text", str(text), "--window", "8",
                     "--stride", "4", "--skip-bench", "--log", str(tmp / "log.md")], "accept", "window 10/"),
     }[script]
@@ -77,9 +79,11 @@ def interrupt(cmd: list[str], tmp: Path, marker: str, signum: int, twice: bool =
             time.sleep(0.1)
         assert proc.poll() is None, f"ended before the signal: {err.read_text()[-500:]}"
         os.killpg(proc.pid, signum)  # the process group, as a terminal's Ctrl-C does
-        if twice:
-            time.sleep(0.2)
-            if proc.poll() is None:
+        while twice:  # again and again until the result is out: none of them may lose it
+            time.sleep(0.02)
+            if out.read_text() or proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signum)
         try:
             code = proc.wait(bound_s)
@@ -137,13 +141,14 @@ def test_interrupted_through_task_keeps_its_results(server, tmp_path, script, si
     check(script, code, out, err, tmp_path, via_task=True)
 
 
-def test_a_second_ctrl_c_does_not_lose_the_bench_result(server, tmp_path):
-    args, _, marker = case("bench", server, tmp_path)
+@pytest.mark.parametrize("script", ["bench", "sweep"])
+def test_more_ctrl_c_do_not_lose_the_result(server, tmp_path, script):
+    args, _, marker = case(script, server, tmp_path)
     code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--json"], tmp_path, marker,
                                signal.SIGINT, twice=True)
-    # A second Ctrl-C that lands after the result is out ends Python by SIGINT, which a shell
-    # also reports as 130; what matters is that the result and the files are all there.
-    check("bench", code, out, err, tmp_path, via_task=False, codes=(130, -signal.SIGINT))
+    # A Ctrl-C that lands after the result is out ends Python by SIGINT, which a shell also
+    # reports as 130; what matters is that the result and the files are all there.
+    check(script, code, out, err, tmp_path, via_task=False, codes=(130, -signal.SIGINT))
 
 
 def test_bench_final_scrape_after_ctrl_c_honours_timeout(tmp_path):
@@ -163,3 +168,28 @@ def test_bench_final_scrape_after_ctrl_c_honours_timeout(tmp_path):
     check("bench", code, out, err, tmp_path, via_task=False)
     server = json.loads(out)["server"]
     assert server["metrics"] is None and "metrics" in server["metrics_note"], server
+
+
+def test_ctrl_c_as_the_timeline_starts_leaves_no_traceback(server):
+    """bench starts its /metrics timeline, a spawned child, as the run starts: a Ctrl-C to the
+    process group at that moment reaches a child still starting up, before it can ignore Ctrl-C
+    itself. It must neither die nor print a traceback: the parent stops it and takes its pages."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(SCRIPTS)!r})
+        import server_watch
+        timeline = server_watch.Timeline({server!r}, None, 0.1)
+        try:
+            timeline.start({{}})
+            os.killpg(0, signal.SIGINT)  # at once: the child is not yet up
+            time.sleep(30)
+            raise SystemExit("the parent missed its Ctrl-C")
+        except KeyboardInterrupt:
+            pass
+        timeline.stop()
+        print(timeline._process.exitcode, timeline.errors)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND_S,
+                          start_new_session=True)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.split() == ["0", "[]"], done.stdout

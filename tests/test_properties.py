@@ -1,6 +1,6 @@
 """Property-based tests of every parser fed from outside the process: whatever the bytes, each one
-returns or raises its one documented error, in bounded time (a hypothesis deadline per example,
-and a hard alarm that fails an example stuck in a loop the deadline cannot interrupt).
+returns or raises its one documented error, in bounded time (a hard alarm fails an example stuck in
+a loop; no hypothesis deadline: an example that is merely slow on a busy machine is not a fault).
 
 Parsers: HTTP chunked framing (loadgen.dechunk, loadgen.ChunkFraming), a streamed response and its
 SSE events (loadgen.parse_response / settle, toolcalls.sse_events), Prometheus text
@@ -28,8 +28,8 @@ import sizing
 import toolcalls
 from common import UsageError
 
-EXAMPLE_BOUND_S = 10  # a hard stop per example, far above the deadline: only a hang reaches it
-PROPERTY = settings(deadline=2000, max_examples=150, suppress_health_check=[HealthCheck.too_slow,
+EXAMPLE_BOUND_S = 10  # a hard stop per example, far above any example's time: only a hang reaches it
+PROPERTY = settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow,
                                                                             HealthCheck.function_scoped_fixture])
 
 

@@ -448,7 +448,7 @@ def test_real_vllm_url_sizes_the_served_model(vllm_server, capsys):
     # No MODEL, no GPU: the model from /v1/models' root, CTX from its max_model_len, the KV space
     # from the KV tokens vllm:cache_config_info exports.
     code, result = run_json(["--url", vllm_server.url], capsys)
-    served = httpx.get(f"{vllm_server.url}/v1/models").json()["data"][0]
+    served = httpx.get(f"{vllm_server.url}/v1/models", timeout=60).json()["data"][0]
     dep = result["server"]["deployment"]
     assert code == 0 and result["server"]["root"] == served["root"]
     assert result["ctx"] == served["max_model_len"] and result["block_size"] == dep["block_size"] == 128
