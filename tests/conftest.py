@@ -62,11 +62,20 @@ def vllm_factory(tmp_path_factory):
     return factory
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """A test that opens pages in Chromium needs a program the test set-up installs."""
+    """A test that opens pages in Chromium needs a program the test set-up installs.
+
+    Under `pytest -n N --dist loadgroup` (what `task test` runs) each group runs in one worker:
+    every test of the session server shares one worker, so the server starts once and no other
+    test loads it while a test reads its counters; the other tests go by file, so a file's
+    module-scoped servers (a fleet, the trained model) start once too."""
     for item in items:
-        if "browser" in getattr(item, "fixturenames", ()):
+        names = getattr(item, "fixturenames", ())
+        if "browser" in names:
             item.add_marker(pytest.mark.external)
+        group = "vllm-session-server" if "vllm_server" in names else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(hookwrapper=True)
