@@ -40,7 +40,7 @@ MODELS = {
     "tiny-llama": ["--arch", "llama"],
     "tiny-gemma3": ["--arch", "gemma3"],
     "tiny-deepseek": ["--arch", "deepseek"],
-    "tiny-qwen3-trained": ["--arch", "qwen3", "--train-steps", "200"],
+    "tiny-qwen3-trained": ["--arch", "qwen3", "--train-steps", "80"],
 }
 
 

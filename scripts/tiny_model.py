@@ -17,7 +17,7 @@ Architectures (attention kinds vLLM accounts differently in its KV cache):
 Examples:
   tiny_model.py --out ~/.cache/roofline/models/tiny-qwen3
   tiny_model.py --arch llama --out /tmp/tiny-llama
-  tiny_model.py --out /tmp/tiny-trained --train-steps 200
+  tiny_model.py --out /tmp/tiny-trained --train-steps 80
 
 Exit codes: 0 built (or already there), 2 usage error.
 """

@@ -153,7 +153,9 @@ def test_perplexity_through_the_api_equals_transformers(trained_vllm, capsys, wi
                           input=json.dumps(job), capture_output=True, text=True, check=True)
     reference_nll = sum(json.loads(done.stdout))
     reference_ppl = math.exp(reference_nll / run_["scored_tokens"])
-    assert run_["ppl"] > 50  # a trained model, not the uniform ~8192 of random weights
+    # Trained on Python sources, scored on English prose: far below the uniform 8192 of random
+    # weights, far above what scoring the top token instead of the actual one would give.
+    assert 50 < run_["ppl"] < 4096
     assert abs(run_["ppl"] / reference_ppl - 1) < 0.001, (run_["ppl"], reference_ppl)
 
 
