@@ -805,6 +805,9 @@ def arrival_offsets(count: int, rate: float, burstiness: float, seed: int) -> li
     return [o * scale for o in offsets]
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what a supervisor or `kill` sends
+
+
 @dataclass
 class RunResult:
     outcomes: list[Outcome]
@@ -969,8 +972,10 @@ def raise_open_file_limit(needed: int) -> None:
 
 
 def run_in_loop(plan: Plan, timeout_s: float, quiet: bool = False,
-                before_measured: Callable[[], Any] | None = None) -> RunResult:
-    """asyncio.run with Ctrl-C turned into 'stop and keep what was measured'."""
+                before_measured: Callable[[], Any] | None = None,
+                hold: contextlib.ExitStack | None = None) -> RunResult:
+    """asyncio.run with Ctrl-C turned into 'stop and keep what was measured'. After an interrupt,
+    a further Ctrl-C or SIGTERM is held off until `hold` closes (the caller writes the result)."""
     raise_open_file_limit(plan.concurrency or len(plan.requests))
 
     async def body() -> RunResult:
@@ -981,13 +986,36 @@ def run_in_loop(plan: Plan, timeout_s: float, quiet: bool = False,
             loop.add_signal_handler(signal.SIGTERM, interrupt.set)
         except (NotImplementedError, RuntimeError):
             pass
-        return await run_plan(plan, timeout_s, before_measured,
-                              None if quiet else _progress_printer(plan), interrupt)
-    on_term = signal.getsignal(signal.SIGTERM)
+        # A worker starts with them blocked: one that came while it started up stops it now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        try:
+            return await run_plan(plan, timeout_s, before_measured,
+                                  None if quiet else _progress_printer(plan), interrupt)
+        finally:  # asyncio resets the handlers to the defaults (die) as it closes the loop:
+            # from here a signal waits until the caller's handlers are back
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the caller's (a worker's blocks them)
+    run = None
     try:
-        return asyncio.run(body())
-    finally:  # closing the loop resets SIGTERM to the default (die): the caller's handler is back
-        signal.signal(signal.SIGTERM, on_term)
+        run = asyncio.run(body())
+    finally:
+        interrupted = _handlers_back(handlers, hold, run is not None and run.interrupted)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    run.interrupted = interrupted
+    return run
+
+
+def _handlers_back(handlers: dict[int, Any], hold: contextlib.ExitStack | None, interrupted: bool) -> bool:
+    """Put the caller's signal handlers back, with the signals blocked; whether the run was
+    interrupted (a signal waiting came as it ended). After an interrupt, a further Ctrl-C or
+    SIGTERM is held off until `hold` closes: it cannot lose what was measured."""
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    interrupted = interrupted or bool(set(signal.sigpending()) & set(STOP_SIGNALS))
+    if interrupted and hold is not None:
+        hold.enter_context(common.signals_held("bench"))
+    return interrupted
 
 
 def _progress_printer(plan: Plan) -> Callable[[Outcome], None]:
@@ -1004,7 +1032,11 @@ def _progress_printer(plan: Plan) -> Callable[[Outcome], None]:
 
 
 def _worker(number: int, plan: Plan, timeout_s: float, barrier, queue) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent passes Ctrl-C on as SIGTERM
+    # Ctrl-C and SIGTERM are blocked since run_workers started us: run_in_loop unblocks them once
+    # its loop handles them, so one that came while we started up stops the run at once (we send
+    # what we measured, maybe nothing) instead of killing us or printing a traceback. After the
+    # run they stay blocked: the result is sent whatever comes. The parent passes Ctrl-C on as SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     async def meet() -> bool:
         try:
@@ -1015,10 +1047,36 @@ def _worker(number: int, plan: Plan, timeout_s: float, barrier, queue) -> None:
     queue.put((number, run_in_loop(plan, timeout_s, quiet=True, before_measured=meet)))
 
 
-def run_workers(plan: Plan, workers: int, timeout_s: float) -> RunResult:
+def run_workers(plan: Plan, workers: int, timeout_s: float, hold: contextlib.ExitStack | None = None) -> RunResult:
     """Split the plan over worker processes (round robin). They finish their warm-up, meet at
     a barrier and start the measured phase together; they share CLOCK_MONOTONIC, so their
-    timestamps merge directly."""
+    timestamps merge directly. A Ctrl-C or SIGTERM stops them and keeps what they measured;
+    a further one is held off until `hold` closes."""
+    # A Ctrl-C or SIGTERM is noted and acted on between steps, not raised in the middle of
+    # multiprocessing (a worker left unstarted or unstopped, a semaphore leaked).
+    stops: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        shares, results = _share_out(plan, workers, timeout_s, stops)
+    finally:
+        with common.signals_blocked(*STOP_SIGNALS):
+            interrupted = _handlers_back(handlers, hold, bool(stops))
+    outcomes, lag = [], []
+    for number, result in results.items():
+        for outcome in result.outcomes:
+            outcome.index = shares[number][outcome.index]
+            outcomes.append(outcome)
+        lag += result.loop_lag_ms
+    return RunResult(sorted(outcomes, key=lambda o: (o.index, o.turn)), lag,
+                     max((r.cpu_s for r in results.values()), default=0.0),
+                     max((r.wall_s for r in results.values()), default=0.0),
+                     interrupted or any(r.interrupted for r in results.values()))
+
+
+def _share_out(plan: Plan, workers: int, timeout_s: float,
+               stops: list[int]) -> tuple[list[list[int]], dict[int, RunResult]]:
+    """Run the workers: each one's share of the request indices, and the results they sent.
+    Once `stops` has a signal, they stop and send what they measured."""
     context = multiprocessing.get_context("spawn")
     barrier, queue = context.Barrier(workers), context.Queue()
     shares, processes = [], []
@@ -1030,36 +1088,32 @@ def run_workers(plan: Plan, workers: int, timeout_s: float) -> RunResult:
         shares.append(mine)
         processes.append(context.Process(target=_worker, daemon=True,
                                          args=(number, sub, timeout_s, barrier, queue)))
-    for process in processes:
-        process.start()
+    with common.signals_blocked(*STOP_SIGNALS):  # the workers inherit the mask (see _worker)
+        for process in processes:
+            process.start()
     results: dict[int, RunResult] = {}
-    interrupted = False
+    stopping = False
     while len(results) < workers:
-        try:
-            number, result = queue.get(timeout=1.0)
-            results[number] = result
-        except Empty:
-            dead = [p for n, p in enumerate(processes) if n not in results and not p.is_alive()]
-            if dead and queue.empty():
-                raise ServerError(f"a client worker process exited with status {dead[0].exitcode} "
-                                  "without results; run with --workers 1 to see why")
-        except KeyboardInterrupt:
-            interrupted = True
+        if stops and not stopping:
+            stopping = True
             barrier.abort()
             for process in processes:
                 if process.is_alive():
                     process.terminate()  # SIGTERM: the worker stops and sends what it measured
+        try:
+            number, result = queue.get(timeout=0.1)
+            results[number] = result
+        except Empty:
+            gone = [p for n, p in enumerate(processes) if n not in results and not p.is_alive()]
+            if gone and queue.empty():
+                if not stops:
+                    raise ServerError(f"a client worker process exited with status {gone[0].exitcode} "
+                                      "without results; run with --workers 1 to see why")
+                if len(gone) == workers - len(results):  # interrupted: keep what the others sent
+                    break
     for process in processes:
         process.join()
-    outcomes, lag = [], []
-    for number, result in results.items():
-        for outcome in result.outcomes:
-            outcome.index = shares[number][outcome.index]
-            outcomes.append(outcome)
-        lag += result.loop_lag_ms
-    return RunResult(sorted(outcomes, key=lambda o: (o.index, o.turn)), lag,
-                     max(r.cpu_s for r in results.values()), max(r.wall_s for r in results.values()),
-                     interrupted or any(r.interrupted for r in results.values()))
+    return shares, results
 
 
 class TokenCounter:
@@ -1729,11 +1783,13 @@ def execute(target: Target, cfg: dict[str, Any], hold: contextlib.ExitStack, qui
     try:  # a Ctrl-C as the timeline starts still stops it
         if timeline:
             timeline.start(before)
-        if cfg["workers"] > 1:
-            run = run_workers(plan, cfg["workers"], cfg["timeout_s"])
+        if cfg["workers"] > 1:  # after an interrupt, both hold further signals until `hold` closes
+            run = run_workers(plan, cfg["workers"], cfg["timeout_s"], hold)
         else:
-            run = run_in_loop(plan, cfg["timeout_s"], quiet=quiet)
-        if run.interrupted:  # a second Ctrl-C must not lose what was measured
+            run = run_in_loop(plan, cfg["timeout_s"], quiet=quiet, hold=hold)
+    except KeyboardInterrupt:  # came before the run handled it: nothing measured, and that is the result
+        run = RunResult([], [], 0.0, 0.0, interrupted=True)
+        with common.signals_blocked(*STOP_SIGNALS):
             hold.enter_context(common.signals_held("bench"))
     finally:
         if timeline:

@@ -69,14 +69,15 @@ def through_task(args: list[str], task_name: str) -> list[str]:
 
 
 def interrupt(cmd: list[str], tmp: Path, marker: str, signum: int, twice: bool = False,
-              bound_s: float = BOUND_S) -> tuple[int, str, str]:
+              bound_s: float = BOUND_S, delay_s: float = 0.0) -> tuple[int, str, str]:
     out, err = tmp / "stdout", tmp / "stderr"
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=tmp, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", "INFER_API_KEY": "sk-interrupt-key"})
         deadline = time.monotonic() + BOUND_S
         while marker not in err.read_text() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.01)
+        time.sleep(delay_s)
         assert proc.poll() is None, f"ended before the signal: {err.read_text()[-500:]}"
         os.killpg(proc.pid, signum)  # the process group, as a terminal's Ctrl-C does
         while twice:  # again and again until the result is out: none of them may lose it
@@ -193,3 +194,48 @@ def test_ctrl_c_as_the_timeline_starts_leaves_no_traceback(server):
                           start_new_session=True)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert done.stdout.split() == ["0", "[]"], done.stdout
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.2, 0.5])
+def test_ctrl_c_as_bench_workers_start_keeps_the_result(server, tmp_path, delay_s):
+    """bench --workers spawns its client processes as the run starts; each takes a while to start
+    up (interpreter, imports). A Ctrl-C to the process group then must neither kill one nor make
+    it print a traceback: bench prints what was measured (maybe nothing) and exits 130."""
+    args, _, _ = case("bench", server, tmp_path)
+    cmd = [sys.executable, str(SCRIPTS / args[0]), *args[1:], "--workers", "2", "--json"]
+    # The line bench prints as the run starts, before the workers are up.
+    code, out, err = interrupt(cmd, tmp_path, " against ", signal.SIGINT, delay_s=delay_s)
+    assert code == 130, err[-800:]
+    assert "Traceback" not in err, err
+    result = json.loads(out)
+    assert result["interrupted"], result
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    assert len(lines) == result["requests"]["sent"] + result["requests"]["warmup"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_second_signal_as_the_run_loop_closes_is_held(server, tmp_path, signum):
+    """Closing the run's event loop resets SIGINT and SIGTERM to their defaults (KeyboardInterrupt,
+    die): a second Ctrl-C or SIGTERM landing right after must not lose what the run measured."""
+    args, _, _ = case("bench", server, tmp_path)
+    script = textwrap.dedent(f"""
+        import asyncio, os, signal, sys, threading
+        sys.path.insert(0, {str(SCRIPTS)!r})
+        import bench
+        real_run = asyncio.run
+
+        def run(main):
+            threading.Timer(0.5, os.kill, (os.getpid(), {int(signum)})).start()  # stops the run
+            try:
+                return real_run(main)
+            finally:  # the loop is closed
+                os.kill(os.getpid(), {int(signum)})
+        asyncio.run = run
+        sys.exit(bench.main({args[1:] + ["--json"]!r}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=BOUND_S,
+                          cwd=tmp_path, start_new_session=True)
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr[-800:]
+    result = json.loads(done.stdout)
+    assert result["interrupted"]
+    assert "finishing" in done.stderr
