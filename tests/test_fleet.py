@@ -22,6 +22,7 @@ import pytest
 import metrics
 
 import engine_metrics
+import fleet as fleet_findings
 import profiles
 from markdown_doc import SKILLS
 from prometheus_server import running_prometheus
@@ -79,25 +80,42 @@ def ask(prom, monkeypatch, capsys, *argv: str, url: str | None = None, password:
 
 def measured(fleet, load) -> tuple[dict[str, dict], float]:
     """Each replica's window report (and its bucket increases, `histograms`) read directly from
-    its /metrics around `load()`, and the
-    PromQL window (seconds) that covers the same load and nothing before it."""
+    its /metrics around `load()`, and the PromQL window (seconds) that covers the same load and
+    nothing else: it opens before `start` (the counters are flat there: the previous load's final
+    values were scraped before it returned) and holds a successful scrape before the load."""
     urls = fleet.get("live") or [s.url for s in fleet["servers"].values()]
+    instances = [instance(url) for url in urls]
     before = {url: engine_metrics.snapshot(*_scrape(url)) for url in urls}
     start = time.time()
-    time.sleep(5 * SCRAPE_S)  # flat samples before the load, inside the window (see the end)
+    # A busy machine may fail scrapes (up == 0): wait for a good one, so increase() has a sample
+    # before the load inside the window.
+    scraped_since(fleet["prometheus"], instances, start)
     load()
     loaded = time.time()
     after = {url: engine_metrics.snapshot(*_scrape(url)) for url in urls}
     # A window of 20 intervals keeps increase()'s extrapolation small (see assert_agrees).
-    time.sleep(max(0.0, start + 21 * SCRAPE_S - time.time()))
-    scraped_since(fleet["prometheus"], [instance(url) for url in urls], loaded)  # the final values
+    time.sleep(max(0.0, start + 20 * SCRAPE_S - time.time()))
+    scraped_since(fleet["prometheus"], instances, loaded)  # the final values
     direct = {}
     for url in urls:
         delta = engine_metrics.difference(before[url], after[url])
         direct[instance(url)] = {**engine_metrics.report(delta), "histograms": delta["histograms"]}
-    # From 2 intervals after `start`, give or take the rounding to whole seconds: after the
-    # scrape `before`, and 3 intervals of flat samples before the load.
-    return direct, time.time() - start - 2 * SCRAPE_S
+    # One interval before `start`, the half second that `--window` rounds away included.
+    return direct, time.time() - start + SCRAPE_S
+
+
+def queued_load(fleet, servers: list, seed: int) -> tuple[dict[str, dict], float]:
+    """`measured` around 12 requests at once to each of `servers` (max_num_seqs 2), until each
+    queued as its own /metrics shows: a busy host may admit requests so slowly that short ones
+    never wait (12 x 64 tokens drained with no queue on a loaded 2-core machine)."""
+    for output_tokens in (256, 1024):
+        def load() -> None:
+            with ThreadPoolExecutor(len(servers)) as pool:
+                list(pool.map(lambda s: send_load(s.url, s.model, 12, 12, 64, output_tokens, seed=seed), servers))
+        direct, window = measured(fleet, load)
+        if all(fleet_findings.queued(direct[instance(s.url)], engine_metrics.QUEUE_SHARE) for s in servers):
+            break
+    return direct, window
 
 
 def scraped_since(prom, instances: list[str], since: float) -> None:
@@ -149,7 +167,8 @@ def assert_agrees(from_prometheus: dict, direct: dict, window: float) -> None:
 
 def named(report: dict, bottleneck: str) -> dict:
     found = [f for f in report["diagnosis"] if f["bottleneck"] == bottleneck]
-    assert found, f"no {bottleneck} finding in {[f['bottleneck'] for f in report['diagnosis']]}"
+    assert found, (f"no {bottleneck} finding in {[f['bottleneck'] for f in report['diagnosis']]}; replicas: "
+                   f"{[(r['instance'], r['requests'], r['queue_ms'], r['waiting_peak']) for r in report['replicas']]}")
     return found[0]
 
 
@@ -160,7 +179,7 @@ class TestRealFleet:
 
     def test_load_on_one_replica_is_named_as_imbalance(self, fleet, monkeypatch, capsys):
         a, b = fleet["servers"]["a"], fleet["servers"]["b"]
-        direct, window = measured(fleet, lambda: send_load(a.url, a.model, 12, 12, 64, 64, seed=11))
+        direct, window = queued_load(fleet, [a], seed=11)
         code, r, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", f"{window:.0f}")
         assert code == 0, err
         finding = named(r, "imbalance")
@@ -178,12 +197,7 @@ class TestRealFleet:
 
     def test_queue_on_every_replica_asks_for_one_more(self, fleet, monkeypatch, capsys):
         servers = list(fleet["servers"].values())
-
-        def load_all() -> None:
-            with ThreadPoolExecutor(2) as pool:
-                list(pool.map(lambda s: send_load(s.url, s.model, 12, 12, 64, 128, seed=12), servers))
-
-        direct, window = measured(fleet, load_all)
+        direct, window = queued_load(fleet, servers, seed=12)
         code, r, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", f"{window:.0f}")
         assert code == 0, err
         finding = named(r, "add_replica")
