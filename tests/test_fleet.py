@@ -104,18 +104,22 @@ def measured(fleet, load) -> tuple[dict[str, dict], float]:
     return direct, time.time() - start + SCRAPE_S
 
 
-def queued_load(fleet, servers: list, seed: int) -> tuple[dict[str, dict], float]:
-    """`measured` around 12 requests at once to each of `servers` (max_num_seqs 2), until each
-    queued as its own /metrics shows: a busy host may admit requests so slowly that short ones
-    never wait (12 x 64 tokens drained with no queue on a loaded 2-core machine)."""
-    for output_tokens in (256, 1024):
+def queued_load(fleet, monkeypatch, capsys, servers: list, seed: int) -> tuple[dict[str, dict], float, dict]:
+    """`measured` around 12 requests at once to each of `servers` (max_num_seqs 2), and the
+    Prometheus report of that window, repeated with longer outputs until each of them queued:
+    a busy host may admit requests so slowly that short ones never wait (12 x 64 tokens drained
+    with no queue on a loaded 2-core machine), and its scrapes may miss the waiting gauge."""
+    for output_tokens in (256, 1024, 3072):
         def load() -> None:
             with ThreadPoolExecutor(len(servers)) as pool:
                 list(pool.map(lambda s: send_load(s.url, s.model, 12, 12, 64, output_tokens, seed=seed), servers))
         direct, window = measured(fleet, load)
-        if all(fleet_findings.queued(direct[instance(s.url)], engine_metrics.QUEUE_SHARE) for s in servers):
+        code, report, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", f"{window:.0f}")
+        assert code == 0, err
+        replicas = by_instance(report)
+        if all(fleet_findings.queued(replicas[instance(s.url)], engine_metrics.QUEUE_SHARE) for s in servers):
             break
-    return direct, window
+    return direct, window, report
 
 
 def scraped_since(prom, instances: list[str], since: float) -> None:
@@ -179,9 +183,7 @@ class TestRealFleet:
 
     def test_load_on_one_replica_is_named_as_imbalance(self, fleet, monkeypatch, capsys):
         a, b = fleet["servers"]["a"], fleet["servers"]["b"]
-        direct, window = queued_load(fleet, [a], seed=11)
-        code, r, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", f"{window:.0f}")
-        assert code == 0, err
+        direct, window, r = queued_load(fleet, monkeypatch, capsys, [a], seed=11)
         finding = named(r, "imbalance")
         assert finding["replicas"] == [instance(a.url), instance(b.url)]
         assert finding["per_replica"][instance(b.url)]["requests"] == 0
@@ -197,9 +199,7 @@ class TestRealFleet:
 
     def test_queue_on_every_replica_asks_for_one_more(self, fleet, monkeypatch, capsys):
         servers = list(fleet["servers"].values())
-        direct, window = queued_load(fleet, servers, seed=12)
-        code, r, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", f"{window:.0f}")
-        assert code == 0, err
+        direct, window, r = queued_load(fleet, monkeypatch, capsys, servers, seed=12)
         finding = named(r, "add_replica")
         assert sorted(finding["replicas"]) == sorted(instance(s.url) for s in servers)
         assert finding["levers"][0] == "add one replica (2 to 3) and measure again"
