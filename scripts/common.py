@@ -540,6 +540,9 @@ def _guarded_process():
             signal.signal(signal.SIGTERM, previous)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what a supervisor or `kill` sends
+
+
 @contextlib.contextmanager
 def signals_held(what: str):
     """After an interrupt, while the results are written: a further Ctrl-C or SIGTERM is noted,
@@ -549,7 +552,7 @@ def signals_held(what: str):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, note) for sig in STOP_SIGNALS}
     try:
         yield
     finally:

@@ -805,9 +805,6 @@ def arrival_offsets(count: int, rate: float, burstiness: float, seed: int) -> li
     return [o * scale for o in offsets]
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what a supervisor or `kill` sends
-
-
 @dataclass
 class RunResult:
     outcomes: list[Outcome]
@@ -987,14 +984,14 @@ def run_in_loop(plan: Plan, timeout_s: float, quiet: bool = False,
         except (NotImplementedError, RuntimeError):
             pass
         # A worker starts with them blocked: one that came while it started up stops it now.
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, common.STOP_SIGNALS)
         try:
             return await run_plan(plan, timeout_s, before_measured,
                                   None if quiet else _progress_printer(plan), interrupt)
         finally:  # asyncio resets the handlers to the defaults (die) as it closes the loop:
             # from here a signal waits until the caller's handlers are back
-            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+            signal.pthread_sigmask(signal.SIG_BLOCK, common.STOP_SIGNALS)
+    handlers = {sig: signal.getsignal(sig) for sig in common.STOP_SIGNALS}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the caller's (a worker's blocks them)
     run = None
     try:
@@ -1012,7 +1009,7 @@ def _handlers_back(handlers: dict[int, Any], hold: contextlib.ExitStack | None, 
     SIGTERM is held off until `hold` closes: it cannot lose what was measured."""
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
-    interrupted = interrupted or bool(set(signal.sigpending()) & set(STOP_SIGNALS))
+    interrupted = interrupted or bool(set(signal.sigpending()) & set(common.STOP_SIGNALS))
     if interrupted and hold is not None:
         hold.enter_context(common.signals_held("bench"))
     return interrupted
@@ -1055,11 +1052,11 @@ def run_workers(plan: Plan, workers: int, timeout_s: float, hold: contextlib.Exi
     # A Ctrl-C or SIGTERM is noted and acted on between steps, not raised in the middle of
     # multiprocessing (a worker left unstarted or unstopped, a semaphore leaked).
     stops: list[int] = []
-    handlers = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum)) for sig in STOP_SIGNALS}
+    handlers = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum)) for sig in common.STOP_SIGNALS}
     try:
         shares, results = _share_out(plan, workers, timeout_s, stops)
     finally:
-        with common.signals_blocked(*STOP_SIGNALS):
+        with common.signals_blocked(*common.STOP_SIGNALS):
             interrupted = _handlers_back(handlers, hold, bool(stops))
     outcomes, lag = [], []
     for number, result in results.items():
@@ -1088,7 +1085,7 @@ def _share_out(plan: Plan, workers: int, timeout_s: float,
         shares.append(mine)
         processes.append(context.Process(target=_worker, daemon=True,
                                          args=(number, sub, timeout_s, barrier, queue)))
-    with common.signals_blocked(*STOP_SIGNALS):  # the workers inherit the mask (see _worker)
+    with common.signals_blocked(*common.STOP_SIGNALS):  # the workers inherit the mask (see _worker)
         for process in processes:
             process.start()
     results: dict[int, RunResult] = {}
@@ -1789,7 +1786,7 @@ def execute(target: Target, cfg: dict[str, Any], hold: contextlib.ExitStack, qui
             run = run_in_loop(plan, cfg["timeout_s"], quiet=quiet, hold=hold)
     except KeyboardInterrupt:  # came before the run handled it: nothing measured, and that is the result
         run = RunResult([], [], 0.0, 0.0, interrupted=True)
-        with common.signals_blocked(*STOP_SIGNALS):
+        with common.signals_blocked(*common.STOP_SIGNALS):
             hold.enter_context(common.signals_held("bench"))
     finally:
         if timeline:

@@ -49,7 +49,7 @@ class Timeline:
         process = self._context.Process(
             target=scrape_pages, daemon=True, name="metrics-timeline",
             args=(self.base_url, self.api_key, self.interval_s, self._start, self._stop, self._pages))
-        with common.signals_blocked(signal.SIGINT, signal.SIGTERM):  # until the child ignores them
+        with common.signals_blocked(*common.STOP_SIGNALS):  # until the child ignores them
             process.start()
             self._process = process
         return self
@@ -96,7 +96,7 @@ def scrape_pages(base_url: str, api_key: str | None, interval_s: float, start: f
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Blocked since Timeline.start: one that came while we started up is dropped now.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, common.STOP_SIGNALS)
     parent = os.getppid()
     got, tick = [], 1
     while not stop.wait(max(0.0, start + tick * interval_s - time.monotonic())) and os.getppid() == parent:
