@@ -26,7 +26,7 @@ import fleet as fleet_findings
 import profiles
 from markdown_doc import SKILLS
 from prometheus_server import running_prometheus
-from test_metrics import send_load
+from test_metrics import QUEUEING_OUTPUTS, send_load
 from vllm_server import ServerUnavailable
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -109,7 +109,7 @@ def queued_load(fleet, monkeypatch, capsys, servers: list, seed: int) -> tuple[d
     Prometheus report of that window, repeated with longer outputs until each of them queued:
     a busy host may admit requests so slowly that short ones never wait (12 x 64 tokens drained
     with no queue on a loaded 2-core machine), and its scrapes may miss the waiting gauge."""
-    for output_tokens in (256, 1024, 3072):
+    for output_tokens in QUEUEING_OUTPUTS:
         def load() -> None:
             with ThreadPoolExecutor(len(servers)) as pool:
                 list(pool.map(lambda s: send_load(s.url, s.model, 12, 12, 64, output_tokens, seed=seed), servers))

@@ -487,23 +487,37 @@ class TestOneServer:
         assert [f["bottleneck"] for f in r["diagnosis"]] == ["prefix_cache"]
 
 
-@pytest.mark.real_vllm
-def test_queue_behind_max_num_seqs_is_named(vllm_factory, tmp_path, capsys):
-    # Saved scrapes before and after the whole load, and the seconds between them: the window
-    # holds the load however long a busy machine takes over it.
-    with vllm_factory(sets=["max_num_seqs=2"]) as server:
-        before, started = engine_metrics.scrape(server.url)
-        send_load(server.url, server.model, 16, 16, 64, 256, seed=4)
-        after, ended = engine_metrics.scrape(server.url)
+# Output lengths to try until a load queues: a busy host may admit requests so slowly that
+# short ones never wait for a slot (16 x 256 tokens on max_num_seqs=2 queued 11% of the time).
+QUEUEING_OUTPUTS = (256, 1024, 3072)
+
+
+def window_report(url: str, tmp_path, capsys, load) -> dict:
+    """metrics --json over saved scrapes before and after the whole `load()`, with the seconds
+    between them as the window: it holds the load however long a busy machine takes over it."""
+    before, started = engine_metrics.scrape(url)
+    load()
+    after, ended = engine_metrics.scrape(url)
     (tmp_path / "before.txt").write_text(before)
     (tmp_path / "after.txt").write_text(after)
     code = metrics.main(["--file", str(tmp_path / "before.txt"), "--file", str(tmp_path / "after.txt"),
                          "--window", f"{ended - started:.3f}", "--json",
                          "--slo-ttft-p95-ms", "600000", "--slo-tpot-p95-ms", "600000"])
-    r = json.loads(capsys.readouterr().out)
+    assert code == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.real_vllm
+def test_queue_behind_max_num_seqs_is_named(vllm_factory, tmp_path, capsys):
+    with vllm_factory(sets=["max_num_seqs=2"]) as server:
+        for output_tokens in QUEUEING_OUTPUTS:
+            r = window_report(server.url, tmp_path, capsys,
+                              lambda: send_load(server.url, server.model, 16, 16, 64, output_tokens, seed=4))
+            if r["queue_ms"]["mean"] > 0.2 * r["e2e_ms"]["mean"]:
+                break
     # The finding rests on the histograms, which requests carry when they finish: the time they
     # queued, and the time they ran (Little's law: at most 2 at a time).
-    assert code == 0 and r["e2e_ms"]["n"] == 16 and 0 < r["running_mean"] <= 2
+    assert r["e2e_ms"]["n"] == 16 and 0 < r["running_mean"] <= 2
     assert r["queue_ms"]["mean"] > 0.2 * r["e2e_ms"]["mean"]
     assert [f["bottleneck"] for f in r["diagnosis"]] == ["queue", "seqs_limit"]
 
