@@ -307,14 +307,14 @@ def build_parser():
     return p
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
         # Settings are read here, inside run_main: a bad inference.env is one line, exit 2.
         settings = common.settings_from_args(args)
-        api_key = settings.get("INFER_API_KEY", os.environ.get("ROOFLINE_TASK_API_KEY")) or None
-        common.add_secret(api_key)
+        api_key = common.api_key(settings)
         log = settings.get("BENCH_LOG", args.log)
         if log:
             common.check_writable(log, "--log (BENCH_LOG)")

@@ -1003,6 +1003,7 @@ def build_parser():
     return p
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # files may come after --records
 

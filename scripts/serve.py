@@ -82,6 +82,7 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the engine as cleanly as Ctrl-C
