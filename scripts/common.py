@@ -432,7 +432,8 @@ def check_writable(path: str, what: str) -> None:
 
 def write_atomic(path: str, text: str) -> None:
     """Replace `path` with `text` (secrets redacted) through a temporary file in the same folder
-    and a rename: a reader, or a run interrupted here, never sees half a file."""
+    and a rename: a reader, or a run interrupted here, never sees half a file. A new file gets
+    the permissions `open` would give it, an existing one keeps its own."""
     file = Path(path)
     if file.exists() and not file.is_file():  # /dev/null, a FIFO: written through, never replaced
         with open(file, "w", encoding="utf-8") as stream:
@@ -445,7 +446,12 @@ def write_atomic(path: str, text: str) -> None:
         with handle:
             handle.write(redact(text))
         if file.exists():
-            os.chmod(handle.name, file.stat().st_mode & 0o7777)
+            mode = file.stat().st_mode & 0o7777
+        else:  # a temporary file is private; an output file is not
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(handle.name, mode)
         os.replace(handle.name, file)
     except BaseException:
         with contextlib.suppress(OSError):
