@@ -328,6 +328,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases_dir = settings.get("TOOLCALL_CASES", args.cases_dir)
         args.toolcall_catalog = toolcalls.with_user_cases(catalog, cases_dir) if cases_dir else (catalog, [])
         path, text = perplexity.resolve_text(args)
+        for source in sources.values():
+            # A profile is read now: a missing one fails before the base is measured, and the
+            # keys it carries are registered (a failed start quotes the engine's log).
+            if not is_url(source):
+                profiles.load_profile(profiles.find_profile(source))
         sides = {role: {"role": role, "source": source, "url": None, "model": None,
                         "wanted_model": getattr(args, f"{role}_model") or None}
                  for role, source in sources.items()}
