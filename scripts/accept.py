@@ -307,14 +307,14 @@ def build_parser():
     return p
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
         # Settings are read here, inside run_main: a bad inference.env is one line, exit 2.
         settings = common.settings_from_args(args)
-        api_key = settings.get("INFER_API_KEY", os.environ.get("ROOFLINE_TASK_API_KEY")) or None
-        common.add_secret(api_key)
+        api_key = common.api_key(settings)
         log = settings.get("BENCH_LOG", args.log)
         if log:
             common.check_writable(log, "--log (BENCH_LOG)")
@@ -328,6 +328,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases_dir = settings.get("TOOLCALL_CASES", args.cases_dir)
         args.toolcall_catalog = toolcalls.with_user_cases(catalog, cases_dir) if cases_dir else (catalog, [])
         path, text = perplexity.resolve_text(args)
+        for source in sources.values():
+            # A profile is read now: a missing one fails before the base is measured, and the
+            # keys it carries are registered (a failed start quotes the engine's log).
+            if not is_url(source):
+                profiles.load_profile(profiles.find_profile(source))
         sides = {role: {"role": role, "source": source, "url": None, "model": None,
                         "wanted_model": getattr(args, f"{role}_model") or None}
                  for role, source in sources.items()}

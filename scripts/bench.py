@@ -172,6 +172,7 @@ def print_and_write(args: Any, cfg: dict[str, Any], result: dict[str, Any]) -> i
     return written if written != common.EXIT_OK else loadgen.exit_code(result)
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     p = loadgen.build_parser()
     p.description, p.epilog = common.split_doc(__doc__)

@@ -7,7 +7,9 @@ all need, so that no script copies them:
   process environment, `inference.env` in the current directory, built-in default;
 - one httpx client factory (auth header, timeouts, connection limits), never printing the key;
 - `--json` output: one JSON document on stdout, progress on stderr;
-- errors mapped to exit codes and one-line messages, no tracebacks (`run_main`).
+- errors mapped to exit codes and one-line messages, no tracebacks (`run_main`);
+- secrets (the API key and the like) masked in everything the process writes, from the first
+  line of every script's `main` (`entry`) and in every file (`write_atomic`).
 
 Exit codes shared by all scripts (a script may give 1 and 4 a narrower meaning in its --help):
   0 ok, 1 check failed (does not fit, SLO missed, smoke failed), 2 usage or configuration error,
@@ -21,6 +23,8 @@ import argparse
 import contextlib
 import contextvars
 import errno
+import functools
+import html
 import json
 import math
 import os
@@ -30,8 +34,9 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 try:
     import httpx
@@ -97,14 +102,18 @@ def parse_env_file(text: str) -> dict[str, str]:
 
 
 def load_env_file(path: str | os.PathLike | None = None) -> dict[str, str]:
-    """Read `inference.env` (or `path`, or $INFER_ENV_FILE); a missing default file is empty."""
+    """Read `inference.env` (or `path`, or $INFER_ENV_FILE); a missing default file is empty.
+    The secrets in it are registered (add_secret) as it is read."""
     explicit = path or os.environ.get("INFER_ENV_FILE")
     file = Path(explicit) if explicit else Path.cwd() / ENV_FILE_NAME
     if not file.exists():
         if explicit:
             raise UsageError(f"env file {file} does not exist: create it or drop --env-file")
         return {}
-    return parse_env_file(read_bounded(file, "env file", MAX_SETTINGS_BYTES))
+    values = parse_env_file(read_bounded(file, "env file", MAX_SETTINGS_BYTES))
+    for name in SECRET_SETTINGS:
+        add_secret(values.get(name))
+    return values
 
 
 def read_bounded(path: str | os.PathLike, what: str, limit: int) -> str:
@@ -241,17 +250,25 @@ def normalize_url(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
+def api_key(settings: Settings) -> str | None:
+    """INFER_API_KEY: the task argument (the Taskfile hands `INFER_API_KEY=...` over as
+    ROOFLINE_TASK_API_KEY), the environment or inference.env; None when not set."""
+    key = settings.get("INFER_API_KEY", os.environ.get("ROOFLINE_TASK_API_KEY")) or None
+    add_secret(key)
+    return key
+
+
 def server_settings(args: argparse.Namespace, settings: Settings | None = None) -> tuple[str, str | None]:
     """The (base URL, API key) to use; the key is never printed. Pass the settings already
     read, so inference.env is read once."""
     settings = settings or settings_from_args(args)
-    url = normalize_url(settings.get("INFER_URL", getattr(args, "url", ""), DEFAULT_URL))
-    # The Taskfile hands a task argument INFER_API_KEY=... over as ROOFLINE_TASK_API_KEY.
-    api_key = settings.get("INFER_API_KEY", os.environ.get("ROOFLINE_TASK_API_KEY")) or None
-    add_secret(api_key)
-    if api_key and api_key in url:  # e.g. `task VAR='http://host/{{.INFER_API_KEY}}'`, which go-task expands
+    url = settings.get("INFER_URL", getattr(args, "url", ""), DEFAULT_URL)
+    key = api_key(settings)
+    # e.g. `task VAR='http://host/{{.INFER_API_KEY}}'`, which go-task expands. A key too short to
+    # mask (add_secret) is not looked for either: "abc" is in many a URL.
+    if key and len(key) >= MIN_MASKED_CHARS and key in url:
         raise UsageError("the server URL contains the API key: give the key only as INFER_API_KEY")
-    return url, api_key
+    return normalize_url(url), key
 
 
 # The end of the current request (time.monotonic), per thread: every socket read ends by then.
@@ -323,19 +340,59 @@ def client(base_url: str, api_key: str | None = None, timeout: float = 30.0,
     )
 
 
-# Every secret the process knows (API keys): all text leaving it passes through redact().
+# Every secret the process knows (API keys, passwords, tokens), in each form it may take in
+# text: all text leaving the process passes through redact().
 SECRETS: set[str] = set()
+# The settings that hold a secret, in the environment or an env file. ROOFLINE_TASK_API_KEY is
+# the task argument INFER_API_KEY=...; HF_TOKEN is read by sizing (a gated config.json).
+SECRET_SETTINGS = ("INFER_API_KEY", "ROOFLINE_TASK_API_KEY", "PROMETHEUS_PASSWORD", "HF_TOKEN")
+# A secret shorter than this is not masked inside other text: replacing "ab" or "EMPTY" (a
+# common placeholder key) everywhere would mangle numbers, words and JSON, and a key that short
+# protects nothing. It is still never printed where it is known to be a key: the Authorization
+# header is never printed, and a profile's key is shown as *** whatever its length (serve.py).
+MIN_MASKED_CHARS = 8
+MASK = "***"
+
+
+def secret_forms(secret: str | None) -> set[str]:
+    """How a secret appears in text: as is, inside a JSON string (ASCII or not), in a Python
+    repr (error messages quote values with !r) and HTML-escaped (report pages); none when it is
+    too short to mask (MIN_MASKED_CHARS)."""
+    if not secret or len(secret) < MIN_MASKED_CHARS:
+        return set()
+    return {secret, json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1],
+            repr(secret)[1:-1], html.escape(secret)}
 
 
 def add_secret(secret: str | None) -> None:
-    if secret:
-        SECRETS.add(secret)
-        SECRETS.add(json.dumps(secret)[1:-1])  # as it appears inside a JSON string
+    SECRETS.update(secret_forms(secret))
+
+
+def register_known_secrets(argv: Sequence[str]) -> None:
+    """Register every secret this process can know before it reads its arguments: the secret
+    settings of the environment and of the env file it will read (--env-file in argv, else
+    $INFER_ENV_FILE or ./inference.env). Profiles register theirs as they are read."""
+    for name in SECRET_SETTINGS:
+        add_secret(os.environ.get(name))
+    try:
+        load_env_file(_flag_value(argv, "--env-file"))
+    except UsageError:
+        pass  # a bad env file: the script says so when it reads its settings
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in argv (`--flag value` or `--flag=value`), before argparse runs."""
+    for at, arg in enumerate(argv):
+        if arg == flag and at + 1 < len(argv):
+            return argv[at + 1]
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1:]
+    return None
 
 
 def redact(text: str, secret: str | None = None) -> str:
-    for known in sorted(SECRETS | ({secret} if secret else set()), key=len, reverse=True):
-        text = text.replace(known, "***")
+    for known in sorted(SECRETS | secret_forms(secret), key=len, reverse=True):
+        text = text.replace(known, MASK)
     return text
 
 
@@ -375,7 +432,8 @@ def check_writable(path: str, what: str) -> None:
 
 def write_atomic(path: str, text: str) -> None:
     """Replace `path` with `text` (secrets redacted) through a temporary file in the same folder
-    and a rename: a reader, or a run interrupted here, never sees half a file."""
+    and a rename: a reader, or a run interrupted here, never sees half a file. A new file gets
+    the permissions `open` would give it, an existing one keeps its own."""
     file = Path(path)
     if file.exists() and not file.is_file():  # /dev/null, a FIFO: written through, never replaced
         with open(file, "w", encoding="utf-8") as stream:
@@ -388,7 +446,12 @@ def write_atomic(path: str, text: str) -> None:
         with handle:
             handle.write(redact(text))
         if file.exists():
-            os.chmod(handle.name, file.stat().st_mode & 0o7777)
+            mode = file.stat().st_mode & 0o7777
+        else:  # a temporary file is private; an output file is not
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(handle.name, mode)
         os.replace(handle.name, file)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -526,18 +589,46 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def _guarded_process():
-    """While a script body runs: stdout and stderr redacted, SIGTERM handled as Ctrl-C."""
+def redacted_streams():
+    """stdout and stderr redacted (once: nested uses wrap nothing more)."""
     streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _RedactingStream(sys.stdout), _RedactingStream(sys.stderr)
-    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal needs it
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    sys.stdout, sys.stderr = (stream if isinstance(stream, _RedactingStream) else _RedactingStream(stream)
+                              for stream in streams)
     try:
         yield
     finally:
         sys.stdout, sys.stderr = streams
+
+
+@contextlib.contextmanager
+def _guarded_process():
+    """While a script body runs: stdout and stderr redacted, SIGTERM handled as Ctrl-C."""
+    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal needs it
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        with redacted_streams():
+            yield
+    finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _redacting_excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    """A traceback (a bug) printed redacted: its message may quote a secret."""
+    sys.stderr.write(redact("".join(traceback.format_exception(kind, value, tb))))
+
+
+def entry(main: Callable[[Sequence[str] | None], int]) -> Callable[[Sequence[str] | None], int]:
+    """Every command line's `main(argv)`: the secrets the process can know are registered and
+    stdout and stderr redacted from its first line on, so argparse's usage errors (which quote
+    the bad value) and anything printed before run_main are redacted too; a traceback as well."""
+    @functools.wraps(main)
+    def run(argv: Sequence[str] | None = None) -> int:
+        register_known_secrets(sys.argv[1:] if argv is None else argv)
+        sys.excepthook = _redacting_excepthook
+        with redacted_streams():
+            return main(argv)
+    return run
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what a supervisor or `kill` sends

@@ -208,6 +208,7 @@ def run(args: Any) -> int:
     return common.EXIT_CHECK_FAILED if doc["verdict"] in ("worse", "mixed") else common.EXIT_OK
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     p = common.parser(__doc__)
     common.add_output_args(p)

@@ -284,6 +284,7 @@ def watch(opts: Options) -> int:
             return common.EXIT_OK
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 

@@ -97,6 +97,7 @@ def run_on_server(url: str, api_key: str | None, args, text: str) -> dict[str, A
     return run | {"url": url}
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 

@@ -81,11 +81,43 @@ def find_profile(name: str, profiles_dir: Path = common.PROFILES_DIR) -> Path:
 
 
 def load_profile(path: Path) -> dict[str, Any]:
+    """A profile file as a mapping (not yet validated); the keys it carries are registered."""
     # Bounded read, UTF-8 only, no YAML aliases (an alias bomb would expand to gigabytes).
     data = common.load_yaml(common.read_bounded(path, "profile", common.MAX_SETTINGS_BYTES), f"profile {path}")
     if not isinstance(data, dict):
         raise UsageError(f"profile {path} must be a YAML mapping of settings, got {type(data).__name__}")
+    for secret in secrets(data):
+        common.add_secret(secret)
     return data
+
+
+# An environment variable of the engine whose name says it holds a secret: VLLM_API_KEY,
+# HF_TOKEN, AWS_SECRET_ACCESS_KEY (not TOKENIZERS_PARALLELISM).
+SECRET_ENV_NAME = re.compile(r"(?:^|_)(?:KEY|TOKEN|SECRET|PASSWORD)$", re.IGNORECASE)
+API_KEY_FLAG = "--api-key"  # vLLM's and SGLang's: the key clients must send
+
+
+def secrets(profile: dict[str, Any]) -> set[str]:
+    """The secrets a profile carries: such env values, and the value of --api-key in extra_args."""
+    env = profile.get("env")
+    found = {str(value) for name, value in env.items() if SECRET_ENV_NAME.search(str(name))} \
+        if isinstance(env, dict) else set()
+    extra = [str(arg) for arg in profile.get("extra_args") or []] if isinstance(profile.get("extra_args"), list) else []
+    for at, arg in enumerate(extra):
+        if arg == API_KEY_FLAG and at + 1 < len(extra):
+            found.add(extra[at + 1])
+        elif arg.startswith(API_KEY_FLAG + "="):
+            found.add(arg[len(API_KEY_FLAG) + 1:])
+    return found - {""}
+
+
+def masked(values: Sequence[str], hidden: set[str]) -> list[str]:
+    """Command-line or env values as they may be shown: a hidden one, or the part of `--flag=value`
+    after the `=`, as *** (whatever its length: these are known to be secrets)."""
+    def mask(value: str) -> str:
+        flag, sep, rest = value.partition("=")
+        return common.MASK if value in hidden else f"{flag}={common.MASK}" if sep and rest in hidden else value
+    return [mask(value) for value in values]
 
 
 def parse_override(text: str) -> tuple[str, Any]:

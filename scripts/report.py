@@ -32,9 +32,7 @@ import bisect
 import datetime
 import json
 import math
-import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -972,24 +970,6 @@ def render_text(sections: Sequence[Section]) -> str:
     return "\n".join(lines)
 
 
-def write_atomically(path: str, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename: a reader never sees half a report."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=target.parent, prefix=f".{target.name}.",
-                                         suffix=".tmp", delete=False)
-    try:
-        with handle:
-            handle.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(handle.name, 0o666 & ~umask)  # a temporary file is private; a report is not
-        os.replace(handle.name, target)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
-
-
 def build_parser():
     p = common.parser(__doc__)
     p.add_argument("files", nargs="*", help="result files (--json output of bench, sweep, compare, accept, "
@@ -1003,6 +983,7 @@ def build_parser():
     return p
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # files may come after --records
 
@@ -1017,7 +998,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         text = render_html(sections, results, now) if fmt_ == "html" else render_text(sections)
         if out:
-            write_atomically(out, text)
+            common.write_atomic(out, text)
             common.progress(f"report: {len(sections)} sections, {sum(len(s.charts) for s in sections)} charts "
                             f"written to {out}")
         summary = {"kind": "report", "schema_version": 1, "format": fmt_, "out": out or None,

@@ -43,6 +43,7 @@ def render(r: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     p = common.parser(__doc__)
     sizing.add_model_args(p)

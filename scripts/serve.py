@@ -54,10 +54,21 @@ def resolve(args) -> dict[str, Any]:
         key, value = profiles.parse_override(override)
         profile[key] = value
     profiles.validate(profile)
+    hidden = profiles.secrets(profile)  # an override may carry one too
+    for secret in hidden:
+        common.add_secret(secret)
     argv, env = profiles.render(profile, args.port)
     return {"profile": str(path), "engine": profile["engine"], "model_path": profiles.expand(profile["model"]),
             "host": profile.get("host", "127.0.0.1"), "port": int(argv[argv.index("--port") + 1]),
-            "command": argv, "env": env, "cached_model": "{cache}" in profile["model"]}
+            "command": argv, "env": env, "cached_model": "{cache}" in profile["model"], "secrets": hidden}
+
+
+def shown(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan as printed: the profile's secrets (of any length) as ***, and not listed."""
+    hidden = plan["secrets"]
+    env = dict(zip(plan["env"], profiles.masked(list(plan["env"].values()), hidden)))
+    return {key: value for key, value in plan.items() if key != "secrets"} | {
+        "command": profiles.masked(plan["command"], hidden), "env": env}
 
 
 def shell_line(plan: dict[str, Any]) -> str:
@@ -82,6 +93,7 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the engine as cleanly as Ctrl-C
@@ -89,11 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> int:
         plan = resolve(args)
         url = f"http://{plan['host']}:{plan['port']}"
+        printed = shown(plan)
         if args.dry_run:
-            common.emit({**plan, "url": url, "shell": shell_line(plan)}, shell_line(plan), args.json)
+            common.emit({**printed, "url": url, "shell": shell_line(printed)}, shell_line(printed), args.json)
             return common.EXIT_OK
         proc = launch(plan)
-        common.progress(f"$ {shell_line(plan)}")
+        common.progress(f"$ {shell_line(printed)}")
         try:
             return proc.wait()
         except KeyboardInterrupt:

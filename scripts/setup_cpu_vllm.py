@@ -89,6 +89,7 @@ def ensure_model(name: str) -> Path:
     return out
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     p = common.parser(__doc__)
     p.add_argument("--models", nargs="*", default=["tiny-qwen3"], choices=sorted(MODELS),

@@ -82,6 +82,7 @@ def build_parser():
     return p
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 

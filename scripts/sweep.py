@@ -175,6 +175,7 @@ def run_points(args: Any, settings: common.Settings, server: loadgen.Target, hol
     return exit_code(report)
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     p = loadgen.build_parser()
     p.description, p.epilog = common.split_doc(__doc__)

@@ -56,7 +56,6 @@ marginal, marginal_reason, flips_at_gpu_util, multimodal, expert_parallel, typic
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -119,9 +118,7 @@ def served_inputs(args, transport: Any = None) -> dict[str, Any]:
     """Fill MODEL, CTX, GPU_UTIL, block size, KV dtype (and the KV space without a GPU) from the
     server at --url; returns what the server said."""
     settings = common.settings_from_args(args)
-    # The Taskfile hands INFER_API_KEY over as ROOFLINE_TASK_API_KEY, as for every server script.
-    api_key = settings.get("INFER_API_KEY", os.environ.get("ROOFLINE_TASK_API_KEY")) or None
-    facts = served.served_facts(common.normalize_url(args.url), api_key)
+    facts = served.served_facts(common.normalize_url(args.url), common.api_key(settings))
     info, dep = facts["cache_config"], facts["deployment"]
     if not settings.get("MODEL", args.model):
         config, where = served.root_config(facts["root"], transport)
@@ -229,6 +226,7 @@ def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
     return result, inp
 
 
+@common.entry
 def main(argv: Sequence[str] | None = None) -> int:
     p = common.parser(__doc__)
     sizing.add_model_args(p)

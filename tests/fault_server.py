@@ -115,6 +115,18 @@ def _echo(request: Request) -> str:
     return f"invalid credentials: {request.headers.get('authorization', '')}"
 
 
+def _key_as_model_name(request: Request) -> Action | None:
+    """The key the client sent, echoed as the served model's name (/v1/models, /metrics labels):
+    it then reaches results, records and logs as a name, not as an error."""
+    key = request.headers.get("authorization", "").removeprefix("Bearer ")
+    if request.path == "/v1/models":
+        return as_json(200, {"object": "list", "data": [{"id": key, "root": key, "max_model_len": 4096}]})
+    if request.path == "/metrics":
+        return Action(response(200, METRICS.replace('model_name="tiny-qwen3"', f'model_name="{key}"').encode(),
+                               "text/plain; version=0.0.4"))
+    return None
+
+
 def _stream_with(events_of: Callable[[dict], list[Any]]) -> Callable[[Request], Action | None]:
     """A fault of the streamed answers only (bench), the others healthy."""
     def fault(request: Request) -> Action | None:
@@ -158,6 +170,7 @@ FAULTS: dict[str, Callable[[Request], Action | None]] = {
     "http_500_echoing_the_key": lambda r: as_json(500, {"error": {"message": _echo(r)}}),
     "http_401_echoing_the_key": lambda r: as_json(401, {"error": {"message": _echo(r)}}),
     "http_401_on_work_echoing_the_key": _on_work(lambda r: as_json(401, {"error": {"message": _echo(r)}})),
+    "key_as_model_name": _key_as_model_name,
     "http_429_on_work": _on_work(lambda r: as_json(429, {"error": {"message": "Too Many Requests"}})),
     "html_instead_of_json": lambda r: Action(response(200, b"<html><body>login " + _echo(r).encode() +
                                                           b"</body></html>", "text/html")),
