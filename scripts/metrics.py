@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import re
 import sys
 import time
@@ -130,7 +129,7 @@ class Options:
     gpu: Mapping[str, Any] | None
     slo: engine_metrics.Targets
     timeout: float
-    as_json: bool
+    output: common.Output
 
 
 def options(args: argparse.Namespace) -> Options:
@@ -163,7 +162,7 @@ def options(args: argparse.Namespace) -> Options:
         window=common.number("--window", args.window, float), watch=watch, count=max(0, args.count), gpu=gpu,
         slo=engine_metrics.Targets(common.number("SLO_TTFT_P95_MS", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float),
                     common.number("SLO_TPOT_P95_MS", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float)),
-        timeout=args.timeout, as_json=args.json)
+        timeout=args.timeout, output=args.output)
 
 
 def scrape_all(opts: Options) -> list[dict[str, Any]]:
@@ -261,27 +260,29 @@ def run(opts: Options) -> int:
     elif opts.window:
         replicas, interrupted, _ = window_reports(opts, opts.window)
         result, text = results(opts, replicas)
-        common.emit(result, text, opts.as_json)
-        return common.EXIT_INTERRUPTED if interrupted else common.EXIT_OK
+        printed = common.emit(result, text, opts.output)
+        return printed or (common.EXIT_INTERRUPTED if interrupted else common.EXIT_OK)
     else:
         result, text = results(opts, scrape_all(opts))
-    common.emit(result, text, opts.as_json)
-    return common.EXIT_OK
+    return common.emit(result, text, opts.output)
 
 
 def watch(opts: Options) -> int:
-    """Print the report of each interval of `opts.watch` seconds until Ctrl-C (or `count`)."""
-    refreshes, last = 0, None
+    """Print the report of each interval of `opts.watch` seconds until Ctrl-C (or `count`); the
+    --json-out file holds the latest."""
+    refreshes, last, written = 0, None, common.EXIT_OK
     while True:
         replicas, interrupted, last = window_reports(opts, opts.watch, last)
         refreshes += 1
         result, text = results(opts, replicas)
-        if opts.as_json:
-            print(json.dumps(common.json_safe(result), default=str, allow_nan=False), flush=True)
+        if opts.output.json:
+            print(common.json_text(result, indent=None), end="", flush=True)
         else:
             print(f"--- {time.strftime('%H:%M:%S')}\n{text}", flush=True)
+        if opts.output.file:
+            written = common.write_outputs([("--json-out", opts.output.file, common.json_text(result))]) or written
         if interrupted or refreshes == opts.count:
-            return common.EXIT_OK
+            return written
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,11 +14,12 @@ Examples:
   sweep.py --url http://127.0.0.1:8000 --slo-ttft-p95-ms 500 --slo-tpot-p95-ms 50
   sweep.py --sweep-c 8,16,32,64 --input-tokens 1024 --output-tokens 128 --json
   SWEEP_C=1,2,4 BENCH_N=16 sweep.py --endpoint chat --log bench-log.md
+  sweep.py --sweep-c 1,4,16 --json-out sweep.json   # the table on stdout, the JSON document in sweep.json
 
 Exit codes: 0 a knee was found (or no SLO was set and every point completed), 1 no
 concurrency meets the SLO, 2 usage error, 3 server unreachable or failing at every point,
-4 a point's run was invalid (client-bound), 5 the report is printed but --log could not be written,
-130 interrupted by Ctrl-C or SIGTERM (the points done are printed and logged).
+4 a point's run was invalid (client-bound), 5 the report is printed but --log or --json-out could
+not be written, 130 interrupted by Ctrl-C or SIGTERM (the points done are printed and logged).
 """
 from __future__ import annotations
 
@@ -168,11 +169,11 @@ def run_points(args: Any, settings: common.Settings, server: loadgen.Target, hol
               "levels": levels, "interrupted": interrupted,
               "config": {k: cfg[k] for k in ("input_tokens", "output_tokens", "endpoint", "warmup")}
               | {"url": target.base_url if target else None, "model": target.model if target else None}}
-    common.emit(report, human(report), args.json)
+    printed = common.emit(report, human(report), args.output)
     if log_error:
         print(f"error: {log_error}", file=sys.stderr)
         return common.EXIT_OUTPUT
-    return exit_code(report)
+    return printed or exit_code(report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

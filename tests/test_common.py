@@ -1,6 +1,8 @@
 """common.py: settings precedence, inference.env parsing, URL checks, error mapping."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -131,3 +133,39 @@ def test_bad_flags_are_one_line_and_exit_2(capsys, argv, message):
         p.parse_args(argv)
     err = capsys.readouterr().err
     assert stopped.value.code == common.EXIT_USAGE and err == message + "\n"
+
+
+def output_of(argv: list[str]) -> common.Output:
+    p = common.parser("Does a thing.\n")
+    common.add_output_args(p)
+    return p.parse_args(argv).output
+
+
+def test_json_and_json_out_fill_one_output(tmp_path):
+    out = str(tmp_path / "r.json")
+    assert output_of([]) == common.Output(json=False, file="")
+    assert output_of(["--json"]) == common.Output(json=True, file="")
+    assert output_of(["--json-out", out]) == common.Output(json=False, file=out)
+    assert output_of(["--json-out", out, "--json"]) == common.Output(json=True, file=out)
+    assert output_of(["--json-out", ""]) == common.Output()  # an empty flag means not given
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["human", "json"])
+def test_emit_prints_and_writes_the_same_document(tmp_path, capsys, as_json):
+    out = tmp_path / "r.json"
+    result = {"value": float("nan"), "name": "x"}
+    assert common.emit(result, "the human text", common.Output(json=as_json, file=str(out))) == common.EXIT_OK
+    printed = capsys.readouterr().out
+    assert out.read_text() == common.json_text(result) and json.loads(out.read_text()) == {"value": None, "name": "x"}
+    assert printed == (out.read_text() if as_json else "the human text\n")
+
+
+def test_emit_reports_a_file_it_could_not_write_after_printing(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    target = tmp_path / "a-file" / "r.json"  # its folder is a file, as root too
+    code = common.emit({"value": 1}, "the human text", common.Output(file=str(target)))
+    captured = capsys.readouterr()
+    assert code == common.EXIT_OUTPUT and captured.out == "the human text\n"
+    [line] = captured.err.splitlines()
+    assert line.startswith(f"error: the result is printed above, but --json-out {target} was not written")
+

@@ -3,13 +3,15 @@
 Each script runs against a paced fake server (tests/fault_server.py: healthy answers, slowly),
 so that the signal comes mid-run, after the first results (the test waits for the script's own
 progress line, not for a clock). Then: exit 130, the JSON on stdout valid and marked
-interrupted with what was measured, --records and --log complete and parseable, no traceback.
+interrupted with what was measured, the same document in the --json-out file, --records and --log
+complete and parseable, no traceback.
 
 Through `task`: go-task 3.54 does not pass a signal on to the command it runs; it prints
 `task: Signal received: ...` on stdout and waits. A terminal (Ctrl-C), GNU `timeout` and most
 supervisors signal the whole process group, which reaches the script; that is what is tested
 here, with `task -x` (the script's exit code instead of go-task's 201). The go-task line is on
-stdout too, before or after the JSON: references/faults.md says so and how to drop it.
+stdout too, before or after the JSON; the --json-out file holds the JSON alone
+(references/faults.md says so).
 """
 from __future__ import annotations
 
@@ -104,6 +106,8 @@ def check(script: str, code: int, out: str, err: str, tmp: Path, via_task: bool,
         out = "\n".join(line for line in lines if not line.startswith("task: "))
     result = json.loads(out)
     assert "sk-interrupt-key" not in out + err
+    # The --json-out file is the one JSON document alone, go-task's line or not.
+    assert json.loads((tmp / "out.json").read_text()) == result
     if script == "bench":
         assert result["interrupted"] and result["requests"]["completed"] >= 1
         lines = (tmp / "records.jsonl").read_text().splitlines()
@@ -130,7 +134,8 @@ SCRIPT_NAMES = ["bench", "sweep", "metrics", "ppl", "smoke_toolcall", "accept"]
 @pytest.mark.parametrize("script", SCRIPT_NAMES)
 def test_interrupted_script_keeps_its_results(server, tmp_path, script, signum):
     args, _, marker = case(script, server, tmp_path)
-    code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--json"], tmp_path, marker, signum)
+    code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--json", "--json-out", "out.json"],
+                               tmp_path, marker, signum)
     check(script, code, out, err, tmp_path, via_task=False)
 
 
@@ -138,15 +143,16 @@ def test_interrupted_script_keeps_its_results(server, tmp_path, script, signum):
 @pytest.mark.parametrize("script", SCRIPT_NAMES)
 def test_interrupted_through_task_keeps_its_results(server, tmp_path, script, signum):
     args, task_name, marker = case(script, server, tmp_path)
-    code, out, err = interrupt(through_task(args, task_name) + ["--json"], tmp_path, marker, signum)
+    code, out, err = interrupt(through_task(args, task_name) + ["--json", "--json-out", "out.json"], tmp_path, marker,
+                               signum)
     check(script, code, out, err, tmp_path, via_task=True)
 
 
 @pytest.mark.parametrize("script", ["bench", "sweep"])
 def test_more_ctrl_c_do_not_lose_the_result(server, tmp_path, script):
     args, _, marker = case(script, server, tmp_path)
-    code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--json"], tmp_path, marker,
-                               signal.SIGINT, twice=True)
+    code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--json", "--json-out", "out.json"],
+                               tmp_path, marker, signal.SIGINT, twice=True)
     # A Ctrl-C that lands after the result is out ends Python by SIGINT, which a shell also
     # reports as 130; what matters is that the result and the files are all there.
     check(script, code, out, err, tmp_path, via_task=False, codes=(130, -signal.SIGINT))
@@ -164,8 +170,8 @@ def test_bench_final_scrape_after_ctrl_c_honours_timeout(tmp_path):
         return slow(request)
     with fault_server(fault) as url:
         args, _, marker = case("bench", url, tmp_path)
-        code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--timeout", "1", "--json"],
-                                   tmp_path, marker, signal.SIGINT, bound_s=20)
+        code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--timeout", "1", "--json",
+                                    "--json-out", "out.json"], tmp_path, marker, signal.SIGINT, bound_s=20)
     check("bench", code, out, err, tmp_path, via_task=False)
     server = json.loads(out)["server"]
     assert server["metrics"] is None and "metrics" in server["metrics_note"], server
