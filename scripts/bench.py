@@ -44,7 +44,6 @@ SIGTERM (partial results still printed and logged).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -152,7 +151,7 @@ def run(args: Any, settings: common.Settings, server: loadgen.Target) -> int:
         if path:
             common.check_writable(path, what)
     target = loadgen.find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
-    with contextlib.ExitStack() as hold:  # after an interrupt: signals held until the result is written
+    with common.SignalHold("bench") as hold:  # from the end of the load: signals held until the result is written
         result = loadgen.execute(target, cfg, hold)
         return print_and_write(args, cfg, result)
 

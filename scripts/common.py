@@ -585,21 +585,43 @@ def _guarded_process():
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what a supervisor or `kill` sends
 
 
-@contextlib.contextmanager
-def signals_held(what: str):
-    """After an interrupt, while the results are written: a further Ctrl-C or SIGTERM is noted,
-    not obeyed (what is left is bounded: one request of --timeout at most), so it cannot lose them."""
-    def note(signum: int, frame: Any) -> None:
-        progress(f"{what}: finishing: the results are being written")
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, note) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
+class SignalHold:
+    """Ctrl-C and SIGTERM held off while a result is completed and written: from start() until
+    release() or the end of the `with` block, each is noted (in `noted`), not obeyed, so it cannot
+    lose the result; what is left is bounded (one request of --timeout at most). Before start()
+    they act as usual. Only the main thread sets signal handlers: elsewhere this holds nothing."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.noted: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "SignalHold":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._restore()
+
+    def start(self) -> None:
+        """Hold from now on (call it with the signals blocked where none may slip through)."""
+        if not self._previous and threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
+
+    def release(self) -> None:
+        """Obey them again; one noted meanwhile is obeyed now (KeyboardInterrupt)."""
+        self._restore()
+        if self.noted:
+            self.noted.clear()
+            raise KeyboardInterrupt
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.noted.append(signum)
+        progress(f"{self.what}: finishing: the results are being written")
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
 
 
 @contextlib.contextmanager

@@ -69,7 +69,6 @@ SGLang, no vllm: or sglang: series in Prometheus),
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import sys
 import time
@@ -173,11 +172,12 @@ def scrape_all(opts: Options) -> list[dict[str, Any]]:
     return snaps
 
 
-def window_reports(opts: Options, seconds: float, before: list[dict[str, Any]] | None = None
+def window_reports(opts: Options, seconds: float, hold: common.SignalHold, before: list[dict[str, Any]] | None = None
                    ) -> tuple[list[dict[str, Any]], bool, list[dict[str, Any]]]:
     """Scrape (unless `before` is given), sample the gauges each second for `seconds`, scrape
-    again; Ctrl-C ends early. Returns the window of each replica, whether interrupted, and the
-    last scrape (the next window's start)."""
+    again; Ctrl-C ends early. From the end of the window a Ctrl-C or SIGTERM waits in `hold`
+    (the caller keeps it until the report is out) and ends the window all the same. Returns the
+    window of each replica, whether interrupted, and the last scrape (the next window's start)."""
     before = before or scrape_all(opts)
     during: list[list[dict[str, Any]]] = []
     interrupted = False
@@ -188,12 +188,15 @@ def window_reports(opts: Options, seconds: float, before: list[dict[str, Any]] |
             time.sleep(1)
             during.append(scrape_all(opts))
         time.sleep(max(0.0, deadline - time.monotonic()))
+        with common.signals_blocked(*common.STOP_SIGNALS):
+            hold.start()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (common.run_main)
         interrupted = True
-    with common.signals_held("metrics") if interrupted else contextlib.nullcontext():
-        after = scrape_all(opts)
+        with common.signals_blocked(*common.STOP_SIGNALS):
+            hold.start()
+    after = scrape_all(opts)
     replicas = [engine_metrics.difference(before[i], after[i], [d[i] for d in during]) for i in range(len(after))]
-    return replicas, interrupted, after
+    return replicas, interrupted or bool(hold.noted), after
 
 
 def results(opts: Options, replicas: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
@@ -258,9 +261,13 @@ def run(opts: Options) -> int:
     elif opts.watch:
         return watch(opts)
     elif opts.window:
-        replicas, interrupted, _ = window_reports(opts, opts.window)
-        result, text = results(opts, replicas)
-        printed = common.emit(result, text, opts.output)
+        with common.SignalHold("metrics") as hold:
+            replicas, interrupted, _ = window_reports(opts, opts.window, hold)
+            result, text = results(opts, replicas)
+            result["interrupted"] = interrupted
+            if interrupted:
+                text += f"\ninterrupted: the window ended after {common.fmt_number(result.get('seconds'), 1)} s"
+            printed = common.emit(result, text, opts.output)
         return printed or (common.EXIT_INTERRUPTED if interrupted else common.EXIT_OK)
     else:
         result, text = results(opts, scrape_all(opts))
@@ -272,15 +279,16 @@ def watch(opts: Options) -> int:
     --json-out file holds the latest."""
     refreshes, last, written = 0, None, common.EXIT_OK
     while True:
-        replicas, interrupted, last = window_reports(opts, opts.watch, last)
-        refreshes += 1
-        result, text = results(opts, replicas)
-        if opts.output.json:
-            print(common.json_text(result, indent=None), end="", flush=True)
-        else:
-            print(f"--- {time.strftime('%H:%M:%S')}\n{text}", flush=True)
-        if opts.output.file:
-            written = common.write_outputs([("--json-out", opts.output.file, common.json_text(result))]) or written
+        with common.SignalHold("metrics") as hold:
+            replicas, interrupted, last = window_reports(opts, opts.watch, hold, last)
+            refreshes += 1
+            result, text = results(opts, replicas)
+            if opts.output.json:
+                print(common.json_text(result, indent=None), end="", flush=True)
+            else:
+                print(f"--- {time.strftime('%H:%M:%S')}\n{text}", flush=True)
+            if opts.output.file:
+                written = common.write_outputs([("--json-out", opts.output.file, common.json_text(result))]) or written
         if interrupted or refreshes == opts.count:
             return written
 

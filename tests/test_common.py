@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 
 import httpx
 import pytest
@@ -169,3 +170,19 @@ def test_emit_reports_a_file_it_could_not_write_after_printing(tmp_path, capsys)
     [line] = captured.err.splitlines()
     assert line.startswith(f"error: the result is printed above, but --json-out {target} was not written")
 
+
+def test_signal_hold_notes_signals_and_raises_one_on_release(capsys):
+    with common.SignalHold("test") as hold:
+        with pytest.raises(KeyboardInterrupt):  # not started: Ctrl-C as usual
+            signal.raise_signal(signal.SIGINT)
+        hold.start()
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+        assert hold.noted == [signal.SIGTERM, signal.SIGINT]
+        assert capsys.readouterr().err.count("test: finishing: the results are being written") == 2
+        with pytest.raises(KeyboardInterrupt):  # what was held is obeyed on release
+            hold.release()
+        assert hold.noted == [] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        hold.release()  # nothing held: nothing raised
+        hold.start()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
