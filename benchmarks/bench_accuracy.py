@@ -205,8 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs.append({"streams": streams, "rows": rows, **info})
             texts.append(f"--- {streams} streams ---\n" + human(rows, info))
         ok = all(r["ok"] for run in runs for r in run["rows"])
-        common.emit({"runs": runs, "within_targets": ok}, "\n".join(texts), args.json)
-        return common.EXIT_OK if ok else common.EXIT_CHECK_FAILED
+        printed = common.emit({"runs": runs, "within_targets": ok}, "\n".join(texts), args.output)
+        return printed or (common.EXIT_OK if ok else common.EXIT_CHECK_FAILED)
     return common.run_main(body)
 
 

@@ -45,8 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = (f"{args.n} requests of {args.input_tokens} tokens: first request after {result['startup_s']:.2f} s "
                 f"(goal <= {args.goal_s:g} s); {report['sent']} sent in {args.duration:g} s, prompt lengths "
                 f"{report['prompt_tokens']['min']}..{report['prompt_tokens']['max']}")
-        common.emit(report, text, args.json)
-        return common.EXIT_OK if report["ok"] else common.EXIT_CHECK_FAILED
+        printed = common.emit(report, text, args.output)
+        return printed or (common.EXIT_OK if report["ok"] else common.EXIT_CHECK_FAILED)
     return common.run_main(body)
 
 

@@ -68,8 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"best {result['best_s'] * 1000:.0f} ms, median {result['median_s'] * 1000:.0f} ms "
                  f"({result['mb_per_s']:.1f} MB/s); budget {args.budget_s:g} s: "
                  f"{'ok' if result['within_budget'] else 'OVER'}")
-        common.emit(result, human, args.json)
-        return common.EXIT_OK if result["within_budget"] else common.EXIT_CHECK_FAILED
+        printed = common.emit(result, human, args.output)
+        return printed or (common.EXIT_OK if result["within_budget"] else common.EXIT_CHECK_FAILED)
 
     return common.run_main(body)
 

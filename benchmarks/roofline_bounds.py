@@ -84,9 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{d['int4_expected_ms']:.2f} -> {d['roofline_winner']} faster; measured {d['measured_winner']}"
                   f"{'' if d['ok'] else '  WRONG DIRECTION'}" for d in directions]
         lines.append(f"FP8-vs-4-bit direction right in {len(directions) - len(wrong)}/{len(directions)} cases")
-        common.emit({"cases": rows, "violations": len(violations), "directions": directions,
-                     "wrong_directions": len(wrong)}, "\n".join(lines), args.json)
-        return common.EXIT_CHECK_FAILED if violations or wrong else common.EXIT_OK
+        printed = common.emit({"cases": rows, "violations": len(violations), "directions": directions,
+                               "wrong_directions": len(wrong)}, "\n".join(lines), args.output)
+        return printed or (common.EXIT_CHECK_FAILED if violations or wrong else common.EXIT_OK)
 
     return common.run_main(body)
 

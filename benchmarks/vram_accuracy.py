@@ -206,9 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> int:
         report = summarize(load_cases(Path(args.fixture)))
-        common.emit(report, render(report["cases"], report["summary"]), args.json)
+        printed = common.emit(report, render(report["cases"], report["summary"]), args.output)
         met = all(report["summary"][name]["goal_met"] for name in SPLITS)
-        return common.EXIT_OK if met else common.EXIT_CHECK_FAILED
+        return printed or (common.EXIT_OK if met else common.EXIT_CHECK_FAILED)
 
     return common.run_main(body)
 

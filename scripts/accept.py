@@ -383,11 +383,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["rows"] = result_rows(base, cand, ppl_result)
         entry = common.render_log_entry(result, TEMPLATE)
         # The result is printed first: a log that cannot be written then loses nothing.
-        common.emit(result | {"log_entry": entry}, entry, args.json)
+        printed = common.emit(result | {"log_entry": entry}, entry, args.output)
         if log:
             if common.write_outputs([("--log", log, common.log_with_entry(log, entry))]):
                 return common.EXIT_OUTPUT
             common.progress(f"accept: log entry appended to {log}")
+        if printed:
+            return printed
         if interrupted:
             return common.EXIT_INTERRUPTED
         if failure:

@@ -33,17 +33,17 @@ Examples:
   INFER_URL=http://gpu-box:8000 INFER_API_KEY=... bench.py -n 256 -c 64 --workers 2
   bench.py --endpoint chat --sharegpt scripts/data/sharegpt-sample.json -c 4 --probe /health
   bench.py --trace scripts/data/trace-sample.jsonl --speed 2 --json > run.json
+  bench.py -n 1000 -c 64 --json-out run.json     # the table on stdout, the JSON document in run.json
   bench.py --input-dist lognormal:400,2000 --output-dist uniform:64,512 -n 200 -c 16
 
 Exit codes: 0 SLO met (or no SLO set and every request completed), 1 SLO missed or requests
 failed, 2 usage error, 3 server unreachable or every request failed, 4 run invalid (the client
 may have distorted the figures, or ran out of file descriptors: raise ulimit -n), 5 the result is
-printed but --records or --log could not be written, 130 interrupted by Ctrl-C or SIGTERM (partial
-results still printed and logged).
+printed but --records, --log or --json-out could not be written, 130 interrupted by Ctrl-C or
+SIGTERM (partial results still printed and logged).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -151,7 +151,7 @@ def run(args: Any, settings: common.Settings, server: loadgen.Target) -> int:
         if path:
             common.check_writable(path, what)
     target = loadgen.find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
-    with contextlib.ExitStack() as hold:  # after an interrupt: signals held until the result is written
+    with common.SignalHold("bench") as hold:  # from the end of the load: signals held until the result is written
         result = loadgen.execute(target, cfg, hold)
         return print_and_write(args, cfg, result)
 
@@ -160,7 +160,7 @@ def print_and_write(args: Any, cfg: dict[str, Any], result: dict[str, Any]) -> i
     """Print the result, then write --records and --log: the exit code."""
     records = result.pop("records")
     # The result is printed first: a file that cannot be written then loses nothing.
-    common.emit(result, human_report(result), args.json)
+    printed = common.emit(result, human_report(result), args.output)
     files = []
     if args.records:
         files.append(("--records", args.records, "".join(json.dumps(common.json_safe(r)) + "\n" for r in records)))
@@ -169,7 +169,7 @@ def print_and_write(args: Any, cfg: dict[str, Any], result: dict[str, Any]) -> i
     written = common.write_outputs(files)
     if cfg["log"] and written == common.EXIT_OK:
         common.progress(f"bench: log entry appended to {cfg['log']}")
-    return written if written != common.EXIT_OK else loadgen.exit_code(result)
+    return printed or written or loadgen.exit_code(result)
 
 
 @common.entry

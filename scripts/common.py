@@ -6,7 +6,8 @@ all need, so that no script copies them:
 - settings resolve in one order: command-line flag (the task passes task arguments as flags),
   process environment, `inference.env` in the current directory, built-in default;
 - one httpx client factory (auth header, timeouts, connection limits), never printing the key;
-- `--json` output: one JSON document on stdout, progress on stderr;
+- output (`Output`, from --json and --json-out): one JSON document on stdout, or the human text
+  and the JSON document in a file; progress on stderr;
 - errors mapped to exit codes and one-line messages, no tracebacks (`run_main`);
 - secrets (the API key and the like) masked in everything the process writes, from the first
   line of every script's `main` (`entry`) and in every file (`write_atomic`).
@@ -14,14 +15,15 @@ all need, so that no script copies them:
 Exit codes shared by all scripts (a script may give 1 and 4 a narrower meaning in its --help):
   0 ok, 1 check failed (does not fit, SLO missed, smoke failed), 2 usage or configuration error,
   3 server unreachable or failing, 4 run invalid, 5 the result was printed but an output file
-  (--records, --log) could not be written, 130 interrupted by Ctrl-C or SIGTERM (partial
-  results printed and written).
+  (--records, --log, --json-out) could not be written, 130 interrupted by Ctrl-C or SIGTERM
+  (partial results printed and written).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import contextvars
+import dataclasses
 import errno
 import functools
 import html
@@ -219,9 +221,42 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(load_env_file(getattr(args, "env_file", None)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """Where a script's result goes (args.output, from --json and --json-out): stdout gets the JSON
+    document with `json`, else the human text; `file`, when given, gets the JSON document either
+    way. Through `task` a Ctrl-C adds go-task's own line to stdout; the file holds the JSON alone."""
+    json: bool = False
+    file: str = ""
+
+
+class _OutputFlag(argparse.Action):
+    """--json and --json-out fill the one Output the script reads (args.output)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any,
+                 option_string: str | None = None) -> None:
+        change = {"json": True} if option_string == "--json" else {"file": value}
+        setattr(namespace, self.dest, dataclasses.replace(namespace.output, **change))
+
+
+def json_out_arg(raw: str) -> str:
+    """argparse type of --json-out: a path that can take the file, checked before the run ("": none)."""
+    if raw:
+        try:
+            check_writable(raw, "--json-out")
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("--json-out "))
+    return raw
+
+
 def add_output_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true",
+    parser.set_defaults(output=Output())
+    parser.add_argument("--json", nargs=0, action=_OutputFlag, dest="output", default=argparse.SUPPRESS,
                         help="print one JSON document on stdout (progress goes to stderr)")
+    parser.add_argument("--json-out", metavar="FILE", type=json_out_arg, action=_OutputFlag, dest="output",
+                        default=argparse.SUPPRESS,
+                        help="also write the JSON document to FILE (atomically, an interrupted run's too); "
+                             "stdout keeps the human text unless --json")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -512,15 +547,22 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def emit(result: Any, human: str, as_json: bool) -> None:
-    """Print the result: JSON document (valid JSON: NaN becomes null) or human text, on stdout,
-    in one write."""
-    if as_json:
-        sys.stdout.write(json.dumps(json_safe(result), indent=2, ensure_ascii=False, default=str,
-                                    allow_nan=False) + "\n")
-    else:
-        sys.stdout.write(human if human.endswith("\n") else human + "\n")
-    sys.stdout.flush()
+def json_text(result: Any, indent: int | None = 2) -> str:
+    """The result as one JSON document (valid JSON: NaN becomes null)."""
+    return json.dumps(json_safe(result), indent=indent, ensure_ascii=False, default=str, allow_nan=False) + "\n"
+
+
+def emit(result: Any, human: str, output: Output) -> int:
+    """Print the result on stdout in one write (the JSON document or the human text), then write
+    the JSON document to output.file: EXIT_OK, or EXIT_OUTPUT with one line when the file could not
+    be written (the result is on stdout all the same). A script returns `emit(...) or its code`."""
+    document = json_text(result)
+    try:
+        sys.stdout.write(document if output.json else human if human.endswith("\n") else human + "\n")
+        sys.stdout.flush()
+    finally:  # also when stdout is gone (a closed pipe) or the write was interrupted
+        written = write_outputs([("--json-out", output.file, document)]) if output.file else EXIT_OK
+    return written
 
 
 def fmt_number(value: Any, digits: int = 2) -> str:
@@ -634,21 +676,43 @@ def entry(main: Callable[[Sequence[str] | None], int]) -> Callable[[Sequence[str
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what a supervisor or `kill` sends
 
 
-@contextlib.contextmanager
-def signals_held(what: str):
-    """After an interrupt, while the results are written: a further Ctrl-C or SIGTERM is noted,
-    not obeyed (what is left is bounded: one request of --timeout at most), so it cannot lose them."""
-    def note(signum: int, frame: Any) -> None:
-        progress(f"{what}: finishing: the results are being written")
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, note) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
+class SignalHold:
+    """Ctrl-C and SIGTERM held off while a result is completed and written: from start() until
+    release() or the end of the `with` block, each is noted (in `noted`), not obeyed, so it cannot
+    lose the result; what is left is bounded (one request of --timeout at most). Before start()
+    they act as usual. Only the main thread sets signal handlers: elsewhere this holds nothing."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.noted: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "SignalHold":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._restore()
+
+    def start(self) -> None:
+        """Hold from now on (call it with the signals blocked where none may slip through)."""
+        if not self._previous and threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
+
+    def release(self) -> None:
+        """Obey them again; one noted meanwhile is obeyed now (KeyboardInterrupt)."""
+        self._restore()
+        if self.noted:
+            self.noted.clear()
+            raise KeyboardInterrupt
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.noted.append(signum)
+        progress(f"{self.what}: finishing: the results are being written")
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
 
 
 @contextlib.contextmanager

@@ -204,8 +204,8 @@ def human(doc: dict[str, Any]) -> str:
 def run(args: Any) -> int:
     a, b = load(args.a), load(args.b)
     doc = compare(a, b, (args.a, args.b), (label(a, args.label_a), label(b, args.label_b)))
-    common.emit(doc, human(doc), args.json)
-    return common.EXIT_CHECK_FAILED if doc["verdict"] in ("worse", "mixed") else common.EXIT_OK
+    printed = common.emit(doc, human(doc), args.output)
+    return printed or (common.EXIT_CHECK_FAILED if doc["verdict"] in ("worse", "mixed") else common.EXIT_OK)
 
 
 @common.entry

@@ -138,8 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         human = (f"Installed {', '.join(Path(p).name for p in installed)} into {target}\n"
                  f"Try: {result['try']}\n"
                  f"The tasks need, once: python3 -m pip install {RUNTIME}")
-        common.emit(result, human, args.json)
-        return common.EXIT_OK
+        return common.emit(result, human, args.output)
 
     return common.run_main(body)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import datetime
 import errno
 import gc
@@ -970,9 +969,9 @@ def raise_open_file_limit(needed: int) -> None:
 
 def run_in_loop(plan: Plan, timeout_s: float, quiet: bool = False,
                 before_measured: Callable[[], Any] | None = None,
-                hold: contextlib.ExitStack | None = None) -> RunResult:
-    """asyncio.run with Ctrl-C turned into 'stop and keep what was measured'. After an interrupt,
-    a further Ctrl-C or SIGTERM is held off until `hold` closes (the caller writes the result)."""
+                hold: common.SignalHold | None = None) -> RunResult:
+    """asyncio.run with Ctrl-C turned into 'stop and keep what was measured'. From the end of the
+    run a further Ctrl-C or SIGTERM waits in `hold` (the caller completes and writes the result)."""
     raise_open_file_limit(plan.concurrency or len(plan.requests))
 
     async def body() -> RunResult:
@@ -1003,16 +1002,15 @@ def run_in_loop(plan: Plan, timeout_s: float, quiet: bool = False,
     return run
 
 
-def _handlers_back(handlers: dict[int, Any], hold: contextlib.ExitStack | None, interrupted: bool) -> bool:
-    """Put the caller's signal handlers back, with the signals blocked; whether the run was
-    interrupted (a signal waiting came as it ended). After an interrupt, a further Ctrl-C or
-    SIGTERM is held off until `hold` closes: it cannot lose what was measured."""
+def _handlers_back(handlers: dict[int, Any], hold: common.SignalHold | None, interrupted: bool) -> bool:
+    """Put the caller's signal handlers back, with the signals blocked, and start `hold`: from the
+    end of the run a Ctrl-C or SIGTERM is noted, not obeyed, so it cannot lose what was measured.
+    Whether the run was interrupted (a signal waiting came as it ended)."""
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
-    interrupted = interrupted or bool(set(signal.sigpending()) & set(common.STOP_SIGNALS))
-    if interrupted and hold is not None:
-        hold.enter_context(common.signals_held("bench"))
-    return interrupted
+    if hold is not None:
+        hold.start()
+    return interrupted or bool(set(signal.sigpending()) & set(common.STOP_SIGNALS))
 
 
 def _progress_printer(plan: Plan) -> Callable[[Outcome], None]:
@@ -1044,11 +1042,11 @@ def _worker(number: int, plan: Plan, timeout_s: float, barrier, queue) -> None:
     queue.put((number, run_in_loop(plan, timeout_s, quiet=True, before_measured=meet)))
 
 
-def run_workers(plan: Plan, workers: int, timeout_s: float, hold: contextlib.ExitStack | None = None) -> RunResult:
+def run_workers(plan: Plan, workers: int, timeout_s: float, hold: common.SignalHold | None = None) -> RunResult:
     """Split the plan over worker processes (round robin). They finish their warm-up, meet at
     a barrier and start the measured phase together; they share CLOCK_MONOTONIC, so their
     timestamps merge directly. A Ctrl-C or SIGTERM stops them and keeps what they measured;
-    a further one is held off until `hold` closes."""
+    from the end of the run a further one waits in `hold`."""
     # A Ctrl-C or SIGTERM is noted and acted on between steps, not raised in the middle of
     # multiprocessing (a worker left unstarted or unstopped, a semaphore leaked).
     stops: list[int] = []
@@ -1739,10 +1737,12 @@ def workload_identity(cfg: dict[str, Any], load: workload_mod.Workload) -> dict[
     return identity
 
 
-def execute(target: Target, cfg: dict[str, Any], hold: contextlib.ExitStack, quiet: bool = False) -> dict[str, Any]:
-    """Build the workload, run the load, watch the server, analyse: the result document. After
-    an interrupt, a further Ctrl-C or SIGTERM is held off from the moment the run stops until
-    `hold` closes: the caller keeps it open until the result is printed and written."""
+def execute(target: Target, cfg: dict[str, Any], hold: common.SignalHold, quiet: bool = False) -> dict[str, Any]:
+    """Build the workload, run the load, watch the server, analyse: the result document. A Ctrl-C
+    or SIGTERM while the workload is built raises KeyboardInterrupt (nothing measured); during the
+    load it stops the load; from the end of the load it waits in `hold` (started here, kept by the
+    caller until the result is printed and written), so that the last scrape and the analysis
+    complete the result, which then says interrupted."""
     started = time.perf_counter()
     chat = cfg["endpoint"] == "chat"
     load, prompt_source, turns = build_workload(target, cfg)
@@ -1780,14 +1780,14 @@ def execute(target: Target, cfg: dict[str, Any], hold: contextlib.ExitStack, qui
     try:  # a Ctrl-C as the timeline starts still stops it
         if timeline:
             timeline.start(before)
-        if cfg["workers"] > 1:  # after an interrupt, both hold further signals until `hold` closes
+        if cfg["workers"] > 1:  # both start `hold` as the run ends
             run = run_workers(plan, cfg["workers"], cfg["timeout_s"], hold)
         else:
             run = run_in_loop(plan, cfg["timeout_s"], quiet=quiet, hold=hold)
     except KeyboardInterrupt:  # came before the run handled it: nothing measured, and that is the result
         run = RunResult([], [], 0.0, 0.0, interrupted=True)
         with common.signals_blocked(*common.STOP_SIGNALS):
-            hold.enter_context(common.signals_held("bench"))
+            hold.start()
     finally:
         if timeline:
             timeline.stop()
@@ -1821,6 +1821,8 @@ def execute(target: Target, cfg: dict[str, Any], hold: contextlib.ExitStack, qui
             "a mixed load: its latencies and the verdict hold for that mix, and the server-side figures are "
             "not this run's alone")
     result["records"] = [o.record() for o in run.outcomes]
+    # One held since the load ended (during the last scrape, say) ends the run all the same.
+    result["interrupted"] = run.interrupted or bool(hold.noted)
     return result
 
 

@@ -69,8 +69,6 @@ SGLang, no vllm: or sglang: series in Prometheus),
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import re
 import sys
 import time
@@ -130,7 +128,7 @@ class Options:
     gpu: Mapping[str, Any] | None
     slo: engine_metrics.Targets
     timeout: float
-    as_json: bool
+    output: common.Output
 
 
 def options(args: argparse.Namespace) -> Options:
@@ -163,7 +161,7 @@ def options(args: argparse.Namespace) -> Options:
         window=common.number("--window", args.window, float), watch=watch, count=max(0, args.count), gpu=gpu,
         slo=engine_metrics.Targets(common.number("SLO_TTFT_P95_MS", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float),
                     common.number("SLO_TPOT_P95_MS", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float)),
-        timeout=args.timeout, as_json=args.json)
+        timeout=args.timeout, output=args.output)
 
 
 def scrape_all(opts: Options) -> list[dict[str, Any]]:
@@ -174,11 +172,12 @@ def scrape_all(opts: Options) -> list[dict[str, Any]]:
     return snaps
 
 
-def window_reports(opts: Options, seconds: float, before: list[dict[str, Any]] | None = None
+def window_reports(opts: Options, seconds: float, hold: common.SignalHold, before: list[dict[str, Any]] | None = None
                    ) -> tuple[list[dict[str, Any]], bool, list[dict[str, Any]]]:
     """Scrape (unless `before` is given), sample the gauges each second for `seconds`, scrape
-    again; Ctrl-C ends early. Returns the window of each replica, whether interrupted, and the
-    last scrape (the next window's start)."""
+    again; Ctrl-C ends early. From the end of the window a Ctrl-C or SIGTERM waits in `hold`
+    (the caller keeps it until the report is out) and ends the window all the same. Returns the
+    window of each replica, whether interrupted, and the last scrape (the next window's start)."""
     before = before or scrape_all(opts)
     during: list[list[dict[str, Any]]] = []
     interrupted = False
@@ -189,12 +188,15 @@ def window_reports(opts: Options, seconds: float, before: list[dict[str, Any]] |
             time.sleep(1)
             during.append(scrape_all(opts))
         time.sleep(max(0.0, deadline - time.monotonic()))
+        with common.signals_blocked(*common.STOP_SIGNALS):
+            hold.start()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (common.run_main)
         interrupted = True
-    with common.signals_held("metrics") if interrupted else contextlib.nullcontext():
-        after = scrape_all(opts)
+        with common.signals_blocked(*common.STOP_SIGNALS):
+            hold.start()
+    after = scrape_all(opts)
     replicas = [engine_metrics.difference(before[i], after[i], [d[i] for d in during]) for i in range(len(after))]
-    return replicas, interrupted, after
+    return replicas, interrupted or bool(hold.noted), after
 
 
 def results(opts: Options, replicas: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
@@ -259,29 +261,36 @@ def run(opts: Options) -> int:
     elif opts.watch:
         return watch(opts)
     elif opts.window:
-        replicas, interrupted, _ = window_reports(opts, opts.window)
-        result, text = results(opts, replicas)
-        common.emit(result, text, opts.as_json)
-        return common.EXIT_INTERRUPTED if interrupted else common.EXIT_OK
+        with common.SignalHold("metrics") as hold:
+            replicas, interrupted, _ = window_reports(opts, opts.window, hold)
+            result, text = results(opts, replicas)
+            result["interrupted"] = interrupted
+            if interrupted:
+                text += f"\ninterrupted: the window ended after {common.fmt_number(result.get('seconds'), 1)} s"
+            printed = common.emit(result, text, opts.output)
+        return printed or (common.EXIT_INTERRUPTED if interrupted else common.EXIT_OK)
     else:
         result, text = results(opts, scrape_all(opts))
-    common.emit(result, text, opts.as_json)
-    return common.EXIT_OK
+    return common.emit(result, text, opts.output)
 
 
 def watch(opts: Options) -> int:
-    """Print the report of each interval of `opts.watch` seconds until Ctrl-C (or `count`)."""
-    refreshes, last = 0, None
+    """Print the report of each interval of `opts.watch` seconds until Ctrl-C (or `count`); the
+    --json-out file holds the latest."""
+    refreshes, last, written = 0, None, common.EXIT_OK
     while True:
-        replicas, interrupted, last = window_reports(opts, opts.watch, last)
-        refreshes += 1
-        result, text = results(opts, replicas)
-        if opts.as_json:
-            print(json.dumps(common.json_safe(result), default=str, allow_nan=False), flush=True)
-        else:
-            print(f"--- {time.strftime('%H:%M:%S')}\n{text}", flush=True)
+        with common.SignalHold("metrics") as hold:
+            replicas, interrupted, last = window_reports(opts, opts.watch, hold, last)
+            refreshes += 1
+            result, text = results(opts, replicas)
+            if opts.output.json:
+                print(common.json_text(result, indent=None), end="", flush=True)
+            else:
+                print(f"--- {time.strftime('%H:%M:%S')}\n{text}", flush=True)
+            if opts.output.file:
+                written = common.write_outputs([("--json-out", opts.output.file, common.json_text(result))]) or written
         if interrupted or refreshes == opts.count:
-            return common.EXIT_OK
+            return written
 
 
 @common.entry

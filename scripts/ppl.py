@@ -110,10 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.compare is None:
             path, text = perplexity.resolve_text(args)
             run = run_on_server(url, api_key, args, text) | {"text": path}
-            common.emit(run, describe_run(run), args.json)
+            printed = common.emit(run, describe_run(run), args.output)
             if run["stopped"]:
-                return common.EXIT_INTERRUPTED if run["stopped"] == "interrupted" else common.EXIT_SERVER
-            return common.EXIT_OK
+                return printed or (common.EXIT_INTERRUPTED if run["stopped"] == "interrupted" else common.EXIT_SERVER)
+            return printed
         levels = perplexity.gate(args.scheme, args.warn_pct, args.fail_pct)
         sides = []
         text = None
@@ -128,8 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.window, args.stride = sides[0]["window"], sides[0]["stride"]
         result = perplexity.compare(sides[0], sides[1], levels, args.block)
         sides = [{k: v for k, v in side.items() if k not in ("token_nll", "windows")} for side in sides]
-        common.emit(result | {"base": sides[0], "candidate": sides[1]}, describe_comparison(result), args.json)
-        return common.EXIT_CHECK_FAILED if result["verdict"] == "FAIL" else common.EXIT_OK
+        printed = common.emit(result | {"base": sides[0], "candidate": sides[1]}, describe_comparison(result), args.output)
+        return printed or (common.EXIT_CHECK_FAILED if result["verdict"] == "FAIL" else common.EXIT_OK)
 
     return common.run_main(body)
 

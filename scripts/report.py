@@ -1005,13 +1005,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "inputs": [{"file": r.path, "kind": r.kind} for r in results],
                    "sections": [{"title": s.title, "verdict": s.verdict, "reasons": s.reasons,
                                  "facts": [{"name": k, "value": v} for k, v in s.facts], "charts": [c.id for c in s.charts]} for s in sections]}
-        if args.json:
-            common.emit(summary, "", True)
-        elif not out:
-            sys.stdout.write(text)
-        else:
-            print(render_text(sections) if fmt_ == "html" else f"written to {out}")
-        return common.EXIT_OK
+        human = text if not out else render_text(sections) if fmt_ == "html" else f"written to {out}"
+        return common.emit(summary, human, args.output)
 
     return common.run_main(body)
 

@@ -64,8 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = physics.roofline(inp, memory, batch, prompt)
         result |= {"kind": "roofline", "schema_version": 1, "model": inp.model.name}
         header = f"{inp.model.name} on {inp.gpu.get('name')} (TP={inp.tp}, weights {result['weights_quant']})"
-        common.emit(result, header + "\n" + render(result), args.json)
-        return common.EXIT_OK
+        return common.emit(result, header + "\n" + render(result), args.output)
 
     return common.run_main(body)
 

@@ -99,12 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the engine as cleanly as Ctrl-C
 
     def body() -> int:
+        if args.output.file and not args.dry_run:
+            raise UsageError("--json-out needs --dry-run: the plan (the command serve would run) is its JSON document")
         plan = resolve(args)
         url = f"http://{plan['host']}:{plan['port']}"
         printed = shown(plan)
         if args.dry_run:
-            common.emit({**printed, "url": url, "shell": shell_line(printed)}, shell_line(printed), args.json)
-            return common.EXIT_OK
+            return common.emit({**printed, "url": url, "shell": shell_line(printed)}, shell_line(printed), args.output)
         proc = launch(plan)
         common.progress(f"$ {shell_line(printed)}")
         try:

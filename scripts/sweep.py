@@ -14,15 +14,17 @@ Examples:
   sweep.py --url http://127.0.0.1:8000 --slo-ttft-p95-ms 500 --slo-tpot-p95-ms 50
   sweep.py --sweep-c 8,16,32,64 --input-tokens 1024 --output-tokens 128 --json
   SWEEP_C=1,2,4 BENCH_N=16 sweep.py --endpoint chat --log bench-log.md
+  sweep.py --sweep-c 1,4,16 --json-out sweep.json   # the table on stdout, the JSON document in sweep.json
 
 Exit codes: 0 a knee was found (or no SLO was set and every point completed), 1 no
 concurrency meets the SLO, 2 usage error, 3 server unreachable or failing at every point,
-4 a point's run was invalid (client-bound), 5 the report is printed but --log could not be written,
-130 interrupted by Ctrl-C or SIGTERM (the points done are printed and logged).
+4 a point's run was invalid (client-bound), 5 the report is printed but --log or --json-out could
+not be written, 130 interrupted by Ctrl-C or SIGTERM, during a point or between two (the points
+done are printed, logged and written to --json-out).
 """
 from __future__ import annotations
 
-import contextlib
+import argparse
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -125,54 +127,61 @@ def exit_code(report: dict[str, Any]) -> int:
     return common.EXIT_OK
 
 
+def point_args(args: argparse.Namespace, concurrency: int, per_point: str | None) -> argparse.Namespace:
+    """bench's arguments for one point: its concurrency, and -n (BENCH_N) per point, by default
+    4 x C (at least 16), so that each point runs several waves."""
+    return argparse.Namespace(**{**vars(args), "concurrency": str(concurrency),
+                                 "num_requests": str(per_point or max(16, 4 * concurrency))})
+
+
 def run(args: Any, settings: common.Settings, server: loadgen.Target) -> int:
-    with contextlib.ExitStack() as hold:  # after an interrupt: signals held until the report is out
-        return run_points(args, settings, server, hold)
-
-
-def run_points(args: Any, settings: common.Settings, server: loadgen.Target, hold: contextlib.ExitStack) -> int:
     if args.concurrency:
         raise UsageError("sweep sets the concurrency itself: use --sweep-c (SWEEP_C), not -c")
     levels = parse_levels(settings.get("SWEEP_C", args.sweep_c, DEFAULT_SWEEP))
-    log = settings.get("BENCH_LOG", args.log, None)
-    if log:
-        common.check_writable(log, "--log (BENCH_LOG)")
-    log_error = None
-    # -n (BENCH_N) is per point; by default 4 x C, at least 16, so each point has several waves.
     per_point = settings.get("BENCH_N", args.num_requests, None)
-    points, interrupted = [], False
-    target = None
-    for concurrency in levels:
-        args.concurrency = str(concurrency)
-        args.num_requests = str(per_point or max(16, 4 * concurrency))
-        cfg = loadgen.make_config(args, settings)
-        if target is None:
+    configs = [loadgen.make_config(point_args(args, c, per_point), settings) for c in levels]  # all checked first
+    cfg = configs[0]  # the point being run; the SLO, lengths and log are every point's
+    if cfg["log"]:
+        common.check_writable(cfg["log"], "--log (BENCH_LOG)")
+    points, interrupted, log_error, target = [], False, None, None
+    # A Ctrl-C or SIGTERM between two points (a workload being built) ends the sweep with the points
+    # done; during a load it stops the load; from the end of a load it waits in `hold` until that
+    # point is recorded (loadgen.execute), and then ends the sweep.
+    with common.SignalHold("sweep") as hold:
+        try:
             target = loadgen.find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
-        common.progress(f"sweep: C = {concurrency}")
-        result = loadgen.execute(target, cfg, hold)
-        result.pop("records")
-        if cfg["log"] and not log_error:
-            try:  # each point's entry at once (atomically): an interrupted sweep keeps the points done
-                common.append_log(cfg["log"], common.render_log_entry(result, loadgen.TEMPLATE))
-            except OSError as exc:
-                log_error = f"the result is printed above, but --log {cfg['log']} was not written: {exc.strerror or exc}"
-        points.append(point_summary(concurrency, result))
-        if result["interrupted"]:
+            for cfg in configs:
+                common.progress(f"sweep: C = {cfg['concurrency']}")
+                result = loadgen.execute(target, cfg, hold)
+                result.pop("records")
+                points.append(point_summary(cfg["concurrency"], result))
+                if cfg["log"] and not log_error:
+                    try:  # each point's entry at once (atomically): an interrupted sweep keeps the points done
+                        common.append_log(cfg["log"], common.render_log_entry(result, loadgen.TEMPLATE))
+                    except OSError as exc:
+                        log_error = (f"the result is printed above, but --log {cfg['log']} was not written: "
+                                     f"{exc.strerror or exc}")
+                if result["interrupted"]:
+                    interrupted = True
+                    break
+                hold.release()  # one held since the load ended is raised here, with the point recorded
+        except KeyboardInterrupt:  # between two points, or held until a point was recorded
             interrupted = True
-            break
-    has_slo = bool(points) and bool(result["slo"])
-    found = knee(points, has_slo)
-    report = {"kind": "sweep", "schema_version": 1,
-              "points": points, "knee": found, "knee_caveat": knee_caveat(points, found), "slo_set": has_slo,
-              "slo": {"ttft_p95_ms": cfg["slo_ttft_p95_ms"], "tpot_p95_ms": cfg["slo_tpot_p95_ms"]},
-              "levels": levels, "interrupted": interrupted,
-              "config": {k: cfg[k] for k in ("input_tokens", "output_tokens", "endpoint", "warmup")}
-              | {"url": target.base_url if target else None, "model": target.model if target else None}}
-    common.emit(report, human(report), args.json)
+            with common.signals_blocked(*common.STOP_SIGNALS):
+                hold.start()
+        has_slo = bool(points) and (cfg["slo_ttft_p95_ms"] is not None or cfg["slo_tpot_p95_ms"] is not None)
+        found = knee(points, has_slo)
+        report = {"kind": "sweep", "schema_version": 1,
+                  "points": points, "knee": found, "knee_caveat": knee_caveat(points, found), "slo_set": has_slo,
+                  "slo": {"ttft_p95_ms": cfg["slo_ttft_p95_ms"], "tpot_p95_ms": cfg["slo_tpot_p95_ms"]},
+                  "levels": levels, "interrupted": interrupted,
+                  "config": {k: cfg[k] for k in ("input_tokens", "output_tokens", "endpoint", "warmup")}
+                  | {"url": target.base_url if target else None, "model": target.model if target else None}}
+        printed = common.emit(report, human(report), args.output)
     if log_error:
         print(f"error: {log_error}", file=sys.stderr)
         return common.EXIT_OUTPUT
-    return exit_code(report)
+    return printed or exit_code(report)
 
 
 @common.entry

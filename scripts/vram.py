@@ -242,8 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result, inp = run(args)
         if not args.no_roofline and inp.gpu.get("bandwidth_tb_s"):
             result["roofline"] = physics.roofline(inp, result)
-        common.emit(result, render(result), args.json)
-        return common.EXIT_OK if result["fits"] else common.EXIT_CHECK_FAILED
+        printed = common.emit(result, render(result), args.output)
+        return printed or (common.EXIT_OK if result["fits"] else common.EXIT_CHECK_FAILED)
 
     return common.run_main(body)
 

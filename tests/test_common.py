@@ -1,6 +1,9 @@
 """common.py: settings precedence, inference.env parsing, URL checks, error mapping."""
 from __future__ import annotations
 
+import json
+import signal
+
 import httpx
 import pytest
 
@@ -131,3 +134,55 @@ def test_bad_flags_are_one_line_and_exit_2(capsys, argv, message):
         p.parse_args(argv)
     err = capsys.readouterr().err
     assert stopped.value.code == common.EXIT_USAGE and err == message + "\n"
+
+
+def output_of(argv: list[str]) -> common.Output:
+    p = common.parser("Does a thing.\n")
+    common.add_output_args(p)
+    return p.parse_args(argv).output
+
+
+def test_json_and_json_out_fill_one_output(tmp_path):
+    out = str(tmp_path / "r.json")
+    assert output_of([]) == common.Output(json=False, file="")
+    assert output_of(["--json"]) == common.Output(json=True, file="")
+    assert output_of(["--json-out", out]) == common.Output(json=False, file=out)
+    assert output_of(["--json-out", out, "--json"]) == common.Output(json=True, file=out)
+    assert output_of(["--json-out", ""]) == common.Output()  # an empty flag means not given
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["human", "json"])
+def test_emit_prints_and_writes_the_same_document(tmp_path, capsys, as_json):
+    out = tmp_path / "r.json"
+    result = {"value": float("nan"), "name": "x"}
+    assert common.emit(result, "the human text", common.Output(json=as_json, file=str(out))) == common.EXIT_OK
+    printed = capsys.readouterr().out
+    assert out.read_text() == common.json_text(result) and json.loads(out.read_text()) == {"value": None, "name": "x"}
+    assert printed == (out.read_text() if as_json else "the human text\n")
+
+
+def test_emit_reports_a_file_it_could_not_write_after_printing(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    target = tmp_path / "a-file" / "r.json"  # its folder is a file, as root too
+    code = common.emit({"value": 1}, "the human text", common.Output(file=str(target)))
+    captured = capsys.readouterr()
+    assert code == common.EXIT_OUTPUT and captured.out == "the human text\n"
+    [line] = captured.err.splitlines()
+    assert line.startswith(f"error: the result is printed above, but --json-out {target} was not written")
+
+
+def test_signal_hold_notes_signals_and_raises_one_on_release(capsys):
+    with common.SignalHold("test") as hold:
+        with pytest.raises(KeyboardInterrupt):  # not started: Ctrl-C as usual
+            signal.raise_signal(signal.SIGINT)
+        hold.start()
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+        assert hold.noted == [signal.SIGTERM, signal.SIGINT]
+        assert capsys.readouterr().err.count("test: finishing: the results are being written") == 2
+        with pytest.raises(KeyboardInterrupt):  # what was held is obeyed on release
+            hold.release()
+        assert hold.noted == [] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        hold.release()  # nothing held: nothing raised
+        hold.start()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -2,26 +2,31 @@
 
 Each script runs against a paced fake server (tests/fault_server.py: healthy answers, slowly),
 so that the signal comes mid-run, after the first results (the test waits for the script's own
-progress line, not for a clock). Then: exit 130, the JSON on stdout valid and marked
-interrupted with what was measured, --records and --log complete and parseable, no traceback.
+progress line, or for the fake server to see a request, not for a clock). Then: exit 130, the
+JSON on stdout valid and marked interrupted with what was measured, the same document in the
+--json-out file, --records and --log complete and parseable, no traceback.
 
 Through `task`: go-task 3.54 does not pass a signal on to the command it runs; it prints
 `task: Signal received: ...` on stdout and waits. A terminal (Ctrl-C), GNU `timeout` and most
 supervisors signal the whole process group, which reaches the script; that is what is tested
 here, with `task -x` (the script's exit code instead of go-task's 201). The go-task line is on
-stdout too, before or after the JSON: references/faults.md says so and how to drop it.
+stdout too, before or after the JSON; the --json-out file holds the JSON alone
+(references/faults.md says so).
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -68,18 +73,25 @@ def through_task(args: list[str], task_name: str) -> list[str]:
         pytest.skip(str(exc))
 
 
-def interrupt(cmd: list[str], tmp: Path, marker: str, signum: int, twice: bool = False,
-              bound_s: float = BOUND_S, delay_s: float = 0.0) -> tuple[int, str, str]:
+def interrupt(cmd: list[str], tmp: Path, marker: str | threading.Event, signum: int, twice: bool = False,
+              bound_s: float = BOUND_S, delay_s: float = 0.0,
+              then: Callable[[], None] = lambda: None) -> tuple[int, str, str]:
+    """Run `cmd`, signal its process group once `marker` is on its stderr (or, an event, is set:
+    the fake server saw the request it waits for), call `then`; (exit code, stdout, stderr)."""
     out, err = tmp / "stdout", tmp / "stderr"
+
+    def arrived() -> bool:
+        return marker.is_set() if isinstance(marker, threading.Event) else marker in err.read_text()
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, cwd=tmp, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", "INFER_API_KEY": "sk-interrupt-key"})
         deadline = time.monotonic() + BOUND_S
-        while marker not in err.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        while not arrived() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(delay_s)
         assert proc.poll() is None, f"ended before the signal: {err.read_text()[-500:]}"
         os.killpg(proc.pid, signum)  # the process group, as a terminal's Ctrl-C does
+        then()
         while twice:  # again and again until the result is out: none of them may lose it
             time.sleep(0.02)
             if out.read_text() or proc.poll() is not None:
@@ -104,6 +116,8 @@ def check(script: str, code: int, out: str, err: str, tmp: Path, via_task: bool,
         out = "\n".join(line for line in lines if not line.startswith("task: "))
     result = json.loads(out)
     assert "sk-interrupt-key" not in out + err
+    # The --json-out file is the one JSON document alone, go-task's line or not.
+    assert json.loads((tmp / "out.json").read_text()) == result
     if script == "bench":
         assert result["interrupted"] and result["requests"]["completed"] >= 1
         lines = (tmp / "records.jsonl").read_text().splitlines()
@@ -120,7 +134,7 @@ def check(script: str, code: int, out: str, err: str, tmp: Path, via_task: bool,
     elif script == "accept":
         assert result["interrupted"] and "## " in (tmp / "log.md").read_text()
     elif script == "metrics":
-        assert result["seconds"] is not None
+        assert result["interrupted"] and result["seconds"] is not None
 
 
 SCRIPT_NAMES = ["bench", "sweep", "metrics", "ppl", "smoke_toolcall", "accept"]
@@ -130,7 +144,8 @@ SCRIPT_NAMES = ["bench", "sweep", "metrics", "ppl", "smoke_toolcall", "accept"]
 @pytest.mark.parametrize("script", SCRIPT_NAMES)
 def test_interrupted_script_keeps_its_results(server, tmp_path, script, signum):
     args, _, marker = case(script, server, tmp_path)
-    code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--json"], tmp_path, marker, signum)
+    code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--json", "--json-out", "out.json"],
+                               tmp_path, marker, signum)
     check(script, code, out, err, tmp_path, via_task=False)
 
 
@@ -138,15 +153,16 @@ def test_interrupted_script_keeps_its_results(server, tmp_path, script, signum):
 @pytest.mark.parametrize("script", SCRIPT_NAMES)
 def test_interrupted_through_task_keeps_its_results(server, tmp_path, script, signum):
     args, task_name, marker = case(script, server, tmp_path)
-    code, out, err = interrupt(through_task(args, task_name) + ["--json"], tmp_path, marker, signum)
+    code, out, err = interrupt(through_task(args, task_name) + ["--json", "--json-out", "out.json"], tmp_path, marker,
+                               signum)
     check(script, code, out, err, tmp_path, via_task=True)
 
 
 @pytest.mark.parametrize("script", ["bench", "sweep"])
 def test_more_ctrl_c_do_not_lose_the_result(server, tmp_path, script):
     args, _, marker = case(script, server, tmp_path)
-    code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--json"], tmp_path, marker,
-                               signal.SIGINT, twice=True)
+    code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--json", "--json-out", "out.json"],
+                               tmp_path, marker, signal.SIGINT, twice=True)
     # A Ctrl-C that lands after the result is out ends Python by SIGINT, which a shell also
     # reports as 130; what matters is that the result and the files are all there.
     check(script, code, out, err, tmp_path, via_task=False, codes=(130, -signal.SIGINT))
@@ -164,11 +180,81 @@ def test_bench_final_scrape_after_ctrl_c_honours_timeout(tmp_path):
         return slow(request)
     with fault_server(fault) as url:
         args, _, marker = case("bench", url, tmp_path)
-        code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--timeout", "1", "--json"],
-                                   tmp_path, marker, signal.SIGINT, bound_s=20)
+        code, out, err = interrupt([sys.executable, str(SCRIPTS / args[0]), *args[1:], "--timeout", "1", "--json",
+                                    "--json-out", "out.json"], tmp_path, marker, signal.SIGINT, bound_s=20)
     check("bench", code, out, err, tmp_path, via_task=False)
     server = json.loads(out)["server"]
     assert server["metrics"] is None and "metrics" in server["metrics_note"], server
+
+
+def quick_load(script: str, url: str) -> list[str]:
+    """A short unpaced run of bench (8 requests) or sweep (C = 1, 2; 8 each) with --json and
+    --json-out out.json, no /metrics timeline: the only scrapes are before and after each load."""
+    load = ["--url", url, "-n", "8", "--warmup", "0", "--input-tokens", "16", "--output-tokens", "4",
+            "--timeline-interval", "0", "--log", "log.md", "--json", "--json-out", "out.json"]
+    return [sys.executable, str(SCRIPTS / f"{script}.py"), *load, *(["--sweep-c", "1,2"] if script == "sweep" else [])]
+
+
+def log_entries(tmp: Path) -> int:
+    return len(re.findall(r"^## ", (tmp / "log.md").read_text(), re.M))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_sweep_interrupted_between_points_keeps_the_points_done(tmp_path, signum):
+    """The signal lands while the second point builds its prompts (its /tokenize calls are held
+    until then), outside any load: the report holds the first point, marked interrupted."""
+    streamed, building, go_on = [], threading.Event(), threading.Event()
+
+    def fault(request):
+        if request.path == "/v1/completions":
+            streamed.append(1)
+        elif request.path == "/tokenize" and streamed:  # after the first load: the second point is building
+            building.set()
+            go_on.wait(BOUND_S)
+        return None
+    try:
+        with fault_server(fault) as url:
+            code, out, err = interrupt(quick_load("sweep", url), tmp_path, building, signum, then=go_on.set)
+    finally:
+        go_on.set()
+    assert code == 130 and "Traceback" not in err, err[-800:]
+    assert "sweep: C = 2" in err
+    report = json.loads(out)
+    assert report["interrupted"] and [p["concurrency"] for p in report["points"]] == [1], report["points"]
+    assert report["points"][0]["completed"] == 8
+    assert json.loads((tmp_path / "out.json").read_text()) == report
+    assert log_entries(tmp_path) == 1
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("script", ["bench", "sweep"])
+def test_signal_during_the_last_scrape_keeps_the_whole_result(tmp_path, script, signum):
+    """The load is over and /metrics is read once more (held open until the signal has landed):
+    the signal waits, the scrape completes, and the result is whole, marked interrupted. sweep
+    stops after that point."""
+    scrapes, scraping, go_on = [], threading.Event(), threading.Event()
+
+    def fault(request):
+        if request.path == "/metrics":
+            scrapes.append(1)
+            if len(scrapes) == 2:  # the scrape after the (first) load
+                scraping.set()
+                go_on.wait(BOUND_S)
+        return None
+    try:
+        with fault_server(fault) as url:
+            code, out, err = interrupt(quick_load(script, url), tmp_path, scraping, signum, then=go_on.set)
+    finally:
+        go_on.set()
+    assert code == 130 and "Traceback" not in err, err[-800:]
+    assert f"{script}: finishing" in err  # held, not obeyed
+    result = json.loads(out)
+    assert json.loads((tmp_path / "out.json").read_text()) == result
+    assert result["interrupted"] and log_entries(tmp_path) == 1
+    if script == "bench":
+        assert result["requests"]["completed"] == 8 and result["server"]["metrics"] is not None, result["server"]
+    else:
+        assert [(p["concurrency"], p["completed"]) for p in result["points"]] == [(1, 8)], result["points"]
 
 
 def test_ctrl_c_as_the_timeline_starts_leaves_no_traceback(server):
