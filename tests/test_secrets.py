@@ -350,7 +350,7 @@ def test_a_key_is_masked_in_its_json_and_repr_forms(capsys):
     common.add_secret(key)
 
     def body() -> int:
-        common.emit({"model": key}, "", True)
+        common.emit({"model": key}, "", common.Output(json=True))
         print(f"error: unknown model {key!r}", file=sys.stderr)
         print(json.dumps({"model": key}), file=sys.stderr)
         return 0
