@@ -11,6 +11,7 @@ which tests/test_properties.py covers as a parser.
 from __future__ import annotations
 
 import json
+import re
 import resource
 import signal
 import subprocess
@@ -130,6 +131,8 @@ def check_run(script: str, fault: str, code: int, out: str, err: str, tmp: Path)
             assert result["stopped"].startswith("server error") and len(result["windows"]) == 1
         if script == "metrics" and fault == "metrics_nan":
             assert any("NaN or Inf" in w for w in result["warnings"])
+    if fault in ("never_answers", "slow_drip_head"):  # a busy server is not an unreachable one
+        assert re.search(r"timed out after \d+ s \(--timeout 1\): .*raise --timeout", out + err), err[-300:]
 
 
 ROWS = ["healthy", *FAULTS, "refused"]

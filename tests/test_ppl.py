@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import ppl
 import perplexity
 import setup_cpu_vllm
 from fake_ppl_server import BOS, exact_nll, fake_ppl_server, token_ids
+from fault_server import Action, fault_server
 from common import cache_dir
 
 SAMPLE = perplexity.SAMPLE_TEXT.read_text(encoding="utf-8")
@@ -129,6 +131,23 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path, setup, args, message):
     port = url.rsplit(":", 1)[1]
     assert code == 2 and err.splitlines()[-1].startswith(message.format(empty=empty, port=port)), err
     assert err.count("error:") == 1
+
+
+def test_a_window_slower_than_the_timeout_says_so_and_keeps_the_windows_before(capsys):
+    completions = []
+
+    def hang_after_the_first_window(request):
+        if request.path == "/v1/completions":
+            completions.append(request)
+            if len(completions) > 1:
+                return Action(b"", "hang")
+        return None
+
+    with fault_server(hang_after_the_first_window) as url:
+        code, run_, _ = run(capsys, "--url", url, "--window", "400", "--stride", "100", "--timeout", "1")
+    assert code == 3 and len(run_["windows"]) == 1
+    assert re.fullmatch(rf"server error: {url}/v1/completions timed out after \d+ s \(--timeout 1\): "
+                        r".*raise --timeout \(task: add -- --timeout N\)", run_["stopped"]), run_["stopped"]
 
 
 @pytest.fixture(scope="module")
