@@ -980,6 +980,7 @@ def prometheus_snapshot(base_url: str, seconds: float, match: str = "",
     under `replicas` the same for each instance plus its `fleet` facts (instance, job, model,
     state: up / down / not_scraped, config: its cache settings).
     """
+    seconds = float(fleet.range_seconds(seconds))  # rates divide by the range that was asked about
     with fleet.Prometheus(base_url, auth, timeout, transport) as prom:
         engine, names = fleet.engine_names(prom, match)
         chosen = choose_metrics(engine, names)

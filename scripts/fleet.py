@@ -150,9 +150,14 @@ class Prometheus:
 # ---------------------------------------------------------------------------------------------
 # PromQL
 
+def range_seconds(seconds: float) -> int:
+    """The window as a PromQL range holds it: whole seconds, at least one."""
+    return max(1, round(seconds))
+
+
 def range_of(seconds: float) -> str:
     """A PromQL range of whole seconds: `300s`."""
-    return f"{max(1, round(seconds))}s"
+    return f"{range_seconds(seconds)}s"
 
 
 def selector(match: str, **extra: str) -> str:
