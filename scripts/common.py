@@ -431,7 +431,7 @@ def answered(where: str, timeout_s: float):
     except httpx.ConnectTimeout:  # no connection at all: a longer --timeout would not help
         raise ServerError(f"cannot reach {where}: no connection within {min(timeout_s, CONNECT_TIMEOUT_S):g} s")
     except httpx.TimeoutException:
-        raise ServerError(f"{where} timed out after {time.monotonic() - started:.0f} s (--timeout {timeout_s:g}): "
+        raise ServerError(f"{where} timed out after {round(time.monotonic() - started, 1):g} s (--timeout {timeout_s:g}): "
                           "the server is busy or the request is long; raise --timeout (task: add -- --timeout N)")
     except httpx.HTTPError as exc:
         raise ServerError(f"cannot reach {where}: {type(exc).__name__}: {exc}".rstrip(": "))

@@ -146,7 +146,7 @@ def test_a_window_slower_than_the_timeout_says_so_and_keeps_the_windows_before(c
     with fault_server(hang_after_the_first_window) as url:
         code, run_, _ = run(capsys, "--url", url, "--window", "400", "--stride", "100", "--timeout", "1")
     assert code == 3 and len(run_["windows"]) == 1
-    assert re.fullmatch(rf"server error: {url}/v1/completions timed out after \d+ s \(--timeout 1\): "
+    assert re.fullmatch(rf"server error: {url}/v1/completions timed out after [0-9.]+ s \(--timeout 1\): "
                         r".*raise --timeout \(task: add -- --timeout N\)", run_["stopped"]), run_["stopped"]
 
 
