@@ -309,6 +309,7 @@ def server_settings(args: argparse.Namespace, settings: Settings | None = None) 
 # The end of the current request (time.monotonic), per thread: every socket read ends by then.
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("deadline", default=None)
 STREAM_DEADLINE_FACTOR = 10  # a streamed answer may take ten times --timeout in all
+CONNECT_TIMEOUT_S = 10.0  # at most, to open a connection: a server that listens accepts at once
 
 
 class _DeadlineStream(httpcore.NetworkStream):
@@ -371,7 +372,7 @@ def client(base_url: str, api_key: str | None = None, timeout: float = 30.0,
         transport._pool._network_backend = _DeadlineBackend()  # noqa: SLF001
     return _Client(
         timeout, base_url=base_url, headers=headers, transport=transport,
-        timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), limits=limits,
+        timeout=httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S)), limits=limits,
     )
 
 
@@ -517,13 +518,28 @@ def parse_json(data: str | bytes) -> Any:
         raise ValueError("JSON nested too deeply")
 
 
+@contextlib.contextmanager
+def answered(where: str, timeout_s: float):
+    """Around one request to `where` (a URL, or "Prometheus at URL"): a transport failure is one
+    ServerError line (exit 3). A timeout says so, after how long and how to raise the limit: a
+    server too busy for --timeout is not an unreachable one."""
+    started = time.monotonic()
+    try:
+        yield
+    except httpx.ConnectTimeout:  # no connection at all: a longer --timeout would not help
+        raise ServerError(f"cannot reach {where}: no connection within {min(timeout_s, CONNECT_TIMEOUT_S):g} s")
+    except httpx.TimeoutException:
+        raise ServerError(f"{where} timed out after {round(time.monotonic() - started, 1):g} s (--timeout {timeout_s:g}): "
+                          "the server is busy or the request is long; raise --timeout (task: add -- --timeout N)")
+    except httpx.HTTPError as exc:
+        raise ServerError(f"cannot reach {where}: {type(exc).__name__}: {exc}".rstrip(": "))
+
+
 def get_json(http: httpx.Client, path: str, **kwargs: Any) -> Any:
     """GET/POST helper that turns transport and HTTP failures into ServerError lines."""
     method = "POST" if "json" in kwargs else "GET"
-    try:
+    with answered(f"{http.base_url}{path}", http.timeout.read):
         response = http.request(method, path, **kwargs)
-    except httpx.HTTPError as exc:
-        raise ServerError(f"cannot reach {http.base_url}{path}: {type(exc).__name__}: {exc}".rstrip(": "))
     if response.status_code >= 400:
         raise ServerError(f"{method} {path} answered HTTP {response.status_code}: {response.text[:200].strip()}")
     try:

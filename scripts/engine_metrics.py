@@ -944,16 +944,13 @@ def scrape(url: str, api_key: str | None = None, timeout: float = 30.0,
     target = metrics_url(url)
     base, path = target.rsplit("/", 1)
     with common.client(base, api_key, timeout, max_connections=1, transport=transport) as http:
-        try:
-            with http.stream("GET", "/" + path) as response:
-                body, size = [], 0
-                for piece in response.iter_bytes():
-                    body.append(piece)
-                    size += len(piece)
-                    if size > MAX_SCRAPE_BYTES:
-                        raise InvalidScrape(f"{target} sent more than {MAX_SCRAPE_BYTES:,} bytes: not a metrics page")
-        except httpx.HTTPError as exc:
-            raise ServerError(f"cannot reach {target}: {type(exc).__name__}: {exc}".rstrip(": "))
+        with common.answered(target, timeout), http.stream("GET", "/" + path) as response:
+            body, size = [], 0
+            for piece in response.iter_bytes():
+                body.append(piece)
+                size += len(piece)
+                if size > MAX_SCRAPE_BYTES:
+                    raise InvalidScrape(f"{target} sent more than {MAX_SCRAPE_BYTES:,} bytes: not a metrics page")
     text = b"".join(body).decode(response.encoding or "utf-8", errors="replace")
     if response.status_code == 404:
         raise ServerError(f"GET {target} answered HTTP 404: no metrics there "
@@ -983,6 +980,7 @@ def prometheus_snapshot(base_url: str, seconds: float, match: str = "",
     under `replicas` the same for each instance plus its `fleet` facts (instance, job, model,
     state: up / down / not_scraped, config: its cache settings).
     """
+    seconds = float(fleet.range_seconds(seconds))  # rates divide by the range that was asked about
     with fleet.Prometheus(base_url, auth, timeout, transport) as prom:
         engine, names = fleet.engine_names(prom, match)
         chosen = choose_metrics(engine, names)

@@ -90,7 +90,7 @@ class Prometheus:
         self.at = time.time()
         self.http = httpx.Client(base_url=self.url, transport=transport,
                                  auth=(auth.user, auth.password) if auth.password else None,
-                                 timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)))
+                                 timeout=httpx.Timeout(timeout, connect=min(timeout, common.CONNECT_TIMEOUT_S)))
 
     def __enter__(self) -> "Prometheus":
         return self
@@ -105,9 +105,10 @@ class Prometheus:
         """The result vector of an instant query: [{"metric": {...}, "value": [t, "v"]}, ...]."""
         where = f"Prometheus at {self.url}"
         try:
-            response = self.http.get("/api/v1/query", params={"query": expr, "time": f"{self.at:.3f}"})
-        except httpx.HTTPError as exc:
-            raise self._fail(ServerError, f"cannot reach {where}: {type(exc).__name__}: {exc}".rstrip(": "))
+            with common.answered(where, self.http.timeout.read):
+                response = self.http.get("/api/v1/query", params={"query": expr, "time": f"{self.at:.3f}"})
+        except ServerError as exc:
+            raise self._fail(ServerError, str(exc))
         if response.status_code in (401, 403):
             raise self._fail(ServerError, f"{where} answered HTTP {response.status_code}: set PROMETHEUS_USER "
                                           "and PROMETHEUS_PASSWORD (basic auth)")
@@ -149,9 +150,14 @@ class Prometheus:
 # ---------------------------------------------------------------------------------------------
 # PromQL
 
+def range_seconds(seconds: float) -> int:
+    """The window as a PromQL range holds it: whole seconds, at least one."""
+    return max(1, round(seconds))
+
+
 def range_of(seconds: float) -> str:
     """A PromQL range of whole seconds: `300s`."""
-    return f"{max(1, round(seconds))}s"
+    return f"{range_seconds(seconds)}s"
 
 
 def selector(match: str, **extra: str) -> str:

@@ -1317,8 +1317,10 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
     stalled = stalls(lag_ms, threshold, probed_s)
     if errors.get("client_fd_limit"):
         valid = False
-        invalid_reasons.append(f"the client ran out of file descriptors for {errors['client_fd_limit']} requests: "
-                               "raise the limit (ulimit -n 65536) and run again; the server is not at fault")
+        # First: it makes the run invalid whatever else the client did (a busy host may also have
+        # stalled it), and no other remedy helps before it.
+        invalid_reasons.insert(0, f"the client ran out of file descriptors for {errors['client_fd_limit']} requests: "
+                                  "raise the limit (ulimit -n 65536) and run again; the server is not at fault")
     slo = slo_check(ttft["p95"], tpot["p95"], config.get("slo_ttft_p95_ms"), config.get("slo_tpot_p95_ms"))
     good = [o for o in done if all(
         (name != "ttft_p95_ms" or o.ttft_ms <= c["target"]) and

@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "$PROMETHEUS_PASSWORD)")
     p.add_argument("--match", default="", help="PromQL label matchers for --prometheus, e.g. 'model_name=\"x\"'")
     p.add_argument("--window", default="", help="seconds between two scrapes (the interval of two files; "
-                                                "the range for --prometheus, default 300)")
+                                                "the range for --prometheus, whole seconds, default 300)")
     p.add_argument("--watch", default="", help="refresh every N seconds until Ctrl-C (JSON: one line each)")
     p.add_argument("--count", type=int, default=0, help="with --watch: stop after this many refreshes (0: never)")
     p.add_argument("--gpu", default="", help="GPU name from scripts/catalog/gpus.yaml, for MFU (else $GPU)")
@@ -213,15 +213,15 @@ def results(opts: Options, replicas: list[dict[str, Any]]) -> tuple[dict[str, An
 
 def fleet_results(opts: Options) -> tuple[dict[str, Any], str]:
     """The fleet's report from Prometheus, each replica's, and the fleet findings first."""
-    seconds = opts.window or 300.0
-    snap = engine_metrics.prometheus_snapshot(opts.prometheus, seconds, opts.match, opts.prometheus_auth, opts.timeout)
+    snap = engine_metrics.prometheus_snapshot(opts.prometheus, opts.window or 300.0, opts.match, opts.prometheus_auth,
+                                              opts.timeout)
     total = engine_metrics.report(snap, opts.gpu, opts.slo)
     replicas = []
     for replica in snap["replicas"]:
         replicas.append({**engine_metrics.report(replica, opts.gpu, opts.slo), **replica["fleet"]})
     found = fleet.findings(replicas, engine_metrics.FLAGS[snap["engine"]], engine_metrics.QUEUE_SHARE, engine_metrics.PREFIX_LONG_PROMPT)
     total["replicas"] = replicas
-    total["fleet"] = {"prometheus": snap["source"], "window_s": seconds, "replicas": len(replicas),
+    total["fleet"] = {"prometheus": snap["source"], "window_s": snap["seconds"], "replicas": len(replicas),
                       "up": sum(1 for r in replicas if r["state"] == "up"),
                       "down": [r["instance"] for r in replicas if r["state"] != "up"]}
     total["diagnosis"] = found + total["diagnosis"]

@@ -64,12 +64,8 @@ def ids_sha256(ids: Sequence[int]) -> str:
 
 
 def post(http, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    import httpx
-
-    try:
+    with common.answered(f"{http.base_url}{path}", http.timeout.read):
         response = http.post(path, json=body)
-    except httpx.HTTPError as exc:
-        raise ServerError(f"cannot reach {http.base_url}{path}: {type(exc).__name__}: {exc}")
     if response.status_code == 404:
         raise UsageError(f"{http.base_url} has no {path} endpoint: is it vLLM (--api vllm) or SGLang (--api sglang)?")
     if response.status_code >= 400:

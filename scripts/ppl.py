@@ -26,8 +26,9 @@ Examples:
   task infer:ppl INFER_URL=http://127.0.0.1:8000 TEXT=my.txt -- --window 1024 --stride 256
 
 Exit codes: 0 measured (compare: PASS or WARN), 1 compare: FAIL, 2 usage error (empty text, bad
-window, runs that cannot be compared, a server without logprobs), 3 server unreachable or failing
-(the windows scored so far are printed), 130 interrupted by Ctrl-C or SIGTERM (likewise).
+window, runs that cannot be compared, a server without logprobs), 3 server unreachable, failing or
+slower than --timeout for one window (the windows scored so far are printed; a long window on a busy
+CPU may need --timeout 600), 130 interrupted by Ctrl-C or SIGTERM (likewise).
 """
 from __future__ import annotations
 

@@ -284,23 +284,20 @@ def merge_stream(chunks: Sequence[dict[str, Any]]) -> Answer:
 
 def send(http, body: dict[str, Any]) -> Answer:
     """POST a chat request; a no-tool-parser 400 is a ConfigError, other failures ServerError."""
-    import httpx
-
     try:
-        if not body["stream"]:
-            response = http.post("/v1/chat/completions", json=body)
-            raise_for_config(response.status_code, response.text)
-            if response.status_code != 200:
-                raise ServerError(f"HTTP {response.status_code}: {response.text[:200].strip()}")
-            return plain_answer(common.parse_json(response.content))
-        with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                text = response.read().decode(errors="replace")
-                raise_for_config(response.status_code, text)
-                raise ServerError(f"HTTP {response.status_code}: {text[:200].strip()}")
-            return merge_stream(list(sse_events(response.iter_lines())))
-    except httpx.HTTPError as exc:
-        raise ServerError(f"{type(exc).__name__}: {exc}")
+        with common.answered(f"{http.base_url}/v1/chat/completions", http.timeout.read):
+            if not body["stream"]:
+                response = http.post("/v1/chat/completions", json=body)
+                raise_for_config(response.status_code, response.text)
+                if response.status_code != 200:
+                    raise ServerError(f"HTTP {response.status_code}: {response.text[:200].strip()}")
+                return plain_answer(common.parse_json(response.content))
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    text = response.read().decode(errors="replace")
+                    raise_for_config(response.status_code, text)
+                    raise ServerError(f"HTTP {response.status_code}: {text[:200].strip()}")
+                return merge_stream(list(sse_events(response.iter_lines())))
     except ValueError as exc:
         raise ServerError(f"the answer is not valid JSON ({exc})")
     except (AttributeError, TypeError, KeyError) as exc:

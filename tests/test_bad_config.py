@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -132,6 +134,18 @@ def test_nan_in_a_scrape_is_never_printed_as_nan(tmp_path, capsys):
     assert any("NaN or Inf" in w for w in result["warnings"])
 
 
+def run_bench_as_a_user(argv: list[str], cwd) -> tuple[int, str]:
+    """bench in a process that writes as a user does. Root writes to a read-only file by the
+    capability CAP_DAC_OVERRIDE: as root (CI), bench runs without it (setpriv drops it from the
+    bounding set, so the exec'd Python never has it); still root, it reads everything it did."""
+    command = [sys.executable, bench.__file__, *argv]
+    if os.geteuid() == 0:
+        command = ["setpriv", "--bounding-set=-dac_override", "--", *command]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=120)
+    assert "Traceback" not in done.stderr
+    return done.returncode, done.stderr
+
+
 @pytest.mark.parametrize("target", ["directory", "read-only file", "parent is a file"])
 def test_an_unwritable_output_path_is_refused_before_the_run(target, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -139,13 +153,14 @@ def test_an_unwritable_output_path_is_refused_before_the_run(target, tmp_path, m
     if target == "directory":
         path.mkdir()
     elif target == "read-only file":
-        if os.geteuid() == 0:
-            pytest.skip("root writes to read-only files")
         path.write_text("old")
         path.chmod(0o444)
     else:
         path.write_text("a file")
         path = path / "log.md"
     for flag in ("--records", "--log"):
-        code, err = run(bench.main, ["--url", refused_url(), flag, str(path)], capsys)
+        argv = ["--url", refused_url(), flag, str(path)]
+        code, err = run_bench_as_a_user(argv, tmp_path) if target == "read-only file" else run(bench.main, argv, capsys)
         assert code == 2 and flag in one_error_line(err) and "cannot reach" not in err
+    if target == "read-only file":
+        assert path.read_text() == "old"

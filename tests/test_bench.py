@@ -310,6 +310,15 @@ def test_verdicts_and_exit_codes():
     assert none["verdict"] == "NO SLO" and loadgen.exit_code(none) == 0
 
 
+def test_out_of_file_descriptors_comes_first_when_the_client_also_stalled():
+    outcomes = [_done(i, 100, 10) for i in range(10)] + [loadgen.Outcome(10, error="client_fd_limit")]
+    stalled = loadgen.analyse(outcomes, _config(), [0.01] * 50 + [300.0] * 5, 1, 1)
+    assert stalled["verdict"] == "INVALID" and loadgen.exit_code(stalled) == 4
+    reasons = stalled["verdict_reasons"]
+    assert reasons[0].startswith("the client ran out of file descriptors for 1 requests: raise the limit (ulimit -n")
+    assert any(r.startswith("the client stalled 1.5 s of the 1.0 s run") for r in reasons[1:]), reasons
+
+
 def test_a_failed_request_fails_the_verdict():
     outcomes = [_done(i, 100, 10) for i in range(10)] + [loadgen.Outcome(10, error="http_5xx", detail="HTTP 500")]
     result = loadgen.analyse(outcomes, _config(slo_ttft_p95_ms=1000), [0.01], 1, 2)

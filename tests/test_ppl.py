@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import ppl
 import perplexity
 import setup_cpu_vllm
 from fake_ppl_server import BOS, exact_nll, fake_ppl_server, token_ids
+from fault_server import Action, fault_server
 from common import cache_dir
 
 SAMPLE = perplexity.SAMPLE_TEXT.read_text(encoding="utf-8")
@@ -131,6 +133,29 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path, setup, args, message):
     assert err.count("error:") == 1
 
 
+def test_a_window_slower_than_the_timeout_says_so_and_keeps_the_windows_before(capsys):
+    completions = []
+
+    def hang_after_the_first_window(request):
+        if request.path == "/v1/completions":
+            completions.append(request)
+            if len(completions) > 1:
+                return Action(b"", "hang")
+        return None
+
+    with fault_server(hang_after_the_first_window) as url:
+        code, run_, _ = run(capsys, "--url", url, "--window", "400", "--stride", "100", "--timeout", "1")
+    assert code == 3 and len(run_["windows"]) == 1
+    assert re.fullmatch(rf"server error: {url}/v1/completions timed out after [0-9.]+ s \(--timeout 1\): "
+                        r".*raise --timeout \(task: add -- --timeout N\)", run_["stopped"]), run_["stopped"]
+
+
+# One window of 2,048 tokens with prompt logprobs takes about a second on a quiet CPU, and no
+# one can say how long on a 2-core host running several engines at load 16 (runs there stopped
+# after their first windows with ppl's default 30 s): 600 s only bounds a hang.
+REAL_TIMEOUT = ["--timeout", "600"]
+
+
 @pytest.fixture(scope="module")
 def trained_vllm(vllm_factory):
     with vllm_factory(model="tiny-qwen3-trained", sets=["enable_prefix_caching=false"]) as server:
@@ -140,10 +165,10 @@ def trained_vllm(vllm_factory):
 @pytest.mark.real_vllm
 @pytest.mark.parametrize("window, stride", [(None, None), (256, 64)])
 def test_perplexity_through_the_api_equals_transformers(trained_vllm, capsys, window, stride):
-    args = ["--url", trained_vllm.url] + (["--window", str(window), "--stride", str(stride)] if window else [])
-    code, run_, _ = run(capsys, *args)
-    assert code == 0 and run_["model"] == "tiny-qwen3-trained"
-    with common.client(trained_vllm.url) as http:
+    args = ["--url", trained_vllm.url, *REAL_TIMEOUT] + (["--window", str(window), "--stride", str(stride)] if window else [])
+    code, run_, err = run(capsys, *args)
+    assert code == 0 and run_["model"] == "tiny-qwen3-trained", run_["stopped"] if run_ else err
+    with common.client(trained_vllm.url, timeout=600) as http:
         prefix, ids = perplexity.tokenize(http, "vllm", run_["model"], SAMPLE)
     sequence = prefix + ids
     assert perplexity.ids_sha256(sequence) == run_["token_ids_sha256"]
@@ -163,8 +188,9 @@ def test_perplexity_through_the_api_equals_transformers(trained_vllm, capsys, wi
 def test_text_longer_than_the_context_is_scored_in_windows(trained_vllm, capsys, tmp_path):
     long_text = tmp_path / "long.txt"
     long_text.write_text((SAMPLE + "\n") * 6, encoding="utf-8")
-    code, run_, err = run(capsys, "--url", trained_vllm.url, "--text", str(long_text))
-    assert code == 0 and run_["tokens"] > 4096 and len(run_["windows"]) > 1
+    code, run_, err = run(capsys, "--url", trained_vllm.url, "--text", str(long_text), *REAL_TIMEOUT)
+    assert code == 0, run_["stopped"] if run_ else err
+    assert run_["tokens"] > 4096 and len(run_["windows"]) > 1
     assert run_["window"] == 2048 and run_["scored_tokens"] == run_["tokens"] - 1
     assert f"the text is {run_['tokens']:,} tokens, longer than one window of 2,048: scoring" in err
 
