@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_server import ServerUnavailable, running_vllm  # noqa: E402
+from vllm_server import ServerUnavailable, running_vllm, task_exe  # noqa: E402
 
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -45,6 +45,12 @@ def _started(log_dir: Path, **kwargs):
         yield server
     finally:
         cm.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def task() -> str:
+    """The `task` (go-task) the project installs (go-task-bin): missing, the install is broken."""
+    return task_exe()
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,6 @@ import pytest
 
 import common
 from fault_server import FAULTS, fault_server
-from vllm_server import ServerUnavailable, task_exe
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
@@ -159,14 +158,6 @@ ROWS: dict[str, Row] = {
     "compare/inference.env": Row(("compare", "{inputs}/bench.json", "{inputs}/bench.json"), "*** @ http",
                                  key_from="inference.env"),
 }
-
-
-@pytest.fixture(scope="module")
-def task():
-    try:
-        return task_exe()
-    except ServerUnavailable as exc:
-        pytest.skip(str(exc))
 
 
 def clean_env(tmp: Path) -> dict[str, str]:

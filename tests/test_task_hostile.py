@@ -22,20 +22,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_server import ServerUnavailable, task_exe
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLBOX = ROOT / "roofline-toolbox" / "Taskfile.yml"
 HOSTILE = "it's \"q\" $(touch {d}/PWNED1) `touch {d}/PWNED2`; touch {d}/PWNED3 | x & y\nline2 *"
 PAIR = re.compile(r"(--?[\w-]+) \{\{\.(\w+)(?: \| default \"[^\"]*\")? \| q\}\}")
-
-
-@pytest.fixture(scope="module")
-def task():
-    try:
-        return task_exe()
-    except ServerUnavailable as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture
