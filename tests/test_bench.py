@@ -584,20 +584,22 @@ def _bucket_shifts(delta: dict, records: list[dict], concept: str, key: str) -> 
     return [o - s for o, s in zip(our_ranks, server_ranks)]
 
 
-def _measure_against_vllm(url: str, capsys, records: Path) -> tuple[dict, list[dict], dict]:
+def _measure_against_vllm(server, capsys, records: Path) -> tuple[dict, list[dict], dict]:
+    url = server.url
     before = _scrape(url)
     # No /metrics scrapes during the run: vLLM's API server renders each page between token
     # writes, a delay the engine's histograms do not hold (this test compares to the bucket).
+    # Plain words only: every stream carries text (vllm_server.Server.plain_words_body).
     code, result = _run(capsys, url, "-n", "12", "-c", "4", "--input-tokens", "200",
                         "--output-tokens", "24", "--warmup", "2", "--records", str(records),
-                        "--timeline-interval", "0")
+                        "--timeline-interval", "0", "--extra-body", server.plain_words_body())
     delta = engine_metrics.difference(before, _scrape(url))
     return result, [json.loads(line) for line in records.read_text().splitlines()], delta
 
 
 @pytest.mark.real_vllm
 def test_real_vllm_counts_and_latencies_match_the_server(vllm_server, capsys, tmp_path):
-    result, records, delta = _measure_against_vllm(vllm_server.url, capsys, tmp_path / "r.jsonl")
+    result, records, delta = _measure_against_vllm(vllm_server, capsys, tmp_path / "r.jsonl")
     assert result["requests"]["completed"] == 12, result["requests"]["first_errors"]
     assert result["config"]["prompt_tokenizer"] == "server /tokenize"
     # Exact prompts and outputs, by the server's own count; warm-up requests are in both.
@@ -619,7 +621,7 @@ def test_real_vllm_counts_and_latencies_match_the_server(vllm_server, capsys, tm
 def test_real_vllm_chat_with_a_shared_prefix(vllm_server, capsys):
     code, result = _run(capsys, vllm_server.url, "-n", "6", "-c", "3", "--input-tokens", "300",
                         "--output-tokens", "8", "--endpoint", "chat", "--shared-prefix", "200",
-                        "--warmup", "0", "--log", os.devnull)
+                        "--warmup", "0", "--log", os.devnull, "--extra-body", vllm_server.plain_words_body())
     assert result["requests"]["completed"] == 6, result["requests"]["first_errors"]
     assert result["requests"]["prompt_tokens"]["min"] == result["requests"]["prompt_tokens"]["max"] == 300
     assert result["requests"]["output_tokens"]["short"] == 0

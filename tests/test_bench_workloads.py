@@ -432,7 +432,7 @@ def test_real_vllm_sharegpt_with_a_timeline(vllm_server, capsys):
     requests = 4 * len(workload.read_sharegpt(str(SHAREGPT), len))
     code, result = _bench(capsys, "--url", vllm_server.url, "--sharegpt", str(SHAREGPT), "--endpoint", "chat",
                           "-n", str(requests), "-c", "3", "--warmup", "0", "--timeline-interval", "0.5",
-                          "--probe", "/health")
+                          "--probe", "/health", "--extra-body", vllm_server.plain_words_body())
     assert result["requests"]["completed"] == requests, result["requests"]["first_errors"]
     assert result["requests"]["output_tokens"]["short"] == 0
     samples = result["timeline"]["samples"]

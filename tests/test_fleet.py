@@ -27,7 +27,7 @@ import fleet as fleet_findings
 import profiles
 from markdown_doc import SKILLS
 from prometheus_server import running_prometheus
-from test_metrics import QUEUEING_OUTPUTS, send_load
+from test_metrics import QUEUEING_PROMPTS, send_load
 from vllm_server import ServerUnavailable
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -122,14 +122,14 @@ def window_of(m: Measured) -> int:
 
 def queued_load(fleet, monkeypatch, capsys, servers: list, seed: int) -> tuple[Measured, dict, int]:
     """`measured` around 12 requests at once to each of `servers` (max_num_seqs 2), and the
-    Prometheus report of that window (and its --window), repeated with longer outputs until each
-    of them queued: a busy host may admit requests so slowly that short ones never wait (12 x 64
-    tokens drained with no queue on a loaded 2-core machine), and its scrapes may miss the
-    waiting gauge."""
-    for output_tokens in QUEUEING_OUTPUTS:
+    Prometheus report of that window (and its --window), repeated with longer prompts until each
+    of them queued. The load is prefill-heavy (test_metrics.QUEUEING_PROMPTS says why): with long
+    outputs a starved API server, not the engine, held requests back, and the engine's queue
+    stayed nearly empty (12 x 64-token prompts drained with no queue on a loaded 2-core machine)."""
+    for prompt_tokens in QUEUEING_PROMPTS:
         def load() -> None:
             with ThreadPoolExecutor(len(servers)) as pool:
-                list(pool.map(lambda s: send_load(s.url, s.model, 12, 12, 64, output_tokens, seed=seed), servers))
+                list(pool.map(lambda s: send_load(s.url, s.model, 12, 12, prompt_tokens, 16, seed=seed), servers))
         m = measured(fleet, load)
         seconds = window_of(m)
         code, report, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", str(seconds))

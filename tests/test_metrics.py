@@ -487,9 +487,6 @@ class TestOneServer:
         assert [f["bottleneck"] for f in r["diagnosis"]] == ["prefix_cache"]
 
 
-# Output lengths to try until a load queues: a busy host may admit requests so slowly that
-# short ones never wait for a slot (16 x 256 tokens on max_num_seqs=2 queued 11% of the time).
-QUEUEING_OUTPUTS = (256, 1024, 3072)
 
 
 def window_report(url: str, tmp_path, capsys, load) -> dict:
