@@ -39,9 +39,8 @@ from typing import Any, Iterable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from loadgen import summarize  # noqa: E402
-from loadgen import percentile
 from common import UsageError  # noqa: E402
+from stats import percentile, summarize  # noqa: E402
 
 TEMPLATE = Path(__file__).resolve().parent / "templates" / "report.html.j2"
 SCHEMA_VERSIONS = {"bench": 1, "sweep": 1, "accept": 1, "metrics": 1, "vram": 1, "roofline": 1, "compare": 1}
