@@ -21,7 +21,6 @@ Exit codes: 0 B is better or not significantly different, 1 B is worse or mixed,
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
@@ -48,7 +47,7 @@ def load(path: str) -> dict[str, Any]:
     if file.stat().st_size > MAX_FILE_BYTES:
         raise UsageError(f"{path} is over {MAX_FILE_BYTES >> 20} MiB: not a bench result")
     try:
-        doc = json.loads(file.read_text(encoding="utf-8"))
+        doc = common.parse_json(file.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path} is not JSON ({exc}): give the output of bench.py --json")
     if not isinstance(doc, dict) or doc.get("kind") not in ("bench", "sweep"):
