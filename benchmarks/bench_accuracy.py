@@ -43,6 +43,7 @@ sys.path.insert(0, str(SCRIPTS))
 import loadgen  # noqa: E402
 import calibration_server  # noqa: E402
 import common  # noqa: E402
+import stats  # noqa: E402
 from common import ServerError  # noqa: E402
 
 TARGETS = {("ttft_ms", "p50"): 10.0, ("ttft_ms", "p95"): 10.0, ("itl_ms", "p95"): 5.0}
@@ -79,7 +80,7 @@ def truth_of(truth: dict[str, Any], run_id: str, records: list[dict[str, Any]]) 
 def compare(measured: dict[str, Any], truth: dict[str, list[float]]) -> list[dict[str, Any]]:
     rows = []
     for metric in ("ttft_ms", "itl_ms", "e2e_ms"):
-        real = loadgen.summarize(truth[metric])
+        real = stats.summarize(truth[metric])
         for stat in ("p50", "p95", "p99", "mean"):
             got, want = measured[metric][stat], real[stat]
             error = 100.0 * (got - want) / want if want else None
@@ -108,7 +109,7 @@ async def httpx_baseline(url: str, n: int, c: int, prompt: str, out: int) -> dic
                             first = time.perf_counter_ns()
                 ttfts.append((first - start) / 1e6)
         await asyncio.gather(*(slot() for _ in range(c)))
-    return loadgen.summarize(ttfts)
+    return stats.summarize(ttfts)
 
 
 def human(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
@@ -166,10 +167,10 @@ def measure(args: Any, streams: int, requests: int) -> tuple[list[dict[str, Any]
             server_lag = common.get_json(http, "/calibration/lag")
         truth_ms = truth_of(truth, result["config"]["run_id"], records)
         rows = compare(result, truth_ms)
-        info = {"load": result["config"]["load"], "paired_ttft_error_ms": loadgen.summarize(truth_ms["ttft_error_ms"]),
-                "send_to_server_socket_ms": loadgen.summarize(truth_ms["upstream_ms"]),
+        info = {"load": result["config"]["load"], "paired_ttft_error_ms": stats.summarize(truth_ms["ttft_error_ms"]),
+                "send_to_server_socket_ms": stats.summarize(truth_ms["upstream_ms"]),
                 "arrived_by": truth_ms["arrived_by"],
-                "server_write_to_client_ms": loadgen.summarize(truth_ms["downstream_ms"]), "ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms,
+                "server_write_to_client_ms": stats.summarize(truth_ms["downstream_ms"]), "ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms,
                 "pinning": "server core 0, client core 1" if pinned(0) else "none (one core or no taskset)",
                 "client": result["client"], "server_loop_lag_ms": server_lag, "verdict": result["verdict"],
                 "command": " ".join(bench_cmd)}

@@ -45,6 +45,7 @@ from typing import Any, Iterator, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import loadgen  # noqa: E402
 import common  # noqa: E402
+import stats  # noqa: E402
 from common import UsageError  # noqa: E402
 
 FAULTS = ("http500", "http400", "cut", "malformed", "stream_error", "stall", "short", "no_usage")
@@ -308,7 +309,7 @@ class CalibrationServer:
         elif method == "GET" and path == "/calibration/truth":
             transport.write(_response(200, json.dumps(self.truth).encode()))
         elif method == "GET" and path == "/calibration/lag":
-            transport.write(_response(200, json.dumps(loadgen.summarize(self.lag_ms)).encode()))
+            transport.write(_response(200, json.dumps(stats.summarize(self.lag_ms)).encode()))
         elif method == "GET" and path == "/metrics":
             text = (f"# TYPE calibration:generation_tokens counter\n"
                     f"calibration:generation_tokens_total {self.generation_tokens}\n"

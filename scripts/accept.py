@@ -104,8 +104,9 @@ def run_bench(url: str, model: str, api_key: str | None, extra: list[str]) -> tu
 
 
 def measure_side(side: dict[str, Any], url: str, api_key: str | None, args, text: str,
-                 window: int | None, stride: int | None) -> None:
-    """Fill in one side's perplexity, smoke and bench, in that order (Ctrl-C keeps what is done)."""
+                 window: int | None, stride: int | None, toolcall_catalog: tuple[dict[str, Any], list[str]]) -> None:
+    """Fill in one side's perplexity, smoke and bench, in that order (Ctrl-C keeps what is done);
+    `toolcall_catalog` is the smoke's catalog with the user's cases and their names."""
     side["url"] = url
     with common.client(url, api_key, args.timeout) as http:
         entry = common.served_model(http, side["wanted_model"])
@@ -119,7 +120,7 @@ def measure_side(side: dict[str, Any], url: str, api_key: str | None, args, text
             raise ServerError(f"perplexity stopped: {side['ppl']['stopped']}")
         if not args.skip_smoke:
             common.progress(f"{side['role']}: tool-call smoke")
-            catalog, user_cases = args.toolcall_catalog
+            catalog, user_cases = toolcall_catalog
             try:
                 cases = toolcalls.select_cases(catalog, "", False)
                 cases += [name for name in user_cases if name not in cases]
@@ -326,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         levels = perplexity.gate(scheme or "fp8", args.warn_pct, args.fail_pct)  # bad levels fail before any run
         catalog = common.load_catalog("toolcall_cases")
         cases_dir = settings.get("TOOLCALL_CASES", args.cases_dir)
-        args.toolcall_catalog = toolcalls.with_user_cases(catalog, cases_dir) if cases_dir else (catalog, [])
+        toolcall_catalog = toolcalls.with_user_cases(catalog, cases_dir) if cases_dir else (catalog, [])
         path, text = perplexity.resolve_text(args)
         for source in sources.values():
             # A profile is read now: a missing one fails before the base is measured, and the
@@ -343,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 for side in sides.values():
                     with deployment(side["source"], Path(log_dir), args.start_timeout) as url:
-                        measure_side(side, url, api_key, args, text, window, stride)
+                        measure_side(side, url, api_key, args, text, window, stride, toolcall_catalog)
                     # The candidate is scored with the base's windows, so the two pair token by token.
                     window, stride = side["ppl"]["window"], side["ppl"]["stride"]
             except KeyboardInterrupt:
@@ -364,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         verdict, reasons, notes = judge(base, cand, ppl_result, interrupted)
         notes.insert(0, f"perplexity levels: {levels['name']} (warn +{levels['warn_pct']}%, fail +{levels['fail_pct']}%)"
                         f"{': inferred, ' if scheme_used['inferred'] else ', '}{scheme_used['why']}")
-        user_cases = args.toolcall_catalog[1]
+        user_cases = toolcall_catalog[1]
         if user_cases:
             notes.append(f"your tool-call cases from {cases_dir}: {', '.join(user_cases)}")
         if failure:

@@ -21,7 +21,6 @@ Exit codes: 0 B is better or not significantly different, 1 B is worse or mixed,
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
@@ -30,6 +29,7 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import stats  # noqa: E402
 from common import UsageError  # noqa: E402
 
 SCHEMA_VERSION = 1
@@ -47,7 +47,7 @@ def load(path: str) -> dict[str, Any]:
     if file.stat().st_size > MAX_FILE_BYTES:
         raise UsageError(f"{path} is over {MAX_FILE_BYTES >> 20} MiB: not a bench result")
     try:
-        doc = json.loads(file.read_text(encoding="utf-8"))
+        doc = common.parse_json(file.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path} is not JSON ({exc}): give the output of bench.py --json")
     if not isinstance(doc, dict) or doc.get("kind") not in ("bench", "sweep"):
@@ -64,15 +64,8 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return [f"{key}: {a.get(key)!r} vs {b.get(key)!r}" for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    rank = (len(values) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(values) - 1)
-    return values[low] + (values[high] - values[low]) * (rank - low)
-
-
 def statistic(values: Sequence[float], stat: str) -> float:
-    return sum(values) / len(values) if stat == "mean" else percentile(values, float(stat[1:]))
+    return sum(values) / len(values) if stat == "mean" else stats.percentile(values, float(stat[1:]))
 
 
 def resampled(values: list[float], stat: str, rng: random.Random) -> float:
@@ -87,9 +80,7 @@ def resampled(values: list[float], stat: str, rng: random.Random) -> float:
     # A resample's q-quantile sits at a rank whose spread is the binomial's: sqrt(n q (1 - q)).
     q = float(stat[1:]) / 100
     rank = min(max((n - 1) * q + rng.gauss(0, math.sqrt(n * q * (1 - q))), 0), n - 1)
-    low = math.floor(rank)
-    high = min(low + 1, n - 1)
-    return values[low] + (values[high] - values[low]) * (rank - low)
+    return stats.at_rank(values, rank)
 
 
 def change(a: list[float], b: list[float], stat: str, rng: random.Random) -> tuple[float, list[float]]:
@@ -103,7 +94,7 @@ def change(a: list[float], b: list[float], stat: str, rng: random.Random) -> tup
         if ra > 0:
             rounds.append(100.0 * (resampled(b, stat, rng) - ra) / ra)
     rounds.sort()
-    return point, [percentile(rounds, 2.5), percentile(rounds, 97.5)]
+    return point, [stats.percentile(rounds, 2.5), stats.percentile(rounds, 97.5)]
 
 
 def metric_rows(a: dict[str, Any], b: dict[str, Any], prefix: str, rng: random.Random) -> list[dict[str, Any]]:
@@ -113,8 +104,8 @@ def metric_rows(a: dict[str, Any], b: dict[str, Any], prefix: str, rng: random.R
         sb = [v for v in b["samples"].get(key) or [] if v is not None]
         if len(sa) < 2 or len(sb) < 2:
             continue
-        stats = ["p50", "p95"] + (["p99"] if min(len(sa), len(sb)) >= 100 else [])
-        for stat in stats:
+        stat_names = ["p50", "p95"] + (["p99"] if min(len(sa), len(sb)) >= 100 else [])
+        for stat in stat_names:
             if statistic(sorted(sa), stat) <= 0:
                 continue
             pct, ci = change(sa, sb, stat, rng)

@@ -1077,14 +1077,22 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(_targets_line(r))
     if r["diagnosis"]:
         lines.append("Diagnosis:")
-        for finding in r["diagnosis"]:
-            cause = f"{finding['cause']}: " if "cause" in finding else ""
-            confidence = f" (confidence {finding['confidence']})" if "confidence" in finding else ""
-            lines.append(f"  [{finding['bottleneck']}] {cause}{finding['evidence']}{confidence}")
-            lines += [f"      {i}. {lever}" for i, lever in enumerate(finding["levers"], 1)]
+        lines += format_findings(r["diagnosis"])
     else:
         lines.append("Diagnosis: no bottleneck found in these figures.")
     return "\n".join(lines)
+
+
+def format_findings(found: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The lines of a diagnosis: each finding's bottleneck, cause (fleet findings name one),
+    evidence and confidence (an engine's findings give one), then its levers in order."""
+    lines = []
+    for finding in found:
+        cause = f"{finding['cause']}: " if "cause" in finding else ""
+        confidence = f" (confidence {finding['confidence']})" if "confidence" in finding else ""
+        lines.append(f"  [{finding['bottleneck']}] {cause}{finding['evidence']}{confidence}")
+        lines += [f"      {i}. {lever}" for i, lever in enumerate(finding["levers"], 1)]
+    return lines
 
 
 def _deployment_line(dep: dict[str, Any]) -> str:

@@ -418,14 +418,6 @@ def _prefix_findings(group: Sequence[Mapping[str, Any]], flags: Mapping[str, str
                      evidence, [r["instance"] for r in hitting], per_replica, flags)]
 
 
-def format_findings(found: Sequence[Mapping[str, Any]], indent: str = "  ") -> list[str]:
-    lines = []
-    for finding in found:
-        lines.append(f"{indent}[{finding['bottleneck']}] {finding['cause']}: {finding['evidence']}")
-        lines += [f"{indent}    {i}. {lever}" for i, lever in enumerate(finding["levers"], 1)]
-    return lines
-
-
 def each_value(prom: Prometheus, exprs: Mapping[str, str]) -> dict[str, dict[str, float]]:
     """{instance: {key: value}} of queries grouped by instance."""
     result: dict[str, dict[str, float]] = {}

@@ -13,7 +13,6 @@ import errno
 import gc
 import hashlib
 import json
-import math
 import multiprocessing
 import random
 import re
@@ -28,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,6 +35,7 @@ import common  # noqa: E402
 import server_watch  # noqa: E402
 import workload as workload_mod  # noqa: E402
 from common import ServerError, UsageError  # noqa: E402
+from stats import summarize  # noqa: E402
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # reasoning markers in plain text (DeepSeek-R1, Qwen3)
 
@@ -99,25 +99,6 @@ WORDS = ("time year people way day man thing woman life child world school state
          "president team minute idea kid body information back parent face others level office "
          "door health person art war history party result change morning reason research girl "
          "guy moment air teacher force education").split()
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear-interpolation percentile of sorted values (numpy's default method)."""
-    if not sorted_values:
-        raise ValueError("no values")
-    rank = (len(sorted_values) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
-
-
-def summarize(values: Iterable[float]) -> dict[str, float | int | None]:
-    """p50/p95/p99/mean/min/max/n of a sample (None values when it is empty)."""
-    data = sorted(values)
-    if not data:
-        return {"p50": None, "p95": None, "p99": None, "mean": None, "min": None, "max": None, "n": 0}
-    return {"p50": percentile(data, 50), "p95": percentile(data, 95), "p99": percentile(data, 99),
-            "mean": sum(data) / len(data), "min": data[0], "max": data[-1], "n": len(data)}
 
 
 @dataclass

@@ -88,13 +88,14 @@ def build_parser():
     return p
 
 
-def run_on_server(url: str, api_key: str | None, args, text: str) -> dict[str, Any]:
+def run_on_server(url: str, api_key: str | None, args, text: str, window: int | None,
+                  stride: int | None) -> dict[str, Any]:
     wanted = common.settings_from_args(args).get("INFER_MODEL", args.model)
     with common.client(url, api_key, args.timeout) as http:
         entry = common.served_model(http, wanted)
         model, max_model_len = entry["id"], common.max_model_len(entry, url)
         common.progress(f"scoring on {url} ({model}, api {args.api})")
-        run = perplexity.measure(http, args.api, model, text, args.window, args.stride, max_model_len)
+        run = perplexity.measure(http, args.api, model, text, window, stride, max_model_len)
     return run | {"url": url}
 
 
@@ -110,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         common.number("--block", args.block, int, 1)
         if args.compare is None:
             path, text = perplexity.resolve_text(args)
-            run = run_on_server(url, api_key, args, text) | {"text": path}
+            run = run_on_server(url, api_key, args, text, args.window, args.stride) | {"text": path}
             printed = common.emit(run, describe_run(run), args.output)
             if run["stopped"]:
                 return printed or (common.EXIT_INTERRUPTED if run["stopped"] == "interrupted" else common.EXIT_SERVER)
@@ -118,15 +119,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         levels = perplexity.gate(args.scheme, args.warn_pct, args.fail_pct)
         sides = []
         text = None
+        window, stride = args.window, args.stride
         for source in args.compare:
             if source.startswith(("http://", "https://")):
                 if text is None:
                     text = perplexity.resolve_text(args)
-                sides.append(run_on_server(common.normalize_url(source), api_key, args, text[1]) | {"text": text[0]})
+                sides.append(run_on_server(common.normalize_url(source), api_key, args, text[1], window, stride)
+                             | {"text": text[0]})
             else:
                 sides.append(perplexity.load_run(source))
             # The second side is scored in the first side's windows, so the two pair token by token.
-            args.window, args.stride = sides[0]["window"], sides[0]["stride"]
+            window, stride = sides[0]["window"], sides[0]["stride"]
         result = perplexity.compare(sides[0], sides[1], levels, args.block)
         sides = [{k: v for k, v in side.items() if k not in ("token_nll", "windows")} for side in sides]
         printed = common.emit(result | {"base": sides[0], "candidate": sides[1]}, describe_comparison(result), args.output)

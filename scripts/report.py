@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import bisect
 import datetime
-import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -39,9 +38,8 @@ from typing import Any, Iterable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from loadgen import summarize  # noqa: E402
-from loadgen import percentile
 from common import UsageError  # noqa: E402
+from stats import percentile, summarize  # noqa: E402
 
 TEMPLATE = Path(__file__).resolve().parent / "templates" / "report.html.j2"
 SCHEMA_VERSIONS = {"bench": 1, "sweep": 1, "accept": 1, "metrics": 1, "vram": 1, "roofline": 1, "compare": 1}
@@ -89,7 +87,7 @@ def parse_result(text: str, path: str) -> Result:
     if not text.strip():
         raise UsageError(f"{path} is empty: pass a result file a task wrote with -- --json")
     try:
-        doc = json.loads(text)
+        doc = common.parse_json(text)
     except ValueError:
         raise UsageError(f"{path} is not JSON: pass a result file a task wrote with -- --json")
     kind = detect_kind(doc)
@@ -104,18 +102,6 @@ def parse_result(text: str, path: str) -> Result:
     return Result(kind, path, doc)
 
 
-def read_text(path: str, what: str) -> str:
-    try:
-        file = Path(path)
-        if file.stat().st_size > MAX_INPUT_BYTES:
-            raise UsageError(f"{what} {path} is over {MAX_INPUT_BYTES >> 20} MiB: pass a smaller run")
-        return file.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot read {what} {path}: {exc.strerror}")
-    except UnicodeDecodeError:
-        raise UsageError(f"{what} {path} is not UTF-8 text: pass a file a task wrote")
-
-
 def parse_records(text: str, path: str) -> list[dict[str, Any]]:
     """bench --records: one JSON object per line, each with sent_ns."""
     records = []
@@ -123,7 +109,7 @@ def parse_records(text: str, path: str) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = common.parse_json(line)
         except ValueError:
             record = None
         if not isinstance(record, dict) or "sent_ns" not in record:
@@ -990,8 +976,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> int:
         if not args.files:
             raise UsageError("no result files given: pass the --json output of a task, e.g. report.py sweep.json")
-        results = [parse_result(read_text(path, "result"), path) for path in args.files]
-        records = parse_records(read_text(args.records, "records"), args.records) if args.records else None
+        results = [parse_result(common.read_bounded(path, "result", MAX_INPUT_BYTES), path) for path in args.files]
+        records = None
+        if args.records:
+            records = parse_records(common.read_bounded(args.records, "records", MAX_INPUT_BYTES), args.records)
         sections = build_sections(results, records)
         fmt_ = args.format or "html"
         out = args.out or ("report.html" if fmt_ == "html" else "")

@@ -9,7 +9,6 @@ supplies it instead.
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -45,8 +44,8 @@ def root_config(root: str, transport: Any = None) -> tuple[dict[str, Any] | None
     file = path / "config.json" if path.is_dir() else path
     if file.is_file():
         try:
-            return json.loads(file.read_text()), str(file)
-        except (OSError, ValueError):
+            return common.parse_json(common.read_bounded(file, "model config", sizing.MAX_CONFIG_BYTES)), str(file)
+        except (common.UsageError, ValueError):
             return None, f"{file} is not readable JSON"
     if root.startswith(("/", "~", ".")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", root):
         return None, f"the server loaded {root!r}, a path on the server that this machine cannot read"

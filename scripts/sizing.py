@@ -1137,7 +1137,21 @@ def json_setting(name: str, raw: str | None) -> dict[str, Any] | None:
     return value
 
 
-def inputs_from_args(args, transport: Any = None) -> Inputs:
+@dataclass(frozen=True)
+class ServerDefaults:
+    """What a running server says of its deployment (vram --url), for what the user leaves unset:
+    each value stands where no flag, environment variable or inference.env line gives one, and is
+    checked as that setting is."""
+    model: str | None = None
+    ctx: Any = None  # max_model_len as /v1/models gives it
+    gpu_util: float | None = None
+    block_size: int | None = None
+    kv_dtype: str | None = None
+    kv_cache_bytes: int | None = None  # the server's own KV space, when no GPU is named
+    platform: str | None = None  # "cpu" with that KV space: no budget to estimate, the server's block size
+
+
+def inputs_from_args(args, transport: Any = None, server: ServerDefaults = ServerDefaults()) -> Inputs:
     s = common.settings_from_args(args)
 
     def get(name: str) -> str:
@@ -1146,11 +1160,12 @@ def inputs_from_args(args, transport: Any = None) -> Inputs:
     gpu_gb = common.number("GPU_GB", get("GPU_GB"), float)
     gpu_gib = common.number("GPU_GIB", get("GPU_GIB"), float)
     kv_gib = common.number("--kv-cache-gib", args.kv_cache_gib, float)
-    kv_bytes = common.number("--kv-cache-bytes", args.kv_cache_bytes, int)
+    kv_bytes = common.number("--kv-cache-bytes", args.kv_cache_bytes or server.kv_cache_bytes, int)
     if kv_gib is not None:
         kv_bytes = int(kv_gib * GIB)
     gpu_name = get("GPU")
-    if args.platform == "cpu" and not gpu_name and gpu_gb is None and gpu_gib is None:
+    platform = server.platform or args.platform
+    if platform == "cpu" and not gpu_name and gpu_gb is None and gpu_gib is None:
         gpu = {"id": "cpu", "name": "CPU", "memory_gib": 0}
         if kv_bytes is None:
             raise UsageError("--platform cpu needs the KV space: --kv-cache-gib (VLLM_CPU_KVCACHE_SPACE) or --kv-cache-bytes")
@@ -1160,17 +1175,18 @@ def inputs_from_args(args, transport: Any = None) -> Inputs:
     rope = json_setting("ROPE_SCALING", get("ROPE_SCALING"))
     if rope is not None:
         overrides = {**overrides, "rope_scaling": rope}
-    model = resolve_model(get("MODEL"), transport, hf_overrides=overrides)
+    model = resolve_model(get("MODEL") or server.model, transport, hf_overrides=overrides)
     if args.language_model_only:
         model = replace(model, extra_params=0.0, multimodal=False)
     return Inputs(
         model=model, gpu=gpu,
         tp=common.number("TP", get("TP")) or 1, pp=common.number("PP", get("PP")) or 1,
-        ctx=common.number("CTX", get("CTX")), kv_dtype=get("KV_DTYPE") or "auto", quant=get("QUANT") or "auto",
-        gpu_util=common.number("GPU_UTIL", get("GPU_UTIL"), float), engine=(get("ENGINE") or "vllm").lower(),
+        ctx=common.number("CTX", get("CTX") or server.ctx), kv_dtype=get("KV_DTYPE") or server.kv_dtype or "auto",
+        quant=get("QUANT") or "auto", gpu_util=common.number("GPU_UTIL", get("GPU_UTIL") or server.gpu_util, float),
+        engine=(get("ENGINE") or "vllm").lower(),
         max_num_seqs=common.number("MAX_NUM_SEQS", get("MAX_NUM_SEQS")),
         max_num_batched_tokens=common.number("MAX_NUM_BATCHED_TOKENS", get("MAX_NUM_BATCHED_TOKENS")),
-        kv_cache_bytes=kv_bytes, block_size=common.number("--block-size", args.block_size),
-        platform=args.platform, vllm_version=args.vllm_version, enforce_eager=args.enforce_eager,
+        kv_cache_bytes=kv_bytes, block_size=common.number("--block-size", args.block_size or server.block_size),
+        platform=platform, vllm_version=args.vllm_version, enforce_eager=args.enforce_eager,
         entrypoint=args.entrypoint, vllm_engine=args.vllm_engine, sampler=args.sampler,
         expert_parallel=args.enable_expert_parallel)

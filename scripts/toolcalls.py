@@ -14,7 +14,6 @@ from typing import Any, Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-import yaml  # noqa: E402
 from common import ServerError, UsageError  # noqa: E402
 
 
@@ -503,12 +502,7 @@ def with_user_cases(catalog: dict[str, Any], folder: str) -> tuple[dict[str, Any
     merged = {**catalog, "tools": dict(catalog["tools"]), "cases": dict(catalog["cases"])}
     names: list[str] = []
     for path in files:
-        if path.stat().st_size > USER_CASES_MAX_BYTES:
-            raise UsageError(f"{path} is over {USER_CASES_MAX_BYTES:,} bytes: split it into several files")
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise UsageError(f"{path} is not valid UTF-8 YAML: {exc}")
+        data = common.load_yaml(common.read_bounded(path, "cases file", USER_CASES_MAX_BYTES), str(path)) or {}
         if not isinstance(data, dict) or not isinstance(data.get("cases"), dict):
             raise UsageError(f"{path} needs a `cases:` mapping, as in scripts/catalog/toolcall_cases.yaml")
         for name, tool in (data.get("tools") or {}).items():

@@ -114,40 +114,36 @@ def near_one_request(inp: Inputs, result: Mapping[str, Any]) -> None:
         result["marginal"], result["marginal_reason"] = True, said + ": measure on the server (its log's \"Maximum concurrency\")"
 
 
-def served_inputs(args, transport: Any = None) -> dict[str, Any]:
-    """Fill MODEL, CTX, GPU_UTIL, block size, KV dtype (and the KV space without a GPU) from the
-    server at --url; returns what the server said."""
+def served_inputs(args, transport: Any = None) -> tuple[dict[str, Any], sizing.ServerDefaults]:
+    """What the server at --url says: its description for the answer, and the MODEL, CTX, GPU_UTIL,
+    block size and KV dtype it serves with (and, without a GPU, its KV space) for sizing to take
+    where the user gives none."""
     settings = common.settings_from_args(args)
     facts = served.served_facts(common.normalize_url(args.url), common.api_key(settings))
     info, dep = facts["cache_config"], facts["deployment"]
-    if not settings.get("MODEL", args.model):
+    model = settings.get("MODEL", args.model)
+    if not model:
         config, where = served.root_config(facts["root"], transport)
         if config is None:
             raise common.UsageError(f"cannot size {facts['model']}: {where}; pass MODEL=<catalog name, Hugging Face "
                                     "id or a local copy of its config.json> with --url")
-        args.model = facts["root"]
-    if not settings.get("CTX", args.ctx) and facts["max_model_len"]:
-        args.ctx = str(facts["max_model_len"])
-    if not settings.get("GPU_UTIL", args.gpu_util) and dep.get("gpu_memory_utilization") is not None:
-        args.gpu_util = str(dep["gpu_memory_utilization"])
-    if not args.block_size and dep.get("block_size"):
-        args.block_size = str(dep["block_size"])
-    if not settings.get("KV_DTYPE", args.kv_dtype) and info.get("cache_dtype"):
-        args.kv_dtype = info["cache_dtype"]
+    defaults = sizing.ServerDefaults(
+        model=facts["root"], ctx=facts["max_model_len"] or None, gpu_util=dep.get("gpu_memory_utilization"),
+        block_size=dep.get("block_size") or None, kv_dtype=info.get("cache_dtype") or None)
     no_gpu = not settings.get("GPU", args.gpu) and not settings.get("GPU_GB", args.gpu_gb)
     if no_gpu and args.kv_cache_bytes is None and args.kv_cache_gib is None:
         if not dep.get("kv_cache_tokens"):
             raise common.UsageError("the server exports no vllm:cache_config_info: pass GPU=<name> or GPU_GB to size it")
         # No GPU named: the server's own KV tokens fix the KV space (no budget to estimate).
-        m = sizing.resolve_model(settings.get("MODEL", args.model), transport)
+        m = sizing.resolve_model(model or defaults.model, transport)
         tp = common.number("TP", settings.get("TP", args.tp)) or 1
-        kv_dtype = settings.get("KV_DTYPE", args.kv_dtype) or "auto"
+        kv_dtype = settings.get("KV_DTYPE", args.kv_dtype) or defaults.kv_dtype or "auto"
         per_layer = sizing.layer_token_bytes(m, tp, sizing.kv_dtype_bytes(m, kv_dtype), kv_dtype.lower())
         attention_layers = sum(1 for layer in m.layers if layer.kind != "linear")
-        args.kv_cache_bytes = str(dep["kv_cache_tokens"] * per_layer * attention_layers)
-        args.platform = "cpu"  # no GPU catalog entry: a fixed KV space, the server's block size
-    return {"url": facts["url"], "model": facts["model"], "root": facts["root"],
-            "max_model_len": facts["max_model_len"], "deployment": dep}
+        defaults = dataclasses.replace(defaults, kv_cache_bytes=dep["kv_cache_tokens"] * per_layer * attention_layers,
+                                       platform="cpu")
+    return ({"url": facts["url"], "model": facts["model"], "root": facts["root"],
+             "max_model_len": facts["max_model_len"], "deployment": dep}, defaults)
 
 
 def render(r: Mapping[str, Any]) -> str:
@@ -210,8 +206,8 @@ def render(r: Mapping[str, Any]) -> str:
 
 
 def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
-    server = served_inputs(args, transport) if args.url else None
-    inp = sizing.inputs_from_args(args, transport)
+    server, defaults = served_inputs(args, transport) if args.url else (None, sizing.ServerDefaults())
+    inp = sizing.inputs_from_args(args, transport, defaults)
     result = sizing.estimate(inp)
     if server and inp.gpu.get("id") == "cpu":
         result["gpu"] = "the server's device (KV space from its metrics)"

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import common
 from common import UsageError
 
 MAX_FILE_BYTES = 2 * 1024 ** 3
@@ -105,9 +106,9 @@ def _lines(path: str, what: str) -> list[tuple[int, Any]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise UsageError(f"{path}:{number}: not JSON ({exc.msg}): one JSON object per line")
+                row = common.parse_json(line)
+            except ValueError as exc:  # a JSONDecodeError names the fault in .msg; "nested too deeply" has none
+                raise UsageError(f"{path}:{number}: not JSON ({getattr(exc, 'msg', exc)}): one JSON object per line")
             if not isinstance(row, dict):
                 raise UsageError(f"{path}:{number}: a line must be a JSON object")
             rows.append((number, row))
@@ -153,15 +154,25 @@ def read_prompts(path: str) -> list[Entry]:
     return entries
 
 
+def _opens_an_array(file: Path) -> bool:
+    """Whether a file's first byte opens a JSON array (the ShareGPT release format), read without
+    reading the whole file."""
+    if not file.is_file():
+        return False
+    with open(file, "rb") as handle:
+        return handle.read(1) == b"["
+
+
 def read_sharegpt(path: str, count_tokens: Callable[[str], int]) -> list[Entry]:
     """Every human turn of every conversation, with the recorded history before it; its output
     length is the recorded answer's (by `count_tokens`), None when no answer follows."""
-    file = Path(path)
-    if file.is_file() and file.read_text(encoding="utf-8", errors="replace")[:1].lstrip().startswith("["):
+    if _opens_an_array(Path(path)):
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except ValueError as exc:
+            data = common.parse_json(common.read_bounded(path, "ShareGPT file", MAX_FILE_BYTES))
+        except json.JSONDecodeError as exc:
             raise UsageError(f"{path}:{exc.lineno}: not JSON ({exc.msg})")
+        except ValueError as exc:  # nested too deeply: no line to name
+            raise UsageError(f"{path}: not JSON ({exc})")
         rows = [(f"{path}: conversation #{k + 1}", row) for k, row in enumerate(data)]
     else:
         rows = [(f"{path}:{number}", row) for number, row in _lines(path, "ShareGPT file")]

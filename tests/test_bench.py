@@ -28,24 +28,6 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 # ---------------------------------------------------------------------------------------------
-# Statistics
-
-def test_percentile_is_linear_like_numpy():
-    data = [1.0, 2.0, 3.0, 4.0]
-    assert loadgen.percentile(data, 50) == 2.5
-    assert loadgen.percentile(data, 95) == pytest.approx(3.85)
-    assert loadgen.percentile(data, 0) == 1.0 and loadgen.percentile(data, 100) == 4.0
-    assert loadgen.percentile([7.0], 99) == 7.0
-
-
-def test_summarize_counts_and_empty():
-    s = loadgen.summarize([3, 1, 2])
-    assert (s["p50"], s["min"], s["max"], s["mean"], s["n"]) == (2, 1, 3, 2, 3)
-    assert loadgen.summarize([]) == {"p50": None, "p95": None, "p99": None, "mean": None,
-                                   "min": None, "max": None, "n": 0}
-
-
-# ---------------------------------------------------------------------------------------------
 # HTTP and SSE parsing from timestamped reads
 
 def _chunked_stream(events: list[bytes]) -> bytes:

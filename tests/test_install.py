@@ -50,7 +50,7 @@ def test_install_ships_only_what_the_tasks_run(installed):
         "accept.py", "bench.py", "common.py", "compare.py", "engine_metrics.py", "fleet.py", "loadgen.py",
         "metrics.py", "perplexity.py", "physics.py", "ppl.py", "profiles.py", "report.py", "roofline.py",
         "serve.py", "served.py", "server_watch.py", "setup_cpu_vllm.py", "sizing.py", "smoke_toolcall.py",
-        "sweep.py", "tiny_model.py", "toolcalls.py", "vram.py", "workload.py"]
+        "stats.py", "sweep.py", "tiny_model.py", "toolcalls.py", "vram.py", "workload.py"]
     assert sorted(p.name for p in scripts.iterdir() if p.is_dir()) == ["catalog", "data", "templates"]
 
 

@@ -5,8 +5,9 @@ a loop; no hypothesis deadline: an example that is merely slow on a busy machine
 Parsers: HTTP chunked framing (loadgen.dechunk, loadgen.ChunkFraming), a streamed response and its
 SSE events (loadgen.parse_response / settle, toolcalls.sse_events), Prometheus text
 (engine_metrics.parse_exposition, snapshot, report), a model's config.json (sizing.checked_model), a
-serve profile (profiles.load_profile, render), inference.env (common.parse_env_file, load_env_file)
-and saved records read back (perplexity.load_run, toolcalls.load_baseline).
+serve profile (profiles.load_profile, render), inference.env (common.parse_env_file, load_env_file),
+saved records read back (perplexity.load_run, toolcalls.load_baseline), and files too deep for the
+JSON decoder or not YAML (compare, report, bench's datasets, served.root_config, the user's tool-call cases).
 """
 from __future__ import annotations
 
@@ -21,11 +22,15 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import loadgen
 import common
+import compare
 import engine_metrics
 import perplexity
 import profiles
+import report
+import served
 import sizing
 import toolcalls
+import workload
 from common import UsageError
 
 EXAMPLE_BOUND_S = 10  # a hard stop per example, far above any example's time: only a hang reaches it
@@ -270,3 +275,31 @@ def test_endless_and_directory_inputs_are_one_usage_line(tmp_path):
 def test_server_json_nested_too_deep_is_a_value_error():
     with pytest.raises(ValueError, match="nested too deeply"):
         common.parse_json("[" * 100_000)
+
+
+def test_files_nested_too_deep_are_one_usage_line(tmp_path):
+    """A result, a dataset, a records file or a served model's config.json nested too deeply for
+    the JSON decoder is malformed like any other: one line, not a RecursionError."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000)
+    records = '{"sent_ns": 1}\n' + "[" * 100_000 + "\n"
+    reads = [compare.load, workload.read_prompts, lambda p: workload.read_sharegpt(p, len),
+             lambda p: report.parse_result(deep.read_text(), p), lambda p: report.parse_records(records, p)]
+    for read in reads:
+        with pytest.raises(UsageError) as caught:
+            read(str(deep))
+        assert "\n" not in str(caught.value)
+    assert served.root_config(str(deep)) == (None, f"{deep} is not readable JSON")
+
+
+def test_the_users_case_files_give_cases_or_one_usage_line(tmp_path):
+    catalog = common.load_catalog("toolcall_cases")
+    faults = {"a folder": lambda f: f.mkdir(), "an alias": lambda f: f.write_text("a: &x {}\ncases: *x\n"),
+              "not YAML": lambda f: f.write_text("cases: [\n"), "not UTF-8": lambda f: f.write_bytes(b"\xff")}
+    for name, write in faults.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        write(folder / "cases.yaml")
+        with pytest.raises(UsageError) as caught:
+            toolcalls.with_user_cases(catalog, str(folder))
+        assert "\n" not in str(caught.value), name
