@@ -410,20 +410,22 @@ def register_known_secrets(argv: Sequence[str]) -> None:
     $INFER_ENV_FILE or ./inference.env). Profiles register theirs as they are read."""
     for name in SECRET_SETTINGS:
         add_secret(os.environ.get(name))
-    try:
-        load_env_file(_flag_value(argv, "--env-file"))
+    try:  # the last --env-file, as argparse takes it
+        load_env_file(next(reversed(flag_values(argv, "--env-file")), None))
     except UsageError:
         pass  # a bad env file: the script says so when it reads its settings
 
 
-def _flag_value(argv: Sequence[str], flag: str) -> str | None:
-    """The value of `flag` in argv (`--flag value` or `--flag=value`), before argparse runs."""
+def flag_values(argv: Sequence[str], flag: str) -> list[str]:
+    """Every value of `flag` in a command line (`--flag value` or `--flag=value`), in order,
+    read without argparse (before it runs, or in an engine's command line)."""
+    values = []
     for at, arg in enumerate(argv):
         if arg == flag and at + 1 < len(argv):
-            return argv[at + 1]
-        if arg.startswith(flag + "="):
-            return arg[len(flag) + 1:]
-    return None
+            values.append(argv[at + 1])
+        elif arg.startswith(flag + "="):
+            values.append(arg[len(flag) + 1:])
+    return values
 
 
 def redact(text: str, secret: str | None = None) -> str:
@@ -710,9 +712,11 @@ class SignalHold:
         self._restore()
 
     def start(self) -> None:
-        """Hold from now on (call it with the signals blocked where none may slip through)."""
+        """Hold from now on. The handlers are swapped with the signals blocked: one that comes
+        meanwhile is noted once they are in place, never lost between the two."""
         if not self._previous and threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
+            with signals_blocked(*STOP_SIGNALS):
+                self._previous = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
 
     def release(self) -> None:
         """Obey them again; one noted meanwhile is obeyed now (KeyboardInterrupt)."""

@@ -1769,8 +1769,7 @@ def execute(target: Target, cfg: dict[str, Any], hold: common.SignalHold, quiet:
             run = run_in_loop(plan, cfg["timeout_s"], quiet=quiet, hold=hold)
     except KeyboardInterrupt:  # came before the run handled it: nothing measured, and that is the result
         run = RunResult([], [], 0.0, 0.0, interrupted=True)
-        with common.signals_blocked(*common.STOP_SIGNALS):
-            hold.start()
+        hold.start()
     finally:
         if timeline:
             timeline.stop()

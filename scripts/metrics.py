@@ -188,12 +188,10 @@ def window_reports(opts: Options, seconds: float, hold: common.SignalHold, befor
             time.sleep(1)
             during.append(scrape_all(opts))
         time.sleep(max(0.0, deadline - time.monotonic()))
-        with common.signals_blocked(*common.STOP_SIGNALS):
-            hold.start()
+        hold.start()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (common.run_main)
         interrupted = True
-        with common.signals_blocked(*common.STOP_SIGNALS):
-            hold.start()
+        hold.start()
     after = scrape_all(opts)
     replicas = [engine_metrics.difference(before[i], after[i], [d[i] for d in during]) for i in range(len(after))]
     return replicas, interrupted or bool(hold.noted), after

@@ -103,12 +103,7 @@ def secrets(profile: dict[str, Any]) -> set[str]:
     found = {str(value) for name, value in env.items() if SECRET_ENV_NAME.search(str(name))} \
         if isinstance(env, dict) else set()
     extra = [str(arg) for arg in profile.get("extra_args") or []] if isinstance(profile.get("extra_args"), list) else []
-    for at, arg in enumerate(extra):
-        if arg == API_KEY_FLAG and at + 1 < len(extra):
-            found.add(extra[at + 1])
-        elif arg.startswith(API_KEY_FLAG + "="):
-            found.add(arg[len(API_KEY_FLAG) + 1:])
-    return found - {""}
+    return (found | set(common.flag_values(extra, API_KEY_FLAG))) - {""}
 
 
 def masked(values: Sequence[str], hidden: set[str]) -> list[str]:

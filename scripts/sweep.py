@@ -167,8 +167,7 @@ def run(args: Any, settings: common.Settings, server: loadgen.Target) -> int:
                 hold.release()  # one held since the load ended is raised here, with the point recorded
         except KeyboardInterrupt:  # between two points, or held until a point was recorded
             interrupted = True
-            with common.signals_blocked(*common.STOP_SIGNALS):
-                hold.start()
+            hold.start()
         has_slo = bool(points) and (cfg["slo_ttft_p95_ms"] is not None or cfg["slo_tpot_p95_ms"] is not None)
         found = knee(points, has_slo)
         report = {"kind": "sweep", "schema_version": 1,
