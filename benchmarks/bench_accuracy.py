@@ -40,11 +40,21 @@ from typing import Any, Sequence
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-import loadgen  # noqa: E402
 import calibration_server  # noqa: E402
-import common  # noqa: E402
-import stats  # noqa: E402
-from common import ServerError  # noqa: E402
+
+from rooflib.core import (
+    cli,  # noqa: E402
+    http_client,  # noqa: E402
+    printing,  # noqa: E402
+    stats,  # noqa: E402
+)
+from rooflib.core.errors import (  # noqa: E402
+    EXIT_CHECK_FAILED,
+    EXIT_OK,
+    ServerError,  # noqa: E402
+    UsageError,
+)
+from rooflib.load import promptgen  # noqa: E402
 
 TARGETS = {("ttft_ms", "p50"): 10.0, ("ttft_ms", "p95"): 10.0, ("itl_ms", "p95"): 5.0}
 
@@ -96,7 +106,7 @@ async def httpx_baseline(url: str, n: int, c: int, prompt: str, out: int) -> dic
     import httpx
 
     ttfts: list[float] = []
-    body = loadgen.payload("completions", "calibration", prompt, out, {})
+    body = promptgen.payload("completions", "calibration", prompt, out, {})
     queue = iter(range(n))
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=c)) as client:
         async def slot() -> None:
@@ -144,7 +154,7 @@ def human(rows: list[dict[str, Any]], info: dict[str, Any]) -> str:
 
 def run_bench(cmd: list[str], who: str) -> dict[str, Any]:
     """bench.py --json as a subprocess: its result (a valid or INVALID run), else ServerError."""
-    common.progress(f"{who}: " + " ".join(cmd))
+    printing.progress(f"{who}: " + " ".join(cmd))
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode not in (0, 4):
         raise ServerError(f"bench.py exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
@@ -162,9 +172,9 @@ def measure(args: Any, streams: int, requests: int) -> tuple[list[dict[str, Any]
                                      "--workers", str(args.workers), "--timeout", "120"]
             result = run_bench(bench_cmd, "bench_accuracy")
             records = [json.loads(line) for line in records_file.read_text().splitlines()]
-        with common.client(url) as http:
-            truth = common.get_json(http, "/calibration/truth")
-            server_lag = common.get_json(http, "/calibration/lag")
+        with http_client.client(url) as http:
+            truth = http_client.get_json(http, "/calibration/truth")
+            server_lag = http_client.get_json(http, "/calibration/lag")
         truth_ms = truth_of(truth, result["config"]["run_id"], records)
         rows = compare(result, truth_ms)
         info = {"load": result["config"]["load"], "paired_ttft_error_ms": stats.summarize(truth_ms["ttft_error_ms"]),
@@ -181,8 +191,8 @@ def measure(args: Any, streams: int, requests: int) -> tuple[list[dict[str, Any]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common.parser(__doc__)
-    common.add_output_args(p)
+    p = cli.parser(__doc__)
+    printing.add_output_args(p)
     p.add_argument("-n", type=int, default=0, help="measured requests per level (default 4 x the streams)")
     p.add_argument("-c", default="256,1024", help="concurrent streams, one run per value (comma-separated)")
     p.add_argument("--input-tokens", type=int, default=128)
@@ -197,18 +207,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             levels = [int(x) for x in args.c.split(",") if x.strip()]
         except ValueError:
-            raise common.UsageError(f"-c takes stream counts separated by commas, got {args.c!r}")
+            raise UsageError(f"-c takes stream counts separated by commas, got {args.c!r}")
         if not levels or min(levels) < 1:
-            raise common.UsageError(f"-c takes stream counts separated by commas, got {args.c!r}")
+            raise UsageError(f"-c takes stream counts separated by commas, got {args.c!r}")
         runs, texts = [], []
         for streams in levels:
             rows, info = measure(args, streams, args.n or 4 * streams)
             runs.append({"streams": streams, "rows": rows, **info})
             texts.append(f"--- {streams} streams ---\n" + human(rows, info))
         ok = all(r["ok"] for run in runs for r in run["rows"])
-        printed = common.emit({"runs": runs, "within_targets": ok}, "\n".join(texts), args.output)
-        return printed or (common.EXIT_OK if ok else common.EXIT_CHECK_FAILED)
-    return common.run_main(body)
+        printed = printing.emit({"runs": runs, "within_targets": ok}, "\n".join(texts), args.output)
+        return printed or (EXIT_OK if ok else EXIT_CHECK_FAILED)
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

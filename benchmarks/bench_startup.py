@@ -20,13 +20,15 @@ from typing import Sequence
 
 import bench_accuracy  # beside this script; it puts scripts/ on the path
 import calibration_server
-import common
 from bench_accuracy import SCRIPTS
+
+from rooflib.core import cli, printing
+from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common.parser(__doc__)
-    common.add_output_args(p)
+    p = cli.parser(__doc__)
+    printing.add_output_args(p)
     p.add_argument("-n", type=int, default=100_000, help="requests in the run")
     p.add_argument("--input-tokens", type=int, default=2048)
     p.add_argument("--duration", type=float, default=3.0, help="seconds of sending")
@@ -45,9 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = (f"{args.n} requests of {args.input_tokens} tokens: first request after {result['startup_s']:.2f} s "
                 f"(goal <= {args.goal_s:g} s); {report['sent']} sent in {args.duration:g} s, prompt lengths "
                 f"{report['prompt_tokens']['min']}..{report['prompt_tokens']['max']}")
-        printed = common.emit(report, text, args.output)
-        return printed or (common.EXIT_OK if report["ok"] else common.EXIT_CHECK_FAILED)
-    return common.run_main(body)
+        printed = printing.emit(report, text, args.output)
+        return printed or (EXIT_OK if report["ok"] else EXIT_CHECK_FAILED)
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

@@ -43,10 +43,9 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import loadgen  # noqa: E402
-import common  # noqa: E402
-import stats  # noqa: E402
-from common import UsageError  # noqa: E402
+from rooflib.core import cli, stats
+from rooflib.core.errors import EXIT_OK, ServerError, UsageError
+from rooflib.load import runner
 
 FAULTS = ("http500", "http400", "cut", "malformed", "stream_error", "stall", "short", "no_usage")
 MODEL = "calibration"
@@ -346,7 +345,7 @@ class CalibrationServer:
             sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         # The server's own lateness, measured as bench.py measures the client's: it tells how
         # much of a gap between the two is the server's.
-        self.loop.create_task(loadgen.lag_probe(self.lag_ms, asyncio.Event()))
+        self.loop.create_task(runner.lag_probe(self.lag_ms, asyncio.Event()))
 
     def start_in_thread(self) -> "CalibrationServer":
         ready = threading.Event()
@@ -401,7 +400,7 @@ def spawned(args: Sequence[str] = (), prefix: Sequence[str] = ()) -> Iterator[st
     try:
         line = server.stdout.readline().strip()
         if not line.startswith("listening on "):
-            raise common.ServerError(f"the calibration server did not start: {line or 'no output'}")
+            raise ServerError(f"the calibration server did not start: {line or 'no output'}")
         yield line.split()[-1]
     finally:
         server.terminate()
@@ -409,7 +408,7 @@ def spawned(args: Sequence[str] = (), prefix: Sequence[str] = ()) -> Iterator[st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common.parser(__doc__)
+    p = cli.parser(__doc__)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8100, help="port (0 = any free port, printed on stdout)")
     p.add_argument("--ttft-ms", type=float, default=40.0, help="time from request to first token")
@@ -437,8 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 asyncio.get_running_loop().add_signal_handler(sig, stop.set)
             await stop.wait()
         asyncio.run(serve())
-        return common.EXIT_OK
-    return common.run_main(body)
+        return EXIT_OK
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

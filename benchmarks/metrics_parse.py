@@ -21,8 +21,12 @@ from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-import common  # noqa: E402
-import engine_metrics  # noqa: E402
+from rooflib.core import (
+    cli,  # noqa: E402
+    printing,  # noqa: E402
+)
+from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError  # noqa: E402
+from rooflib.server import engine_metrics  # noqa: E402
 
 RECORDED = ROOT / "tests" / "fixtures" / "metrics" / "vllm-0.32-after.txt"
 
@@ -48,16 +52,16 @@ def measure(text: str, repeat: int) -> list[float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common.parser(__doc__)
+    p = cli.parser(__doc__)
     p.add_argument("--size-mb", type=float, default=1.0, help="scrape size in MB (10^6 bytes)")
     p.add_argument("--repeat", type=int, default=5, help="runs; the best and the median are reported")
     p.add_argument("--budget-s", type=float, default=1.0, help="the best run must take less than this")
-    common.add_output_args(p)
+    printing.add_output_args(p)
     args = p.parse_args(argv)
 
     def body() -> int:
         if args.size_mb <= 0 or args.repeat <= 0 or args.budget_s <= 0:
-            raise common.UsageError("--size-mb, --repeat and --budget-s must be positive")
+            raise UsageError("--size-mb, --repeat and --budget-s must be positive")
         text, engines = big_scrape(int(args.size_mb * 1e6))
         times = measure(text, args.repeat)
         result: dict[str, Any] = {
@@ -68,10 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"best {result['best_s'] * 1000:.0f} ms, median {result['median_s'] * 1000:.0f} ms "
                  f"({result['mb_per_s']:.1f} MB/s); budget {args.budget_s:g} s: "
                  f"{'ok' if result['within_budget'] else 'OVER'}")
-        printed = common.emit(result, human, args.output)
-        return printed or (common.EXIT_OK if result["within_budget"] else common.EXIT_CHECK_FAILED)
+        printed = printing.emit(result, human, args.output)
+        return printed or (EXIT_OK if result["within_budget"] else EXIT_CHECK_FAILED)
 
-    return common.run_main(body)
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

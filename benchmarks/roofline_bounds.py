@@ -28,17 +28,24 @@ from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-import common  # noqa: E402
-import physics  # noqa: E402
-import sizing  # noqa: E402
 import yaml  # noqa: E402
+
+from rooflib.core import (
+    cli,  # noqa: E402
+    printing,  # noqa: E402
+)
+from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK  # noqa: E402
+from rooflib.sizing import (
+    estimate,  # noqa: E402
+    physics,  # noqa: E402
+)
 
 FIXTURE = ROOT / "tests" / "fixtures" / "roofline_measurements.yaml"
 
 
 def physics_for(case: dict[str, Any], quant: str | None = None) -> physics.Physics:
-    return physics.Physics(sizing.Inputs(
-        model=sizing.resolve_model(case["model"]), gpu=sizing.resolve_gpu(case["gpu"], None), tp=case.get("tp", 1),
+    return physics.Physics(estimate.Inputs(
+        model=estimate.resolve_model(case["model"]), gpu=estimate.resolve_gpu(case["gpu"], None), tp=case.get("tp", 1),
         kv_dtype=case.get("kv_dtype", "auto"), quant=quant or case.get("quant", "auto")))
 
 
@@ -60,9 +67,9 @@ def direction(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common.parser(__doc__)
+    p = cli.parser(__doc__)
     p.add_argument("--fixture", default=str(FIXTURE), help="measurements file")
-    common.add_output_args(p)
+    printing.add_output_args(p)
     args = p.parse_args(argv)
 
     def body() -> int:
@@ -84,11 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{d['int4_expected_ms']:.2f} -> {d['roofline_winner']} faster; measured {d['measured_winner']}"
                   f"{'' if d['ok'] else '  WRONG DIRECTION'}" for d in directions]
         lines.append(f"FP8-vs-4-bit direction right in {len(directions) - len(wrong)}/{len(directions)} cases")
-        printed = common.emit({"cases": rows, "violations": len(violations), "directions": directions,
+        printed = printing.emit({"cases": rows, "violations": len(violations), "directions": directions,
                                "wrong_directions": len(wrong)}, "\n".join(lines), args.output)
-        return printed or (common.EXIT_CHECK_FAILED if violations or wrong else common.EXIT_OK)
+        return printed or (EXIT_CHECK_FAILED if violations or wrong else EXIT_OK)
 
-    return common.run_main(body)
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

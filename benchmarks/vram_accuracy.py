@@ -1,21 +1,21 @@
 #!/usr/bin/env python3
-"""How close sizing.py comes to the KV-cache size real vLLM startups logged on GPUs.
+"""How close estimate.py comes to the KV-cache size real vLLM startups logged on GPUs.
 
 Reads tests/fixtures/vllm_startup_logs.yaml (public issues and PRs, each cited) and, per case,
 predicts the KV tokens from the model, GPU, TP, utilization, max_model_len, KV dtype and vLLM
 version alone, then prints the error against the logged tokens. Where vLLM logged them, the
 error is split: "from logged GiB" starts from the KV GiB vLLM itself logged (block accounting
 only), and the weights and the rest of the budget (activation peak, non-torch, CUDA graphs =
-total x utilization - weights - KV) are set against sizing.py's. Cases where vLLM refused to start
-(0 tokens) count as right when sizing.py also says "does not fit" for that max_model_len.
-Held-back cases (setup not pinned down by the log, or a vLLM whose profiler sizing.py does not
+total x utilization - weights - KV) are set against estimate.py's. Cases where vLLM refused to start
+(0 tokens) count as right when estimate.py also says "does not fit" for that max_model_len.
+Held-back cases (setup not pinned down by the log, or a vLLM whose profiler estimate.py does not
 follow) are printed and not counted; so is a case whose logged KV GiB does not give its own
 logged tokens within 2% (the block math is exact, so its tokens come from a budget the log does
 not show, e.g. another TP rank's).
 
 Cases are split by source. `split: in_sample` (the default) are the logs the model's terms were
 fitted or checked against while it was built; `split: held_out` are logs from sources nothing was
-fitted on: they were added, run once and recorded before any change to sizing.py, and no term is
+fitted on: they were added, run once and recorded before any change to estimate.py, and no term is
 tuned on them. The two are reported side by side; the held-out figure is the honest one.
 
 Target, for each split: |error| <= 5% on KV tokens for at least 90% of the counted cases; for the
@@ -40,9 +40,14 @@ from typing import Any, Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-import common  # noqa: E402
-import sizing  # noqa: E402
 import yaml  # noqa: E402
+
+from rooflib.core import (
+    cli,  # noqa: E402
+    printing,  # noqa: E402
+)
+from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError  # noqa: E402
+from rooflib.sizing import estimate  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "vllm_startup_logs.yaml"
 TOLERANCE = 0.05
@@ -52,13 +57,13 @@ SPLITS = ("in_sample", "held_out")
 CONSISTENCY = 0.02   # logged KV GiB -> tokens against logged tokens: rounding and min-over-ranks
 
 
-resolve_model = cache(sizing.resolve_model)   # each catalog model once per run, not once per case
+resolve_model = cache(estimate.resolve_model)   # each catalog model once per run, not once per case
 
 
-def case_inputs(case: dict[str, Any], **overrides: Any) -> sizing.Inputs:
+def case_inputs(case: dict[str, Any], **overrides: Any) -> estimate.Inputs:
     gpu = ({"id": "logged", "name": f"{case['gpu_gib']} GiB (logged)", "memory_gib": case["gpu_gib"]}
-           if "gpu_gib" in case else sizing.resolve_gpu(case["gpu"], None))
-    model = (sizing.resolve_model(case["model"], hf_overrides=case["hf_overrides"]) if case.get("hf_overrides")
+           if "gpu_gib" in case else estimate.resolve_gpu(case["gpu"], None))
+    model = (estimate.resolve_model(case["model"], hf_overrides=case["hf_overrides"]) if case.get("hf_overrides")
              else resolve_model(case["model"]))
     fields = dict(model=model, gpu=gpu, tp=case.get("tp", 1), pp=case.get("pp", 1), ctx=case["max_model_len"],
                   kv_dtype=case.get("kv_dtype", "auto"), quant=case.get("quant", "auto"), gpu_util=case.get("gpu_util"),
@@ -67,7 +72,7 @@ def case_inputs(case: dict[str, Any], **overrides: Any) -> sizing.Inputs:
                   entrypoint=case.get("entrypoint", "serve"), vllm_engine=case.get("vllm_engine", "auto"),
                   sampler=case.get("sampler", "auto"), expert_parallel=bool(case.get("expert_parallel")),
                   block_size=case.get("block_size"))
-    return sizing.Inputs(**{**fields, **overrides})
+    return estimate.Inputs(**{**fields, **overrides})
 
 
 def source_of(case: dict[str, Any]) -> str:
@@ -87,7 +92,7 @@ def relative_error(predicted: float, logged: float) -> float | None:
 
 def evaluate(case: dict[str, Any]) -> dict[str, Any]:
     inp = case_inputs(case)
-    result = sizing.estimate(inp)
+    result = estimate.estimate(inp)
     logged = case["logged_kv_tokens"]
     row = {"id": case["id"], "source": case["source"], "source_name": source_of(case), "logged_kv_tokens": logged,
            "split": case.get("split", "in_sample"), "predicted_kv_tokens": result["kv_cache_tokens"],
@@ -103,7 +108,7 @@ def evaluate(case: dict[str, Any]) -> dict[str, Any]:
         row["error"] = relative_error(result["kv_cache_tokens"], logged)
         row["ok"] = abs(row["error"]) <= TOLERANCE
     if case.get("logged_kv_gib", 0) > 0:
-        given = sizing.estimate(case_inputs(case, kv_cache_bytes=int(case["logged_kv_gib"] * sizing.GIB)))
+        given = estimate.estimate(case_inputs(case, kv_cache_bytes=int(case["logged_kv_gib"] * estimate.GIB)))
         row["error_given_logged_gib"] = relative_error(given["kv_cache_tokens"], logged)
         if row["held_back"] is None and row["error_given_logged_gib"] is not None \
                 and abs(row["error_given_logged_gib"]) > CONSISTENCY:
@@ -181,7 +186,7 @@ def load_cases(path: Path) -> list[dict[str, Any]]:
     cases = yaml.safe_load(path.read_text())["cases"]
     unknown = sorted({case.get("split", "in_sample") for case in cases} - set(SPLITS))
     if unknown:
-        raise common.UsageError(f"{path}: unknown split {unknown}: use {' or '.join(SPLITS)}")
+        raise UsageError(f"{path}: unknown split {unknown}: use {' or '.join(SPLITS)}")
     return cases
 
 
@@ -189,7 +194,7 @@ def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Every case evaluated, and the summary per split."""
     rows = [evaluate(case) for case in cases]
     if not any(row["error"] is not None for row in rows if not row["held_back"]):
-        raise common.UsageError("the fixture has no counted case with logged KV tokens: nothing to measure")
+        raise UsageError("the fixture has no counted case with logged KV tokens: nothing to measure")
     summary: dict[str, Any] = {"cases": len(rows), "sources": len({row["source_name"] for row in rows}),
                                "tolerance": TOLERANCE, "target_share": TARGET_SHARE, "held_out_worst": HELD_OUT_WORST}
     for name in SPLITS:
@@ -199,18 +204,18 @@ def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common.parser(__doc__)
+    p = cli.parser(__doc__)
     p.add_argument("--fixture", default=str(FIXTURE), help="cases file")
-    common.add_output_args(p)
+    printing.add_output_args(p)
     args = p.parse_args(argv)
 
     def body() -> int:
         report = summarize(load_cases(Path(args.fixture)))
-        printed = common.emit(report, render(report["cases"], report["summary"]), args.output)
+        printed = printing.emit(report, render(report["cases"], report["summary"]), args.output)
         met = all(report["summary"][name]["goal_met"] for name in SPLITS)
-        return printed or (common.EXIT_OK if met else common.EXIT_CHECK_FAILED)
+        return printed or (EXIT_OK if met else EXIT_CHECK_FAILED)
 
-    return common.run_main(body)
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

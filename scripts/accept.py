@@ -36,248 +36,39 @@ logprobs), 3 a server unreachable or failing, 5 the report is printed but --log 
 from __future__ import annotations
 
 import datetime
-import os
-import re
-import subprocess
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import perplexity  # noqa: E402
-import profiles  # noqa: E402
-import served  # noqa: E402
-import sizing  # noqa: E402
-import toolcalls  # noqa: E402
-from common import ServerError, UsageError  # noqa: E402
-
-SCRIPTS = Path(__file__).resolve().parent
-TEMPLATE = SCRIPTS / "templates" / "accept_log_entry.md.j2"
-# A short bench moves by a few % between identical runs (two runs of one model on a busy CPU:
-# -13%); a slowdown beyond this is worth a warning, a quantized model should be faster.
-SLOWER_WARN_PCT = 5.0
-# Words in a served model's name that mark a 4-bit weight-only checkpoint, when no config is readable.
-FOUR_BIT_NAME = r"(?i)(awq|gptq|int4|w4a16|4bit)"
-
-
-# ---------------------------------------------------------------- deployments
-
-def is_url(source: str) -> bool:
-    return source.startswith(("http://", "https://"))
-
-
-@contextmanager
-def deployment(source: str, log_dir: Path, start_timeout_s: float) -> Iterator[str]:
-    """A URL as it is, or a profile served by serve.py on a free port for the duration."""
-    if is_url(source):
-        yield common.normalize_url(source)
-        return
-    port = profiles.free_port()
-    log_path = log_dir / f"serve-{port}.log"
-    common.progress(f"starting profile {source} on port {port} (log {log_path})")
-    url = f"http://127.0.0.1:{port}"
-    with profiles.running([sys.executable, str(SCRIPTS / "serve.py"), "--profile", source, "--port", str(port)],
-                       url, log_path, start_timeout_s):
-        yield url
-
-
-# ---------------------------------------------------------------- measurements
-
-def bench_args(args) -> list[str]:
-    return ["-n", str(args.bench_n), "-c", str(args.bench_c), "--input-tokens", str(args.bench_in),
-            "--output-tokens", str(args.bench_out)]
-
-
-def run_bench(url: str, model: str, api_key: str | None, extra: list[str]) -> tuple[dict | None, str | None]:
-    """bench.py --json as a subprocess: (result, None), or (None, why it gave none)."""
-    cmd = [sys.executable, str(SCRIPTS / "bench.py"), "--url", url, "--model", model, *extra, "--json"]
-    env = {**os.environ, **({"ROOFLINE_TASK_API_KEY": api_key} if api_key else {})}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    try:
-        return common.parse_json(done.stdout), None
-    except ValueError:
-        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        return None, f"bench gave no result ({common.redact(last, api_key)})"
-
-
-def measure_side(side: dict[str, Any], url: str, api_key: str | None, args, text: str,
-                 window: int | None, stride: int | None, toolcall_catalog: tuple[dict[str, Any], list[str]]) -> None:
-    """Fill in one side's perplexity, smoke and bench, in that order (Ctrl-C keeps what is done);
-    `toolcall_catalog` is the smoke's catalog with the user's cases and their names."""
-    side["url"] = url
-    with common.client(url, api_key, args.timeout) as http:
-        entry = common.served_model(http, side["wanted_model"])
-        model, max_model_len = entry["id"], common.max_model_len(entry, url)
-        side["model"], side["root"] = model, entry.get("root") or model
-        common.progress(f"{side['role']}: perplexity on {url} ({model})")
-        side["ppl"] = perplexity.measure(http, args.api, model, text, window, stride, max_model_len)
-        if side["ppl"]["stopped"] == "interrupted":
-            raise KeyboardInterrupt
-        if side["ppl"]["stopped"]:
-            raise ServerError(f"perplexity stopped: {side['ppl']['stopped']}")
-        if not args.skip_smoke:
-            common.progress(f"{side['role']}: tool-call smoke")
-            catalog, user_cases = toolcall_catalog
-            try:
-                cases = toolcalls.select_cases(catalog, "", False)
-                cases += [name for name in user_cases if name not in cases]
-                report = toolcalls.run_smoke(http, model, cases, args.repeat, args.max_tokens, False, 0, catalog)
-                report["user_cases"] = user_cases
-                report["verdict"], report["reasons"] = toolcalls.verdict(report)
-                side["smoke"] = report
-                if report["interrupted"]:
-                    raise KeyboardInterrupt
-            except toolcalls.ConfigError as exc:
-                side["smoke_error"] = str(exc)
-    if not args.skip_bench:
-        common.progress(f"{side['role']}: bench {' '.join(bench_args(args))}")
-        side["bench"], side["bench_error"] = run_bench(url, model, api_key, bench_args(args))
-
-
-def infer_scheme(cand: dict[str, Any]) -> tuple[str, str]:
-    """(scheme, why) from what the candidate serves: a profile's --quantization, the config.json
-    behind its /v1/models root, or its name; fp8's levels, the strictest, when none says."""
-    if not is_url(cand["source"]):
-        try:
-            profile = profiles.load_profile(profiles.find_profile(cand["source"]))
-        except UsageError:
-            profile = {}
-        quant = served.quant_of_profile(profile)
-        if quant:
-            return (served.scheme_of(quant) or "fp8",
-                    f"the profile {cand['source']} serves it with --quantization {profile['quantization']}")
-    why = "the candidate was not reached"
-    if cand.get("root"):
-        config, where = served.root_config(cand["root"])
-        if config is not None:
-            quant = sizing.checkpoint_quant(config)
-            method = (config.get("quantization_config") or {}).get("quant_method")
-            if served.scheme_of(quant):
-                return served.scheme_of(quant), f"its config.json ({where}) declares {method} weights ({quant})"
-            return "fp8", f"its config.json ({where}) declares no quantization ({quant}): fp8's levels, the strictest"
-        why = where
-        name = f"{cand['model']} {cand['root']}"
-        if re.search(FOUR_BIT_NAME, name):
-            return "4bit", f"its name {cand['model']!r} says 4-bit and no config.json is readable here ({why})"
-    return "fp8", (f"its quantization is unknown ({why}): fp8's levels, the strictest; pass --scheme 4bit "
-                   "for an AWQ/GPTQ candidate")
-
-
-# ---------------------------------------------------------------- verdict and report
-
-def pct_change(base: float | None, cand: float | None) -> float | None:
-    return (cand / base - 1) * 100 if base and cand is not None else None
-
-
-def judge(base: dict[str, Any], cand: dict[str, Any], ppl_result: dict[str, Any] | None,
-          interrupted: bool) -> tuple[str, list[str], list[str]]:
-    """(verdict, reasons, notes) from both sides' measurements."""
-    fails, warns, notes = [], [], []
-    if ppl_result is None:
-        fails.append("perplexity not compared (not measured on both sides)")
-    else:
-        text = f"perplexity {ppl_result['change_pct']:+.2f}%"
-        if ppl_result["ci95_pct"]:
-            text += f" (95% CI up to {ppl_result['ci95_pct'][1]:+.2f}%)"
-        levels = ppl_result["levels"]
-        if ppl_result["verdict"] == "FAIL":
-            fails.append(f"{text}: above the {levels['name']} fail level +{levels['fail_pct']}%")
-        elif ppl_result["verdict"] == "WARN":
-            warns.append(f"{text}: above the {levels['name']} warn level +{levels['warn_pct']}%")
-        if ppl_result["ci95_pct"] is None:
-            notes.append("the two servers tokenize the text differently: compared by bytes, without an interval")
-    if cand.get("smoke_error"):
-        fails.append(f"candidate smoke could not run: {cand['smoke_error']}")
-    elif cand.get("smoke"):
-        failing = [c["case"] for c in cand["smoke"]["cases"] if c["status"] in ("FAIL", "ERROR")]
-        if base.get("smoke"):
-            split = toolcalls.compare_baseline(cand["smoke"]["cases"], base["smoke"])
-            if split["regressions"]:
-                fails.append("tool-call smoke regressions (pass on base, fail on candidate): "
-                             + ", ".join(split["regressions"]))
-            if split["model_limitations"]:
-                fails.append("tool-call smoke fails on both (model limitation, not quantization damage): "
-                             + ", ".join(split["model_limitations"]))
-        elif failing:
-            fails.append("tool-call smoke fails on the candidate: " + ", ".join(failing))
-        if cand["smoke"]["verdict"] == "FAIL" and not failing:
-            fails += [f"tool-call smoke: {reason}" for reason in cand["smoke"]["reasons"]]
-        if cand["smoke"]["verdict"] == "WARN":
-            warns.append("tool-call smoke warnings on the candidate")
-    if base.get("smoke_error"):
-        notes.append(f"base smoke could not run: {base['smoke_error']}")
-    for side in (base, cand):
-        if side.get("bench_error"):
-            notes.append(f"{side['role']}: {side['bench_error']}")
-    speed = pct_change(throughput(base), throughput(cand))
-    if speed is not None and speed < -SLOWER_WARN_PCT:
-        warns.append(f"the candidate is slower: output tok/s {speed:+.1f}%")
-    if interrupted:
-        fails.append("interrupted: partial results")
-    verdict = "FAIL" if fails else "WARN" if warns else "PASS"
-    return verdict, fails + warns, notes
-
-
-def throughput(side: dict[str, Any]) -> float | None:
-    return ((side.get("bench") or {}).get("throughput") or {}).get("output_tok_s")
-
-
-def p95(side: dict[str, Any], key: str) -> float | None:
-    return ((side.get("bench") or {}).get(key) or {}).get("p95")
-
-
-def fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
-
-
-def smoke_cell(side: dict[str, Any]) -> str:
-    if side.get("smoke_error"):
-        return "config error"
-    report = side.get("smoke")
-    if not report:
-        return "-"
-    passed = sum(c["status"] in ("PASS", "WARN") for c in report["cases"])
-    return f"{report['verdict']} ({passed}/{len(report['cases'])} cases)"
-
-
-def result_rows(base: dict[str, Any], cand: dict[str, Any], ppl_result: dict[str, Any] | None) -> list[dict[str, str]]:
-    def signed(value: float | None) -> str:
-        return "-" if value is None else f"{value:+.2f}%"
-
-    b_ppl, c_ppl = base.get("ppl") or {}, cand.get("ppl") or {}
-    change = "-"
-    if ppl_result:
-        change = signed(ppl_result["change_pct"])
-        if ppl_result["ci95_pct"]:
-            change += f" (95% CI {ppl_result['ci95_pct'][0]:+.2f}% .. {ppl_result['ci95_pct'][1]:+.2f}%)"
-    rows = [
-        {"measure": "perplexity", "base": fmt(b_ppl.get("ppl"), 4), "candidate": fmt(c_ppl.get("ppl"), 4), "change": change},
-        {"measure": "bits per byte", "base": fmt(b_ppl.get("bits_per_byte"), 4),
-         "candidate": fmt(c_ppl.get("bits_per_byte"), 4),
-         "change": signed(pct_change(b_ppl.get("bits_per_byte"), c_ppl.get("bits_per_byte")))},
-        {"measure": "scored tokens (ids sha256)",
-         "base": f"{fmt(b_ppl.get('scored_tokens'))} ({(b_ppl.get('token_ids_sha256') or '-')[:12]})",
-         "candidate": f"{fmt(c_ppl.get('scored_tokens'))} ({(c_ppl.get('token_ids_sha256') or '-')[:12]})",
-         "change": "same tokens" if b_ppl.get("token_ids_sha256") == c_ppl.get("token_ids_sha256") else "differ"},
-        {"measure": "tool-call smoke", "base": smoke_cell(base), "candidate": smoke_cell(cand), "change": "-"},
-        {"measure": "output tok/s", "base": fmt(throughput(base), 1), "candidate": fmt(throughput(cand), 1),
-         "change": signed(pct_change(throughput(base), throughput(cand)))},
-    ]
-    for key, label in (("ttft_ms", "TTFT p95 (ms)"), ("tpot_ms", "TPOT p95 (ms)")):
-        rows.append({"measure": label, "base": fmt(p95(base, key)), "candidate": fmt(p95(cand, key)),
-                     "change": signed(pct_change(p95(base, key), p95(cand, key)))})
-    return rows
-
+from rooflib.core import catalogs, cli, conf, fileio, printing
+from rooflib.core.errors import (
+    EXIT_CHECK_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_OUTPUT,
+    EXIT_SERVER,
+    ServerError,
+    UsageError,
+)
+from rooflib.quality import perplexity, toolcalls
+from rooflib.quality.acceptance import (
+    TEMPLATE,
+    bench_args,
+    deployment,
+    infer_scheme,
+    is_url,
+    judge,
+    measure_side,
+    result_rows,
+    summary,
+)
+from rooflib.serving import profiles
 
 # ---------------------------------------------------------------- command line
 
 def build_parser():
-    p = common.parser(__doc__)
+    p = cli.parser(__doc__)
     p.add_argument("--base", default="", help="the trusted deployment: URL or serve profile (else $BASE)")
     p.add_argument("--candidate", default="", help="the deployment to accept: URL or serve profile (else $CANDIDATE)")
     p.add_argument("--text", default="", help=f"UTF-8 text to score (else $TEXT, else the bundled {perplexity.SAMPLE_TEXT.name})")
@@ -301,31 +92,31 @@ def build_parser():
     p.add_argument("--skip-smoke", action="store_true", help="no tool-call smoke (a model that does not call tools)")
     p.add_argument("--skip-bench", action="store_true", help="no bench")
     p.add_argument("--log", default="", help="append the entry to this Markdown file (else $BENCH_LOG)")
-    p.add_argument("--start-timeout", type=common.timeout_arg, default=900.0, help="seconds to wait for a profile's server")
+    p.add_argument("--start-timeout", type=cli.timeout_arg, default=900.0, help="seconds to wait for a profile's server")
     p.add_argument("--env-file", default=None, help="settings file (default: ./inference.env)")
-    p.add_argument("--timeout", type=common.timeout_arg, default=120.0, help="seconds to wait per request")
-    common.add_output_args(p)
+    p.add_argument("--timeout", type=cli.timeout_arg, default=120.0, help="seconds to wait per request")
+    printing.add_output_args(p)
     return p
 
 
-@common.entry
+@cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
         # Settings are read here, inside run_main: a bad inference.env is one line, exit 2.
-        settings = common.settings_from_args(args)
-        api_key = common.api_key(settings)
+        settings = conf.settings_from_args(args)
+        api_key = conf.api_key(settings)
         log = settings.get("BENCH_LOG", args.log)
         if log:
-            common.check_writable(log, "--log (BENCH_LOG)")
+            fileio.check_writable(log, "--log (BENCH_LOG)")
         sources = {role: settings.get(role.upper(), getattr(args, role)) for role in ("base", "candidate")}
         missing = [role.upper() for role, source in sources.items() if not source]
         if missing:
             raise UsageError(f"{' and '.join(missing)} not given: pass BASE=<url|profile> CANDIDATE=<url|profile>")
         scheme = args.scheme
         levels = perplexity.gate(scheme or "fp8", args.warn_pct, args.fail_pct)  # bad levels fail before any run
-        catalog = common.load_catalog("toolcall_cases")
+        catalog = catalogs.load_catalog("toolcall_cases")
         cases_dir = settings.get("TOOLCALL_CASES", args.cases_dir)
         toolcall_catalog = toolcalls.with_user_cases(catalog, cases_dir) if cases_dir else (catalog, [])
         path, text = perplexity.resolve_text(args)
@@ -358,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             inferred, why = infer_scheme(cand)
             levels = perplexity.gate(inferred, args.warn_pct, args.fail_pct)
             scheme_used = {"scheme": levels["scheme"], "inferred": True, "why": why}
-        common.progress(f"accept: {levels['name']} levels, {scheme_used['why']}")
+        printing.progress(f"accept: {levels['name']} levels, {scheme_used['why']}")
         ppl_result = None
         if base.get("ppl") and cand.get("ppl"):
             ppl_result = perplexity.compare(base["ppl"], cand["ppl"], levels, 64)
@@ -382,34 +173,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             "base": summary(base), "candidate": summary(cand),
         }
         result["rows"] = result_rows(base, cand, ppl_result)
-        entry = common.render_log_entry(result, TEMPLATE)
+        entry = printing.render_log_entry(result, TEMPLATE)
         # The result is printed first: a log that cannot be written then loses nothing.
-        printed = common.emit(result | {"log_entry": entry}, entry, args.output)
+        printed = printing.emit(result | {"log_entry": entry}, entry, args.output)
         if log:
-            if common.write_outputs([("--log", log, common.log_with_entry(log, entry))]):
-                return common.EXIT_OUTPUT
-            common.progress(f"accept: log entry appended to {log}")
+            if fileio.write_outputs([("--log", log, fileio.log_with_entry(log, entry))]):
+                return EXIT_OUTPUT
+            printing.progress(f"accept: log entry appended to {log}")
         if printed:
             return printed
         if interrupted:
-            return common.EXIT_INTERRUPTED
+            return EXIT_INTERRUPTED
         if failure:
-            return common.EXIT_SERVER
-        return common.EXIT_CHECK_FAILED if verdict == "FAIL" else common.EXIT_OK
+            return EXIT_SERVER
+        return EXIT_CHECK_FAILED if verdict == "FAIL" else EXIT_OK
 
-    return common.run_main(body)
-
-
-def summary(side: dict[str, Any]) -> dict[str, Any]:
-    """A side for the JSON document: the per-token values and smoke transcripts left out."""
-    run = {k: v for k, v in (side.get("ppl") or {}).items() if k not in ("token_nll", "windows")}
-    smoke = side.get("smoke")
-    if smoke:
-        smoke = {**smoke, "cases": [{k: v for k, v in c.items() if k != "runs"} for c in smoke["cases"]]}
-    bench = {k: v for k, v in (side.get("bench") or {}).items() if k != "records"} or None
-    return {"source": side["source"], "url": side["url"], "model": side["model"], "ppl": run or None,
-            "smoke": smoke, "smoke_error": side.get("smoke_error"), "bench": bench,
-            "bench_error": side.get("bench_error")}
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

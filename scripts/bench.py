@@ -13,11 +13,11 @@ request (= AIPerf ITL, GuideLLM ITL); ITL = per-chunk gaps (vLLM ITL, AIPerf ICL
 Timestamps are taken when bytes arrive (monotonic ns) by a minimal raw-socket HTTP/1.1 client;
 SSE is parsed after the stream ends. The client's own event-loop lag is measured: when it may
 have distorted the figures, the run is INVALID (exit 4). /metrics is read before and after
-(queue vs prefill time, token counts, preemptions, prefix-cache hits) through scripts/engine_metrics.py.
+(queue vs prefill time, token counts, preemptions, prefix-cache hits) through rooflib/server/engine_metrics.py.
 SGLang is supported from its documented formats (checked against recorded streams, not a live
 server); its /tokenize takes text only, so chat prompts there do not count the chat template.
 
-Real traffic (scripts/workload.py has the formats): --prompts JSONL, --sharegpt conversations
+Real traffic (rooflib/load/workloads.py has the formats): --prompts JSONL, --sharegpt conversations
 (every turn), --input-dist/--output-dist length distributions, --trace (Mooncake/BurstGPT JSONL
 replayed on its own absolute schedule, --speed; the schedule lag is reported). Requests are made
 when sent, from words the tokenizer counts as one token each (a sample is checked first), so a
@@ -49,11 +49,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import loadgen  # noqa: E402
-
-
+from rooflib.core import cli, conf, fileio, printing, signals
+from rooflib.core.errors import EXIT_OK
+from rooflib.load import analysis, asyncclient, benchrun
 
 
 def human_report(result: dict[str, Any]) -> str:
@@ -65,10 +63,10 @@ def human_report(result: dict[str, Any]) -> str:
              f"{'Workload:':<34}{workload_line(cfg)} ({cfg['endpoint']}, prompts by {cfg['prompt_tokenizer']})",
              f"{'Requests completed / failed:':<34}{req['completed']} / {req['failed']}"
              + (f"  ({', '.join(f'{k} {v}' for k, v in req['errors'].items())})" if req["errors"] else ""),
-             f"{'Duration (s):':<34}{common.fmt_number(thr['duration_s'])}",
-             f"{'Request throughput (req/s):':<34}{common.fmt_number(thr['req_s'])}",
-             f"{'Output token throughput (tok/s):':<34}{common.fmt_number(thr['output_tok_s'])}",
-             f"{'Total token throughput (tok/s):':<34}{common.fmt_number(thr['total_tok_s'])}",
+             f"{'Duration (s):':<34}{printing.fmt_number(thr['duration_s'])}",
+             f"{'Request throughput (req/s):':<34}{printing.fmt_number(thr['req_s'])}",
+             f"{'Output token throughput (tok/s):':<34}{printing.fmt_number(thr['output_tok_s'])}",
+             f"{'Total token throughput (tok/s):':<34}{printing.fmt_number(thr['total_tok_s'])}",
              f"{'Output tokens (total, short):':<34}{req['output_tokens']['total']}, {req['output_tokens']['short']}",
              f"{'':-<72}",
              f"{'ms':<16}{'p50':>9}{'p95':>9}{'p99':>9}{'mean':>9}{'min':>9}{'max':>9}{'n':>7}"]
@@ -83,16 +81,16 @@ def human_report(result: dict[str, Any]) -> str:
             lines.append(_row(label, reasoning[key]))
     lines.append(f"{'':-<72}")
     lag = client["loop_lag_ms"]
-    lines.append(f"{'Client loop lag p50/p99/max (ms):':<34}{common.fmt_number(lag['p50'])} / {common.fmt_number(lag['p99'])} / "
-                 f"{common.fmt_number(lag['max'])}  (limit {client['lag_threshold_ms']:.2f}, CPU {common.fmt_number((client['cpu_util'] or 0) * 100, 0)}%)")
+    lines.append(f"{'Client loop lag p50/p99/max (ms):':<34}{printing.fmt_number(lag['p50'])} / {printing.fmt_number(lag['p99'])} / "
+                 f"{printing.fmt_number(lag['max'])}  (limit {client['lag_threshold_ms']:.2f}, CPU {printing.fmt_number((client['cpu_util'] or 0) * 100, 0)}%)")
     stalled = client.get("stalls") or {}
     if stalled.get("count"):
         lines.append(f"{'Client stalls (count, total, worst):':<34}{stalled['count']}, {stalled['total_s']:.2f} s "
                      f"({stalled['share']:.1%} of the run), {stalled['worst_ms']:.0f} ms")
     schedule = client["schedule_delay_ms"]
     if schedule["n"]:
-        lines.append(f"{'Schedule lag p50/p99/max (ms):':<34}{common.fmt_number(schedule['p50'])} / {common.fmt_number(schedule['p99'])} / "
-                     f"{common.fmt_number(schedule['max'])}  (actual - intended send time)")
+        lines.append(f"{'Schedule lag p50/p99/max (ms):':<34}{printing.fmt_number(schedule['p50'])} / {printing.fmt_number(schedule['p99'])} / "
+                     f"{printing.fmt_number(schedule['max'])}  (actual - intended send time)")
     if result.get("startup_s") is not None:
         lines.append(f"{'First request after (s):':<34}{result['startup_s']:.2f}")
     server = result.get("server") or {}
@@ -108,7 +106,7 @@ def human_report(result: dict[str, Any]) -> str:
     for finding in (server.get("cross_check") or {}).get("findings", []):
         lines.append(f"client vs server: {finding}")
     for name, check in result["slo"].items():
-        lines.append(f"{'SLO ' + name + ':':<34}{common.fmt_number(check['measured'], 1)} <= {check['target']:g}: "
+        lines.append(f"{'SLO ' + name + ':':<34}{printing.fmt_number(check['measured'], 1)} <= {check['target']:g}: "
                      f"{'met' if check['met'] else 'MISSED'}")
     for warning in result["warnings"]:
         lines.append(f"warning: {warning}")
@@ -122,7 +120,7 @@ def human_report(result: dict[str, Any]) -> str:
 
 
 def _row(label: str, s: dict[str, Any]) -> str:
-    return (f"{label:<16}" + "".join(f"{common.fmt_number(s[k]):>9}" for k in ("p50", "p95", "p99", "mean", "min", "max"))
+    return (f"{label:<16}" + "".join(f"{printing.fmt_number(s[k]):>9}" for k in ("p50", "p95", "p99", "mean", "min", "max"))
             + f"{s['n']:>7}")
 
 
@@ -139,20 +137,20 @@ def timeline_line(timeline: dict[str, Any]) -> str:
 
     def peak(key: str, scale: float = 1.0, digits: int = 0) -> str:
         values = [r[key] for r in rows if r[key] is not None]
-        return common.fmt_number(max(values) * scale, digits) if values else "-"
+        return printing.fmt_number(max(values) * scale, digits) if values else "-"
     return (f"{len(rows)} scrapes every {timeline['interval_s']:g} s: peak running {peak('running')}, waiting "
             f"{peak('waiting')}, KV {peak('kv_cache_usage_perc', 100, 1)}%, gen {peak('generation_tok_s', 1, 1)} tok/s, "
-            f"preemptions {common.fmt_number(rows[-1]['preemptions'], 0)}")
+            f"preemptions {printing.fmt_number(rows[-1]['preemptions'], 0)}")
 
 
-def run(args: Any, settings: common.Settings, server: loadgen.Target) -> int:
-    cfg = loadgen.make_config(args, settings)
+def run(args: Any, settings: conf.Settings, server: asyncclient.Target) -> int:
+    cfg = benchrun.make_config(args, settings)
     for what, path in (("--records", args.records), ("--log (BENCH_LOG)", cfg["log"])):
         if path:
-            common.check_writable(path, what)
-    target = loadgen.find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
-    with common.SignalHold("bench") as hold:  # from the end of the load: signals held until the result is written
-        result = loadgen.execute(target, cfg, hold)
+            fileio.check_writable(path, what)
+    target = asyncclient.find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
+    with signals.SignalHold("bench") as hold:  # from the end of the load: signals held until the result is written
+        result = benchrun.execute(target, cfg, hold)
         return print_and_write(args, cfg, result)
 
 
@@ -160,23 +158,23 @@ def print_and_write(args: Any, cfg: dict[str, Any], result: dict[str, Any]) -> i
     """Print the result, then write --records and --log: the exit code."""
     records = result.pop("records")
     # The result is printed first: a file that cannot be written then loses nothing.
-    printed = common.emit(result, human_report(result), args.output)
+    printed = printing.emit(result, human_report(result), args.output)
     files = []
     if args.records:
-        files.append(("--records", args.records, "".join(json.dumps(common.json_safe(r)) + "\n" for r in records)))
+        files.append(("--records", args.records, "".join(json.dumps(printing.json_safe(r)) + "\n" for r in records)))
     if cfg["log"]:
-        files.append(("--log", cfg["log"], common.log_with_entry(cfg["log"], common.render_log_entry(result, loadgen.TEMPLATE))))
-    written = common.write_outputs(files)
-    if cfg["log"] and written == common.EXIT_OK:
-        common.progress(f"bench: log entry appended to {cfg['log']}")
-    return printed or written or loadgen.exit_code(result)
+        files.append(("--log", cfg["log"], fileio.log_with_entry(cfg["log"], printing.render_log_entry(result, benchrun.TEMPLATE))))
+    written = fileio.write_outputs(files)
+    if cfg["log"] and written == EXIT_OK:
+        printing.progress(f"bench: log entry appended to {cfg['log']}")
+    return printed or written or analysis.exit_code(result)
 
 
-@common.entry
+@cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
-    p = loadgen.build_parser()
-    p.description, p.epilog = common.split_doc(__doc__)
-    return loadgen.run_with_settings(p.parse_args(argv), run)
+    p = benchrun.build_parser()
+    p.description, p.epilog = cli.split_doc(__doc__)
+    return benchrun.run_with_settings(p.parse_args(argv), run)
 
 
 if __name__ == "__main__":

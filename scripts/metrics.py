@@ -25,7 +25,7 @@ bucket is only known to be at most that bucket's bound: JSON leaves it null and 
 
 With --prometheus the window is a PromQL range (rate/increase, histogram_quantile over summed
 buckets) for the fleet and `by (instance)` for each replica, and fleet findings come first:
-replica_down, config_mismatch, imbalance, add_replica, prefix_split (scripts/fleet.py). A path
+replica_down, config_mismatch, imbalance, add_replica, prefix_split (rooflib/server/fleet.py). A path
 prefix goes in the URL (http://host/prometheus); basic auth comes from PROMETHEUS_USER and
 PROMETHEUS_PASSWORD, never from a flag, and is never printed.
 
@@ -40,7 +40,7 @@ Examples:
   PROMETHEUS_USER=ops PROMETHEUS_PASSWORD=... metrics.py --prometheus https://mon.example/prometheus --json
   metrics.py --url http://127.0.0.1:8000 --gpu H100 --slo-ttft-p95-ms 500 --slo-tpot-p95-ms 50
 
-Functions for other scripts live in engine_metrics.py (errors: common.ServerError, engine_metrics.InvalidScrape):
+Functions for other scripts live in rooflib/server/engine_metrics.py (errors: ServerError, engine_metrics.InvalidScrape):
   scrape(url, api_key=None) -> (text, unix_time)   GET <url>/metrics
   parse_exposition(text) -> Exposition             Prometheus text format, any exporter
   snapshot(text, source="", at=None) -> dict       normalized vLLM/SGLang figures of one scrape
@@ -73,23 +73,19 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import fleet  # noqa: E402
-from common import UsageError  # noqa: E402
-import engine_metrics  # noqa: E402
+from rooflib.core import catalogs, cli, conf, fileio, printing, signals
+from rooflib.core.errors import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, UsageError
+from rooflib.server import engine_metrics, fleet
 
 
 def build_parser() -> argparse.ArgumentParser:
     # --help leaves out the docstring's section for other scripts (the Python API).
-    p = common.parser(__doc__.split("Functions for other scripts")[0] + __doc__[__doc__.index("Exit codes"):])
+    p = cli.parser(__doc__.split("Functions for other scripts")[0] + __doc__[__doc__.index("Exit codes"):])
     p.add_argument("--url", action="append", default=[],
                    help="server base URL or its /metrics URL; repeat (or comma-separate) for replicas "
-                        f"(else $INFER_URL, {common.ENV_FILE_NAME}, {common.DEFAULT_URL}); "
+                        f"(else $INFER_URL, {conf.ENV_FILE_NAME}, {conf.DEFAULT_URL}); "
                         "--file and --prometheus take precedence")
     p.add_argument("--file", action="append", default=[],
                    help="a saved scrape ('-' for stdin); give two (before, after) for a window")
@@ -108,9 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot-p95-ms", default="", help="TPOT p95 target for the decode finding "
                                                          "(else $SLO_TPOT_P95_MS)")
     p.add_argument("--env-file", default=None,
-                   help=f"settings file (default: ./{common.ENV_FILE_NAME}, or $INFER_ENV_FILE)")
-    p.add_argument("--timeout", type=common.timeout_arg, default=30.0, help="seconds to wait for each answer")
-    common.add_output_args(p)
+                   help=f"settings file (default: ./{conf.ENV_FILE_NAME}, or $INFER_ENV_FILE)")
+    p.add_argument("--timeout", type=cli.timeout_arg, default=30.0, help="seconds to wait for each answer")
+    printing.add_output_args(p)
     return p
 
 
@@ -128,21 +124,21 @@ class Options:
     gpu: Mapping[str, Any] | None
     slo: engine_metrics.Targets
     timeout: float
-    output: common.Output
+    output: printing.Output
 
 
 def options(args: argparse.Namespace) -> Options:
-    settings = common.settings_from_args(args)
+    settings = conf.settings_from_args(args)
     files = [f for f in args.file if f]
     prometheus = settings.get("PROMETHEUS", args.prometheus, "")
     given = ",".join(args.url)
     urls, api_key = [], None
     # INFER_URL is often set for every task: a file or Prometheus given explicitly wins over it.
     if not files and not prometheus:
-        raw = settings.get("INFER_URL", given, common.DEFAULT_URL)
+        raw = settings.get("INFER_URL", given, conf.DEFAULT_URL)
         for piece in re.split(r"[,\s]+", raw):
             if piece:
-                url, api_key = common.server_settings(argparse.Namespace(url=piece, env_file=args.env_file))
+                url, api_key = conf.server_settings(argparse.Namespace(url=piece, env_file=args.env_file))
                 urls.append(url)
     if files and prometheus:
         raise UsageError("give --file or --prometheus, not both")
@@ -151,16 +147,16 @@ def options(args: argparse.Namespace) -> Options:
     if len(files) == 1 and args.window:
         raise UsageError("--window with --file needs two files, the scrapes before and after the window")
     gpu_name = settings.get("GPU", args.gpu, "")
-    gpu = common.find_in_catalog(common.load_catalog("gpus"), gpu_name, "GPU")[1] if gpu_name else None
-    watch = common.number("--watch", args.watch, float)
+    gpu = catalogs.find_in_catalog(catalogs.load_catalog("gpus"), gpu_name, "GPU")[1] if gpu_name else None
+    watch = cli.number("--watch", args.watch, float)
     if watch and (files or prometheus):
         raise UsageError("--watch reads live servers: use it with --url")
     return Options(
         urls=urls, api_key=api_key, files=files, prometheus=prometheus,
         prometheus_auth=fleet.credentials(settings) if prometheus else fleet.Credentials(), match=args.match,
-        window=common.number("--window", args.window, float), watch=watch, count=max(0, args.count), gpu=gpu,
-        slo=engine_metrics.Targets(common.number("SLO_TTFT_P95_MS", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float),
-                    common.number("SLO_TPOT_P95_MS", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float)),
+        window=cli.number("--window", args.window, float), watch=watch, count=max(0, args.count), gpu=gpu,
+        slo=engine_metrics.Targets(cli.number("SLO_TTFT_P95_MS", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float),
+                    cli.number("SLO_TPOT_P95_MS", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float)),
         timeout=args.timeout, output=args.output)
 
 
@@ -172,7 +168,7 @@ def scrape_all(opts: Options) -> list[dict[str, Any]]:
     return snaps
 
 
-def window_reports(opts: Options, seconds: float, hold: common.SignalHold, before: list[dict[str, Any]] | None = None
+def window_reports(opts: Options, seconds: float, hold: signals.SignalHold, before: list[dict[str, Any]] | None = None
                    ) -> tuple[list[dict[str, Any]], bool, list[dict[str, Any]]]:
     """Scrape (unless `before` is given), sample the gauges each second for `seconds`, scrape
     again; Ctrl-C ends early. From the end of the window a Ctrl-C or SIGTERM waits in `hold`
@@ -182,14 +178,14 @@ def window_reports(opts: Options, seconds: float, hold: common.SignalHold, befor
     during: list[list[dict[str, Any]]] = []
     interrupted = False
     deadline = time.monotonic() + seconds
-    common.progress(f"measuring for {seconds:g} s (Ctrl-C ends early and still reports)...")
+    printing.progress(f"measuring for {seconds:g} s (Ctrl-C ends early and still reports)...")
     try:
         while time.monotonic() < deadline - 1:
             time.sleep(1)
             during.append(scrape_all(opts))
         time.sleep(max(0.0, deadline - time.monotonic()))
         hold.start()
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (common.run_main)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (cli.run_main)
         interrupted = True
         hold.start()
     after = scrape_all(opts)
@@ -259,39 +255,39 @@ def run(opts: Options) -> int:
     elif opts.watch:
         return watch(opts)
     elif opts.window:
-        with common.SignalHold("metrics") as hold:
+        with signals.SignalHold("metrics") as hold:
             replicas, interrupted, _ = window_reports(opts, opts.window, hold)
             result, text = results(opts, replicas)
             result["interrupted"] = interrupted
             if interrupted:
-                text += f"\ninterrupted: the window ended after {common.fmt_number(result.get('seconds'), 1)} s"
-            printed = common.emit(result, text, opts.output)
-        return printed or (common.EXIT_INTERRUPTED if interrupted else common.EXIT_OK)
+                text += f"\ninterrupted: the window ended after {printing.fmt_number(result.get('seconds'), 1)} s"
+            printed = printing.emit(result, text, opts.output)
+        return printed or (EXIT_INTERRUPTED if interrupted else EXIT_OK)
     else:
         result, text = results(opts, scrape_all(opts))
-    return common.emit(result, text, opts.output)
+    return printing.emit(result, text, opts.output)
 
 
 def watch(opts: Options) -> int:
     """Print the report of each interval of `opts.watch` seconds until Ctrl-C (or `count`); the
     --json-out file holds the latest."""
-    refreshes, last, written = 0, None, common.EXIT_OK
+    refreshes, last, written = 0, None, EXIT_OK
     while True:
-        with common.SignalHold("metrics") as hold:
+        with signals.SignalHold("metrics") as hold:
             replicas, interrupted, last = window_reports(opts, opts.watch, hold, last)
             refreshes += 1
             result, text = results(opts, replicas)
             if opts.output.json:
-                print(common.json_text(result, indent=None), end="", flush=True)
+                print(printing.json_text(result, indent=None), end="", flush=True)
             else:
                 print(f"--- {time.strftime('%H:%M:%S')}\n{text}", flush=True)
             if opts.output.file:
-                written = common.write_outputs([("--json-out", opts.output.file, common.json_text(result))]) or written
+                written = fileio.write_outputs([("--json-out", opts.output.file, printing.json_text(result))]) or written
         if interrupted or refreshes == opts.count:
             return written
 
 
-@common.entry
+@cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -300,9 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(options(args))
         except (engine_metrics.InvalidScrape, fleet.UnusableAnswer) as exc:
             print(f"error: {exc}", file=sys.stderr)
-            return common.EXIT_INVALID
+            return EXIT_INVALID
 
-    return common.run_main(body)
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

@@ -33,13 +33,12 @@ CPU may need --timeout 600), 130 interrupted by Ctrl-C or SIGTERM (likewise).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import UsageError  # noqa: E402
-import perplexity  # noqa: E402
+from rooflib.core import cli, conf, http_client, printing
+from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_SERVER, UsageError
+from rooflib.quality import perplexity
+from rooflib.server import model_listing
 
 
 def describe_run(run: dict[str, Any]) -> str:
@@ -69,8 +68,8 @@ def describe_comparison(result: dict[str, Any]) -> str:
 
 
 def build_parser():
-    p = common.parser(__doc__)
-    common.add_server_args(p)
+    p = cli.parser(__doc__)
+    cli.add_server_args(p)
     p.add_argument("--model", default="", help="served model name (else $INFER_MODEL, else the first of /v1/models)")
     p.add_argument("--text", default="", help=f"UTF-8 text file to score (else $TEXT, else the bundled {perplexity.SAMPLE_TEXT.name})")
     p.add_argument("--api", choices=perplexity.APIS, default="vllm", help="how to ask for prompt logprobs")
@@ -84,37 +83,37 @@ def build_parser():
     p.add_argument("--warn-pct", type=float, default=None, help="override the scheme's warn level (%%)")
     p.add_argument("--fail-pct", type=float, default=None, help="override the scheme's fail level (%%)")
     p.add_argument("--block", type=int, default=64, help="tokens per bootstrap block (compare)")
-    common.add_output_args(p)
+    printing.add_output_args(p)
     return p
 
 
 def run_on_server(url: str, api_key: str | None, args, text: str, window: int | None,
                   stride: int | None) -> dict[str, Any]:
-    wanted = common.settings_from_args(args).get("INFER_MODEL", args.model)
-    with common.client(url, api_key, args.timeout) as http:
-        entry = common.served_model(http, wanted)
-        model, max_model_len = entry["id"], common.max_model_len(entry, url)
-        common.progress(f"scoring on {url} ({model}, api {args.api})")
+    wanted = conf.settings_from_args(args).get("INFER_MODEL", args.model)
+    with http_client.client(url, api_key, args.timeout) as http:
+        entry = model_listing.served_model(http, wanted)
+        model, max_model_len = entry["id"], model_listing.max_model_len(entry, url)
+        printing.progress(f"scoring on {url} ({model}, api {args.api})")
         run = perplexity.measure(http, args.api, model, text, window, stride, max_model_len)
     return run | {"url": url}
 
 
-@common.entry
+@cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
         # Settings are read here, inside run_main: a bad URL or inference.env line is one line, exit 2.
-        url, api_key = common.server_settings(args)
+        url, api_key = conf.server_settings(args)
         if (args.window is not None and args.window < 2) or (args.stride is not None and args.stride < 1):
             raise UsageError("--window must be at least 2 and --stride at least 1")
-        common.number("--block", args.block, int, 1)
+        cli.number("--block", args.block, int, 1)
         if args.compare is None:
             path, text = perplexity.resolve_text(args)
             run = run_on_server(url, api_key, args, text, args.window, args.stride) | {"text": path}
-            printed = common.emit(run, describe_run(run), args.output)
+            printed = printing.emit(run, describe_run(run), args.output)
             if run["stopped"]:
-                return printed or (common.EXIT_INTERRUPTED if run["stopped"] == "interrupted" else common.EXIT_SERVER)
+                return printed or (EXIT_INTERRUPTED if run["stopped"] == "interrupted" else EXIT_SERVER)
             return printed
         levels = perplexity.gate(args.scheme, args.warn_pct, args.fail_pct)
         sides = []
@@ -124,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if source.startswith(("http://", "https://")):
                 if text is None:
                     text = perplexity.resolve_text(args)
-                sides.append(run_on_server(common.normalize_url(source), api_key, args, text[1], window, stride)
+                sides.append(run_on_server(conf.normalize_url(source), api_key, args, text[1], window, stride)
                              | {"text": text[0]})
             else:
                 sides.append(perplexity.load_run(source))
@@ -132,10 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             window, stride = sides[0]["window"], sides[0]["stride"]
         result = perplexity.compare(sides[0], sides[1], levels, args.block)
         sides = [{k: v for k, v in side.items() if k not in ("token_nll", "windows")} for side in sides]
-        printed = common.emit(result | {"base": sides[0], "candidate": sides[1]}, describe_comparison(result), args.output)
-        return printed or (common.EXIT_CHECK_FAILED if result["verdict"] == "FAIL" else common.EXIT_OK)
+        printed = printing.emit(result | {"base": sides[0], "candidate": sides[1]}, describe_comparison(result), args.output)
+        return printed or (EXIT_CHECK_FAILED if result["verdict"] == "FAIL" else EXIT_OK)
 
-    return common.run_main(body)
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

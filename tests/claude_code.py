@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from common import cache_dir  # noqa: E402
-from setup_cpu_vllm import locked  # noqa: E402
+from setup_cpu_vllm import locked
+
+from rooflib.core.conf import cache_dir
 
 # The client the plugin tests run against; bump it on purpose, with the tests passing.
 VERSION = "2.1.332"

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 # The calibration server, a test instrument, lives with the benchmarks (it is not installed).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_server import ServerUnavailable, running_vllm, task_exe  # noqa: E402
-
+from vllm_server import ServerUnavailable, running_vllm, task_exe
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # Under `task test` the toolbox's own plumbing variable is already set (empty): go-task does not

@@ -18,10 +18,9 @@ from typing import Iterator, Sequence
 import bcrypt
 import httpx
 import yaml
-
-
-import profiles
 from vllm_server import ServerUnavailable
+
+from rooflib.serving import profiles
 
 STARTUP_TIMEOUT_S = 60
 

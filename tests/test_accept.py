@@ -6,12 +6,13 @@ import json
 import math
 from contextlib import contextmanager
 
-import pytest
-
 import accept
 import fake_ppl_server
 import fake_toolcall_server
+import pytest
 from fake_http import serving
+
+from rooflib.quality import acceptance
 
 
 @contextmanager
@@ -82,7 +83,7 @@ def test_candidate_without_tool_calling_fails_on_configuration(capsys):
     assert code == 1
     assert result["reasons"] == [
         "candidate smoke could not run: the server does not have tool calling enabled (HTTP 400: \"auto\" tool "
-        "choice requires --enable-auto-tool-choice and --tool-call-parser to be set): " + accept.toolcalls.CONFIG_HINT]
+        "choice requires --enable-auto-tool-choice and --tool-call-parser to be set): " + acceptance.toolcalls.CONFIG_HINT]
 
 
 def test_judge_names_model_limitations_and_a_slower_candidate():
@@ -93,11 +94,11 @@ def test_judge_names_model_limitations_and_a_slower_candidate():
             "bench": {"throughput": {"output_tok_s": 90.0}}}
     levels = {"name": "FP8", "warn_pct": 1.0, "fail_pct": 2.0}
     ppl_ok = {"change_pct": 0.1, "ci95_pct": [0.0, 0.2], "verdict": "PASS", "levels": levels}
-    verdict, reasons, _ = accept.judge(base, cand, ppl_ok, interrupted=False)
+    verdict, reasons, _ = acceptance.judge(base, cand, ppl_ok, interrupted=False)
     assert verdict == "FAIL"
     assert reasons == ["tool-call smoke fails on both (model limitation, not quantization damage): parallel",
                        "the candidate is slower: output tok/s -10.0%"]
-    verdict, reasons, _ = accept.judge({**base, "smoke": None}, {**cand, "smoke": None}, ppl_ok, interrupted=True)
+    verdict, reasons, _ = acceptance.judge({**base, "smoke": None}, {**cand, "smoke": None}, ppl_ok, interrupted=True)
     assert verdict == "FAIL" and reasons == ["interrupted: partial results", "the candidate is slower: output tok/s -10.0%"]
 
 

@@ -13,16 +13,16 @@ import threading
 import time
 from pathlib import Path
 
+import bench
 import httpx
 import pytest
-
-import bench
-
-import loadgen
-import engine_metrics
 import sweep
 from calibration_server import CalibrationServer, Schedule, parse_fault
-from common import UsageError
+
+from rooflib.core import conf
+from rooflib.core.errors import UsageError
+from rooflib.load import analysis, asyncclient, benchrun, http1, promptgen, request_outcome, runner, sweeps
+from rooflib.server import engine_metrics
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -44,9 +44,9 @@ def _split(raw: bytes, cuts: list[int]) -> list[tuple[int, bytes]]:
 
 def test_dechunk_reports_completeness():
     raw = b"5\r\nhello\r\n3\r\nabc\r\n0\r\n\r\n"
-    segments, complete = loadgen.dechunk(raw)
+    segments, complete = http1.dechunk(raw)
     assert complete and [s[2] for s in segments] == [5, 3]
-    assert loadgen.dechunk(raw[:-7])[1] is False
+    assert http1.dechunk(raw[:-7])[1] is False
 
 
 # A chunk whose data ends in "0\r\n\r\n" looks like the end of the body to a check of the tail.
@@ -55,18 +55,18 @@ FRAMED = b"5\r\nhello\r\n8\r\nx: 0\r\n\r\n\r\n3;ext=1\r\nabc\r\n0\r\n\r\n"
 
 @pytest.mark.parametrize("cut", range(1, len(FRAMED)))
 def test_chunk_framing_notices_the_end_only_after_the_last_chunk(cut):
-    framing = loadgen.ChunkFraming()
+    framing = asyncclient.ChunkFraming()
     ends = [framing.feed(FRAMED[:cut]), framing.feed(FRAMED[cut:])]
     assert ends == [False, True]
 
 
 def test_chunk_framing_byte_by_byte_and_with_trailers():
     raw = b"4\r\n0\r\n\r\n\r\n0\r\nx-trailer: 1\r\n\r\n"
-    framing = loadgen.ChunkFraming()
+    framing = asyncclient.ChunkFraming()
     ends = [framing.feed(raw[i:i + 1]) for i in range(len(raw))]
     assert ends == [False] * (len(raw) - 1) + [True]
     with pytest.raises(ValueError):
-        loadgen.ChunkFraming().feed(b"zz\r\nhello")
+        asyncclient.ChunkFraming().feed(b"zz\r\nhello")
 
 
 def test_each_event_gets_the_time_of_the_read_that_completed_it():
@@ -75,7 +75,7 @@ def test_each_event_gets_the_time_of_the_read_that_completed_it():
     first_event_end = raw.index(b"1}\n\n") + 4
     # read 1 stops one byte before the first event is complete; read 2 completes it and more.
     reads = _split(raw, [first_event_end - 1, raw.index(b"[DONE]")])
-    response = loadgen.parse_response(reads)
+    response = http1.parse_response(reads)
     assert response.complete and response.status == 200
     assert [data for _, data in response.events] == [b'{"a": 1}', b'{"a": 2}', b"[DONE]"]
     assert [t for t, _ in response.events] == [2000, 2000, 3000]
@@ -83,26 +83,26 @@ def test_each_event_gets_the_time_of_the_read_that_completed_it():
 
 def test_last_event_without_blank_line_is_kept():
     raw = _chunked_stream([b"data: {\"a\": 1}\n\n", b"data: [DONE]"])
-    response = loadgen.parse_response(_split(raw, []))
+    response = http1.parse_response(_split(raw, []))
     assert [d for _, d in response.events] == [b'{"a": 1}', b"[DONE]"]
 
 
 def test_content_length_body_and_incomplete_head():
     raw = b"HTTP/1.1 404 Not Found\r\ncontent-length: 5\r\n\r\nabcde"
-    response = loadgen.parse_response(_split(raw, [10]))
+    response = http1.parse_response(_split(raw, [10]))
     assert response.status == 404 and response.complete and response.body == b"abcde"
-    assert loadgen.parse_response([(1, b"HTTP/1.1 200")]).status is None
+    assert http1.parse_response([(1, b"HTTP/1.1 200")]).status is None
 
 
 # ---------------------------------------------------------------------------------------------
 # Interpreting a stream
 
-def _sse_response(chunks: list, status: int = 200, done: bool = True) -> loadgen.Response:
+def _sse_response(chunks: list, status: int = 200, done: bool = True) -> http1.Response:
     events = [(1_000_000 * (i + 1), c if isinstance(c, bytes) else json.dumps(c).encode())
               for i, c in enumerate(chunks)]
     if done:
         events.append((events[-1][0] + 1 if events else 1, b"[DONE]"))
-    return loadgen.Response(status, {"content-type": "text/event-stream"}, True, events)
+    return http1.Response(status, {"content-type": "text/event-stream"}, True, events)
 
 
 def _usage(n: int) -> dict:
@@ -115,7 +115,7 @@ def test_chat_role_only_chunk_does_not_start_ttft():
               {"choices": [{"delta": {"content": "b"}}], "usage": _usage(3)},
               {"choices": [{"delta": {"content": "c"}, "finish_reason": "length"}], "usage": _usage(4)},
               {"choices": [], "usage": _usage(4)}]
-    outcome = loadgen.interpret(loadgen.Outcome(0, sent_ns=0), _sse_response(chunks), chat=True)
+    outcome = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse_response(chunks), chat=True)
     assert outcome.ok, outcome.detail
     assert outcome.ttft_ms == 2.0  # the second event, not the role chunk at 1 ms
     assert outcome.e2e_ms == 4.0
@@ -128,7 +128,7 @@ def test_chat_role_only_chunk_does_not_start_ttft():
 
 def test_completions_empty_text_chunk_is_not_a_token():
     chunks = [{"choices": [{"text": ""}]}, {"choices": [{"text": "x"}]}, {"choices": [{"text": "y"}]}]
-    outcome = loadgen.interpret(loadgen.Outcome(0, sent_ns=0), _sse_response(chunks), chat=False)
+    outcome = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse_response(chunks), chat=False)
     assert outcome.ttft_ms == 2.0
     assert outcome.completion_tokens == 2 and not outcome.usage_reported
 
@@ -144,7 +144,7 @@ def test_sglang_completion_stream():
     chunks = [chunk(" a"), chunk(" b"), chunk(" c", "length"),
               {"id": "a1", "object": "text_completion", "created": 1, "model": "m", "choices": [],
                "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}]
-    outcome = loadgen.interpret(loadgen.Outcome(0, sent_ns=0), _sse_response(chunks), chat=False)
+    outcome = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse_response(chunks), chat=False)
     assert outcome.ok and outcome.completion_tokens == 3 and outcome.prompt_tokens == 5
     assert outcome.usage_reported and outcome.finish_reason == "length"
     assert outcome.ttft_ms == 1.0 and outcome.e2e_ms == 3.0
@@ -157,7 +157,7 @@ def test_sglang_completion_stream():
     ([{"choices": [{"text": ""}]}], 200, True, "empty_output"),
 ])
 def test_stream_faults_are_classified(chunks, status, done, kind):
-    outcome = loadgen.interpret(loadgen.Outcome(0), _sse_response(chunks, status, done), chat=False)
+    outcome = request_outcome.interpret(request_outcome.Outcome(0), _sse_response(chunks, status, done), chat=False)
     assert outcome.error == kind
 
 
@@ -167,46 +167,46 @@ def test_stream_faults_are_classified(chunks, status, done, kind):
     (503, b"overloaded", "http_5xx"),
 ])
 def test_http_errors_are_classified(status, body, kind):
-    response = loadgen.Response(status, {"content-type": "application/json"}, True, body=body)
-    assert loadgen.interpret(loadgen.Outcome(0), response, chat=False).error == kind
+    response = http1.Response(status, {"content-type": "application/json"}, True, body=body)
+    assert request_outcome.interpret(request_outcome.Outcome(0), response, chat=False).error == kind
 
 
 # ---------------------------------------------------------------------------------------------
 # Load schedule, prompts, config
 
 def test_open_loop_schedule_is_absolute_and_rescaled():
-    offsets = loadgen.arrival_offsets(200, rate=10.0, burstiness=1.0, seed=3)
+    offsets = runner.arrival_offsets(200, rate=10.0, burstiness=1.0, seed=3)
     assert offsets == sorted(offsets)
     assert offsets[-1] == pytest.approx(20.0)
-    assert offsets == loadgen.arrival_offsets(200, 10.0, 1.0, 3)
+    assert offsets == runner.arrival_offsets(200, 10.0, 1.0, 3)
 
     def cv(xs):
         gaps = [b - a for a, b in zip([0.0, *xs], xs)]
         mean = sum(gaps) / len(gaps)
         return math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
     # Gamma with shape k has a coefficient of variation 1/sqrt(k): burstier below 1.
-    assert cv(loadgen.arrival_offsets(2000, 10.0, 0.25, 1)) > 1.5 > cv(loadgen.arrival_offsets(2000, 10.0, 1.0, 1)) > 0.8
-    assert cv(loadgen.arrival_offsets(2000, 10.0, 16.0, 1)) < 0.4
+    assert cv(runner.arrival_offsets(2000, 10.0, 0.25, 1)) > 1.5 > cv(runner.arrival_offsets(2000, 10.0, 1.0, 1)) > 0.8
+    assert cv(runner.arrival_offsets(2000, 10.0, 16.0, 1)) < 0.4
 
 
-def _counter(two_token_words=("information", "community")) -> loadgen.TokenCounter:
+def _counter(two_token_words=("information", "community")) -> promptgen.TokenCounter:
     """A tokenizer where most words are one token, some two, plus a BOS token."""
     def count(text: str) -> int:
         return 1 + sum(2 if w in two_token_words else 1 for w in text.split())
-    return loadgen.TokenCounter("test", count, exact=True)
+    return promptgen.TokenCounter("test", count, exact=True)
 
 
 @pytest.mark.parametrize("start", [0, 5, 50, 500])
 def test_fit_words_reaches_the_target_from_any_first_guess(start):
     # A first guess above the target (no count below it yet) once ended in max() of nothing.
     counter = _counter()
-    text, _ = loadgen.fit_words(counter.count, "information community", ["problem", "kid"] * 40, 20, start)
+    text, _ = promptgen.fit_words(counter.count, "information community", ["problem", "kid"] * 40, 20, start)
     assert counter.count(text) == 20
 
 
 def test_prompts_are_exact_and_unique():
     counter = _counter()
-    prompts = loadgen.build_prompts(counter, 50, 100, 0, seed=1)
+    prompts = promptgen.build_prompts(counter, 50, 100, 0, seed=1)
     assert all(counter.count(p) == 100 for p in prompts)
     heads = {" ".join(p.split()[:6]) for p in prompts}
     assert len(heads) == 50
@@ -214,17 +214,17 @@ def test_prompts_are_exact_and_unique():
 
 def test_shared_prefix_is_the_same_in_every_prompt():
     counter = _counter()
-    prompts = loadgen.build_prompts(counter, 10, 120, 40, seed=2)
+    prompts = promptgen.build_prompts(counter, 10, 120, 40, seed=2)
     assert all(counter.count(p) == 120 for p in prompts)
     shared = " ".join(prompts[0].split()[:35])
     assert all(p.startswith(shared) for p in prompts)
     assert len({p for p in prompts}) == 10
-    assert len(set(loadgen.build_prompts(counter, 3, 50, 50, seed=2))) == 1
+    assert len(set(promptgen.build_prompts(counter, 3, 50, 50, seed=2))) == 1
 
 
 def test_prompts_of_two_runs_differ():
     counter = _counter()
-    assert loadgen.build_prompts(counter, 1, 30, 0, 0) != loadgen.build_prompts(counter, 1, 30, 0, 0)
+    assert promptgen.build_prompts(counter, 1, 30, 0, 0) != promptgen.build_prompts(counter, 1, 30, 0, 0)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -251,19 +251,19 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("BENCH_N", "7")
     monkeypatch.setenv("BENCH_IN", "33")
     (tmp_path / "inference.env").write_text("BENCH_C=3\n")
-    args = loadgen.build_parser().parse_args([])
-    cfg = loadgen.make_config(args, bench.common.settings_from_args(args))
+    args = benchrun.build_parser().parse_args([])
+    cfg = benchrun.make_config(args, conf.settings_from_args(args))
     assert (cfg["num_requests"], cfg["input_tokens"], cfg["concurrency"], cfg["warmup"]) == (7, 33, 3, 3)
-    args = loadgen.build_parser().parse_args(["-n", "5"])
-    assert loadgen.make_config(args, bench.common.settings_from_args(args))["num_requests"] == 5
+    args = benchrun.build_parser().parse_args(["-n", "5"])
+    assert benchrun.make_config(args, conf.settings_from_args(args))["num_requests"] == 5
 
 
 # ---------------------------------------------------------------------------------------------
 # Verdicts
 
-def _done(index: int, ttft_ms: float, tpot_ms: float, tokens: int = 4, warmup: bool = False) -> loadgen.Outcome:
+def _done(index: int, ttft_ms: float, tpot_ms: float, tokens: int = 4, warmup: bool = False) -> request_outcome.Outcome:
     times = [int((ttft_ms + tpot_ms * k) * 1e6) for k in range(tokens)]
-    return loadgen.Outcome(index, warmup=warmup, sent_ns=0, status=200, token_times=times,
+    return request_outcome.Outcome(index, warmup=warmup, sent_ns=0, status=200, token_times=times,
                          chunk_tokens=[1] * tokens, completion_tokens=tokens, usage_reported=True,
                          prompt_tokens=8, finish_reason="length", done_ns=times[-1])
 
@@ -274,36 +274,36 @@ def _config(**slo) -> dict:
 
 def test_verdicts_and_exit_codes():
     outcomes = [_done(0, 500, 50, warmup=True)] + [_done(i, 100 + i, 10) for i in range(1, 21)]
-    passed = loadgen.analyse(outcomes, _config(slo_ttft_p95_ms=200, slo_tpot_p95_ms=20), [0.01], 1, 2)
-    assert passed["verdict"] == "PASS" and loadgen.exit_code(passed) == 0
+    passed = analysis.analyse(outcomes, _config(slo_ttft_p95_ms=200, slo_tpot_p95_ms=20), [0.01], 1, 2)
+    assert passed["verdict"] == "PASS" and analysis.exit_code(passed) == 0
     assert passed["requests"]["warmup"] == 1 and passed["ttft_ms"]["n"] == 20
     assert passed["ttft_ms"]["max"] == pytest.approx(120)  # the warm-up's 500 ms is not counted
-    failed = loadgen.analyse(outcomes, _config(slo_tpot_p95_ms=5), [0.01], 1, 2)
-    assert failed["verdict"] == "FAIL" and loadgen.exit_code(failed) == 1
+    failed = analysis.analyse(outcomes, _config(slo_tpot_p95_ms=5), [0.01], 1, 2)
+    assert failed["verdict"] == "FAIL" and analysis.exit_code(failed) == 1
     assert "tpot_p95_ms 10.0 ms > 5 ms" in failed["verdict_reasons"][0]
-    lagged = loadgen.analyse(outcomes, _config(slo_tpot_p95_ms=20), [0.01] * 50 + [30.0] * 5, 1, 2)
-    assert lagged["verdict"] == "INVALID" and loadgen.exit_code(lagged) == 4
+    lagged = analysis.analyse(outcomes, _config(slo_tpot_p95_ms=20), [0.01] * 50 + [30.0] * 5, 1, 2)
+    assert lagged["verdict"] == "INVALID" and analysis.exit_code(lagged) == 4
     assert not lagged["client"]["valid"]
-    rare = loadgen.analyse(outcomes, _config(slo_tpot_p95_ms=20), [0.01] * 97 + [30.0] * 3, 1, 20)
+    rare = analysis.analyse(outcomes, _config(slo_tpot_p95_ms=20), [0.01] * 97 + [30.0] * 3, 1, 20)
     assert rare["verdict"] == "PASS" and any("p99 figures may include client delay" in w for w in rare["warnings"])
-    errored = loadgen.analyse([loadgen.Outcome(1, error="unreachable")], _config(), [], 1, 2)
-    assert errored["verdict"] == "ERROR" and loadgen.exit_code(errored) == 3
-    none = loadgen.analyse(outcomes, _config(), [0.01], 1, 2)
-    assert none["verdict"] == "NO SLO" and loadgen.exit_code(none) == 0
+    errored = analysis.analyse([request_outcome.Outcome(1, error="unreachable")], _config(), [], 1, 2)
+    assert errored["verdict"] == "ERROR" and analysis.exit_code(errored) == 3
+    none = analysis.analyse(outcomes, _config(), [0.01], 1, 2)
+    assert none["verdict"] == "NO SLO" and analysis.exit_code(none) == 0
 
 
 def test_out_of_file_descriptors_comes_first_when_the_client_also_stalled():
-    outcomes = [_done(i, 100, 10) for i in range(10)] + [loadgen.Outcome(10, error="client_fd_limit")]
-    stalled = loadgen.analyse(outcomes, _config(), [0.01] * 50 + [300.0] * 5, 1, 1)
-    assert stalled["verdict"] == "INVALID" and loadgen.exit_code(stalled) == 4
+    outcomes = [_done(i, 100, 10) for i in range(10)] + [request_outcome.Outcome(10, error="client_fd_limit")]
+    stalled = analysis.analyse(outcomes, _config(), [0.01] * 50 + [300.0] * 5, 1, 1)
+    assert stalled["verdict"] == "INVALID" and analysis.exit_code(stalled) == 4
     reasons = stalled["verdict_reasons"]
     assert reasons[0].startswith("the client ran out of file descriptors for 1 requests: raise the limit (ulimit -n")
     assert any(r.startswith("the client stalled 1.5 s of the 1.0 s run") for r in reasons[1:]), reasons
 
 
 def test_a_failed_request_fails_the_verdict():
-    outcomes = [_done(i, 100, 10) for i in range(10)] + [loadgen.Outcome(10, error="http_5xx", detail="HTTP 500")]
-    result = loadgen.analyse(outcomes, _config(slo_ttft_p95_ms=1000), [0.01], 1, 2)
+    outcomes = [_done(i, 100, 10) for i in range(10)] + [request_outcome.Outcome(10, error="http_5xx", detail="HTTP 500")]
+    result = analysis.analyse(outcomes, _config(slo_ttft_p95_ms=1000), [0.01], 1, 2)
     assert result["verdict"] == "FAIL" and result["requests"]["errors"] == {"http_5xx": 1}
     assert "1 of 11 requests failed" in result["verdict_reasons"][0]
 
@@ -311,7 +311,7 @@ def test_a_failed_request_fails_the_verdict():
 def test_short_outputs_are_reported():
     outcomes = [_done(i, 100, 10, tokens=4) for i in range(5)] + [_done(5, 100, 10, tokens=2)]
     outcomes[-1].finish_reason = "stop"
-    result = loadgen.analyse(outcomes, _config(), [0.01], 1, 2)
+    result = analysis.analyse(outcomes, _config(), [0.01], 1, 2)
     assert result["requests"]["output_tokens"]["short"] == 1
     assert not result["requests"]["output_tokens"]["ignore_eos_honoured"]
     assert any("ignore_eos not honoured" in w and "stop" in w for w in result["warnings"])
@@ -528,22 +528,22 @@ def test_sweep_finds_the_knee(calibration, capsys):
         assert report["knee"]["concurrency"] == 2
     else:  # a loaded machine may make a point client-bound; that is reported, not hidden
         assert code == 4 and any(p["verdict"] == "INVALID" for p in report["points"])
-    assert sweep.knee([{"concurrency": 1, "verdict": "PASS"}, {"concurrency": 4, "verdict": "FAIL"}], True) \
+    assert sweeps.knee([{"concurrency": 1, "verdict": "PASS"}, {"concurrency": 4, "verdict": "FAIL"}], True) \
         == {"concurrency": 1, "verdict": "PASS"}
     with pytest.raises(UsageError):
-        sweep.parse_levels("4,0")
+        sweeps.parse_levels("4,0")
 
 
 def test_sweep_knee_stops_below_an_invalid_run():
     points = [{"concurrency": 1, "verdict": "PASS"}, {"concurrency": 4, "verdict": "INVALID"},
               {"concurrency": 8, "verdict": "PASS"}]
-    found = sweep.knee(points, True)
+    found = sweeps.knee(points, True)
     assert found == {"concurrency": 1, "verdict": "PASS"}
-    caveat = sweep.knee_caveat(points, found)
+    caveat = sweeps.knee_caveat(points, found)
     assert "C = 4 was INVALID" in caveat and "C = 8 are not counted" in caveat
     report = {"points": [], "knee": None, "knee_caveat": caveat, "slo_set": True, "interrupted": False}
     assert "note: C = 4 was INVALID (the client could not keep up" in sweep.human(report)
-    assert sweep.knee_caveat([{"concurrency": 1, "verdict": "PASS"}], found) is None
+    assert sweeps.knee_caveat([{"concurrency": 1, "verdict": "PASS"}], found) is None
 
 
 # ---------------------------------------------------------------------------------------------

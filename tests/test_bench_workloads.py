@@ -9,25 +9,23 @@ import random
 import statistics
 from pathlib import Path
 
-import pytest
-
 import bench
-
-import loadgen
 import compare
-import server_watch
-import workload
+import pytest
 from calibration_server import CalibrationServer, Schedule
-from common import UsageError
+
+from rooflib.core.errors import UsageError
+from rooflib.load import analysis, comparison, http1, promptgen, request_outcome, workloads
+from rooflib.server import watch
 
 DATA = Path(__file__).resolve().parent.parent / "scripts" / "data"
 SHAREGPT, PROMPTS, TRACE = DATA / "sharegpt-sample.json", DATA / "prompts-sample.jsonl", DATA / "trace-sample.jsonl"
 
 
-def _sse(chunks: list[dict]) -> loadgen.Response:
+def _sse(chunks: list[dict]) -> http1.Response:
     ms = 1_000_000  # event k arrives at k + 1 ms
     events = [((k + 1) * ms, json.dumps(c).encode()) for k, c in enumerate(chunks)] + [((len(chunks) + 1) * ms, b"[DONE]")]
-    return loadgen.Response(200, {"content-type": "text/event-stream"}, True, events)
+    return http1.Response(200, {"content-type": "text/event-stream"}, True, events)
 
 
 def _usage(n: int) -> dict:
@@ -45,7 +43,7 @@ def test_reasoning_deltas_give_answer_ttft_and_split_counts():
               {"choices": [{"delta": {"content": "Yes"}}], "usage": _usage(5)},
               {"choices": [{"delta": {"content": "."}}], "usage": _usage(6)},
               {"choices": [{"delta": {"content": "!"}, "finish_reason": "length"}], "usage": _usage(7)}]
-    o = loadgen.interpret(loadgen.Outcome(0, sent_ns=0), _sse(chunks), chat=True)
+    o = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse(chunks), chat=True)
     assert o.ok and o.reasoning_seen
     assert o.ttft_ms == 2.0 and o.ttft_answer_ms == 5.0
     assert (o.reasoning_tokens, o.answer_tokens) == (4, 3)
@@ -57,7 +55,7 @@ def test_reasoning_deltas_give_answer_ttft_and_split_counts():
 def test_think_tags_in_text_split_reasoning_from_answer():
     texts = ["<think>", "hmm", " ok</think>", "\n\nThe", " answer"]
     chunks = [{"choices": [{"text": t}], "usage": _usage(k + 1)} for k, t in enumerate(texts)]
-    o = loadgen.interpret(loadgen.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
+    o = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
     assert o.reasoning_seen and o.ttft_ms == 1.0 and o.ttft_answer_ms == 4.0
     assert (o.reasoning_tokens, o.answer_tokens) == (3, 2)
 
@@ -66,16 +64,16 @@ def test_a_closing_tag_alone_makes_what_came_before_reasoning():
     """DeepSeek-R1's template opens <think> itself: the stream shows only the closing tag."""
     texts = ["step", " one", "</think>Done", "."]
     chunks = [{"choices": [{"text": t}], "usage": _usage(k + 1)} for k, t in enumerate(texts)]
-    o = loadgen.interpret(loadgen.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
+    o = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
     assert o.reasoning_seen and o.ttft_answer_ms == 3.0
     assert (o.reasoning_tokens, o.answer_tokens) == (2, 2)
 
 
 def test_plain_answers_have_no_reasoning_section():
     chunks = [{"choices": [{"text": t}], "usage": _usage(k + 1)} for k, t in enumerate(["a", "b"])]
-    o = loadgen.interpret(loadgen.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
+    o = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
     assert not o.reasoning_seen and o.reasoning_tokens == 0 and o.answer_tokens == 2
-    assert loadgen.reasoning_summary([o]) is None
+    assert analysis.reasoning_summary([o]) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,36 +83,36 @@ def test_plain_answers_have_no_reasoning_section():
     ("512", "fixed", 512, 0), ("fixed:64", "fixed", 64, 0), ("uniform:10,20", "uniform", 10, 20),
     ("normal:100,10", "normal", 100, 10), ("lognormal:400,2000", "lognormal", 400, 2000)])
 def test_distributions_parse(text, kind, a, b):
-    assert workload.parse_distribution(text, "--input-dist") == workload.Distribution(kind, a, b)
+    assert workloads.parse_distribution(text, "--input-dist") == workloads.Distribution(kind, a, b)
 
 
 @pytest.mark.parametrize("text", ["", "x", "uniform:5", "uniform:9,3", "lognormal:100,50", "gamma:1,2", "normal:1,nan"])
 def test_bad_distributions_say_the_forms(text):
     with pytest.raises(UsageError, match="--input-dist"):
-        workload.parse_distribution(text, "--input-dist")
+        workloads.parse_distribution(text, "--input-dist")
 
 
 def test_lognormal_is_fitted_to_its_p50_and_p95():
     rng = random.Random(1)
-    dist = workload.parse_distribution("lognormal:400,2000", "x")
+    dist = workloads.parse_distribution("lognormal:400,2000", "x")
     draws = sorted(dist.sample(rng) for _ in range(20000))
     assert draws[10000] == pytest.approx(400, rel=0.05)
     assert draws[19000] == pytest.approx(2000, rel=0.08)
-    uniform = [workload.parse_distribution("uniform:3,5", "x").sample(rng) for _ in range(300)]
+    uniform = [workloads.parse_distribution("uniform:3,5", "x").sample(rng) for _ in range(300)]
     assert set(uniform) == {3, 4, 5}
 
 
 def test_sample_datasets_read():
-    prompts = workload.read_prompts(str(PROMPTS))
+    prompts = workloads.read_prompts(str(PROMPTS))
     assert len(prompts) == 6 and prompts[0].prompt and prompts[2].messages[0]["role"] == "system"
     assert prompts[3].output_tokens is None and prompts[0].output_tokens == 48
-    turns = workload.read_sharegpt(str(SHAREGPT), lambda text: len(text.split()))
+    turns = workloads.read_sharegpt(str(SHAREGPT), lambda text: len(text.split()))
     conversations = json.loads(SHAREGPT.read_text())
     humans = sum(t["from"] == "human" for c in conversations for t in c["conversations"])
     assert len(turns) == humans  # every human turn, not only the first
     third = [t for t in turns if len(t.messages) == 5][0]  # the haiku conversation's third question
     assert [m["role"] for m in third.messages] == ["user", "assistant", "user", "assistant", "user"]
-    trace = workload.read_trace(str(TRACE))
+    trace = workloads.read_trace(str(TRACE))
     assert len(trace) == 40 and trace[0].at_s <= trace[-1].at_s and trace[0].hash_ids
 
 
@@ -131,8 +129,8 @@ def test_sample_datasets_read():
 def test_a_bad_line_names_the_file_and_line(tmp_path, reader, line, message):
     file = tmp_path / "data.jsonl"
     file.write_text(line)
-    read = {"prompts": workload.read_prompts, "trace": workload.read_trace,
-            "sharegpt": lambda p: workload.read_sharegpt(p, len)}[reader]
+    read = {"prompts": workloads.read_prompts, "trace": workloads.read_trace,
+            "sharegpt": lambda p: workloads.read_sharegpt(p, len)}[reader]
     with pytest.raises(UsageError) as error:
         read(str(file))
     assert str(file) + message in str(error.value)
@@ -142,12 +140,12 @@ def test_burstgpt_rows_are_read_in_seconds(tmp_path):
     file = tmp_path / "burst.jsonl"
     file.write_text('{"Timestamp": 2.5, "Request tokens": 30, "Response tokens": 7}\n'
                     '{"Timestamp": 1.0, "Request tokens": 10, "Response tokens": 3}\n')
-    rows = workload.read_trace(str(file))
+    rows = workloads.read_trace(str(file))
     assert [(r.at_s, r.input_tokens, r.output_tokens) for r in rows] == [(1.0, 10, 3), (2.5, 30, 7)]
 
 
-def _maker() -> workload.PromptMaker:
-    return workload.PromptMaker(list(loadgen.WORDS[:40]), "head words here", 5, seed=3)
+def _maker() -> workloads.PromptMaker:
+    return workloads.PromptMaker(list(promptgen.WORDS[:40]), "head words here", 5, seed=3)
 
 
 def _words(text: str) -> int:
@@ -175,9 +173,9 @@ def test_trace_blocks_share_prefixes_by_hash_id():
 
 
 def test_synthetic_workload_draws_lengths_per_request_and_repeats_them():
-    load = workload.Workload("synthetic", 50, 8, seed=4, maker=_maker(),
-                             input_dist=workload.parse_distribution("uniform:20,200", "x"),
-                             output_dist=workload.parse_distribution("normal:30,5", "x"))
+    load = workloads.Workload("synthetic", 50, 8, seed=4, maker=_maker(),
+                             input_dist=workloads.parse_distribution("uniform:20,200", "x"),
+                             output_dist=workloads.parse_distribution("normal:30,5", "x"))
     specs = [load.spec(i) for i in range(50)]
     assert len({s.prompt_tokens for s in specs}) > 20 and all(_words(s.prompt) == s.prompt_tokens for s in specs)
     assert load.spec(17) == specs[17]  # any process makes the same request from its index
@@ -186,9 +184,9 @@ def test_synthetic_workload_draws_lengths_per_request_and_repeats_them():
 
 def test_synthetic_shared_prefix_starts_every_prompt():
     maker = _maker()
-    load = workload.Workload("synthetic", 8, 4, seed=1, maker=maker,
-                             input_dist=workload.parse_distribution("30", "x"),
-                             output_dist=workload.parse_distribution("4", "x"),
+    load = workloads.Workload("synthetic", 8, 4, seed=1, maker=maker,
+                             input_dist=workloads.parse_distribution("30", "x"),
+                             output_dist=workloads.parse_distribution("4", "x"),
                              shared_prefix=maker.text(20, 0), shared_tokens=20)
     specs = [load.spec(i) for i in range(8)]
     assert all(s.prompt.startswith(load.shared_prefix + " ") and _words(s.prompt) == s.prompt_tokens == 30
@@ -199,9 +197,9 @@ def test_synthetic_shared_prefix_starts_every_prompt():
 # ---------------------------------------------------------------------------------------------
 # Validity: stalls, one-read streams
 
-def _done(index: int, ttft_ms: float, tpot_ms: float, tokens: int = 4) -> loadgen.Outcome:
+def _done(index: int, ttft_ms: float, tpot_ms: float, tokens: int = 4) -> request_outcome.Outcome:
     times = [int((ttft_ms + tpot_ms * k) * 1e6) for k in range(tokens)]
-    return loadgen.Outcome(index, sent_ns=0, status=200, token_times=times, chunk_tokens=[1] * tokens,
+    return request_outcome.Outcome(index, sent_ns=0, status=200, token_times=times, chunk_tokens=[1] * tokens,
                          completion_tokens=tokens, usage_reported=True, prompt_tokens=8,
                          finish_reason="length", done_ns=times[-1], requested_tokens=tokens)
 
@@ -214,7 +212,7 @@ def test_long_client_stalls_make_the_run_invalid_even_with_a_quiet_p99():
     probe samples in between, so the lag's p99 looked fine."""
     lag = [0.0] * 2400 + [2000.0, 2100.0, 1900.0]
     outcomes = [_done(i, 100.0, 10.0) for i in range(40)]
-    result = loadgen.analyse(outcomes, CONFIG, lag, cpu_s=1.0, wall_s=14.0)
+    result = analysis.analyse(outcomes, CONFIG, lag, cpu_s=1.0, wall_s=14.0)
     assert result["client"]["loop_lag_ms"]["p99"] == 0.0
     assert result["verdict"] == "INVALID" and not result["client"]["valid"]
     assert result["client"]["stalls"]["total_s"] == pytest.approx(6.0)
@@ -223,17 +221,17 @@ def test_long_client_stalls_make_the_run_invalid_even_with_a_quiet_p99():
 
 def test_one_short_stall_in_a_long_run_is_a_warning():
     outcomes = [_done(i, 100.0, 10.0) for i in range(40)]
-    result = loadgen.analyse(outcomes, CONFIG, [0.0] * 5000 + [80.0], cpu_s=1.0, wall_s=600.0)
+    result = analysis.analyse(outcomes, CONFIG, [0.0] * 5000 + [80.0], cpu_s=1.0, wall_s=600.0)
     assert result["verdict"] == "NO SLO"
     assert any("worst 80 ms" in w for w in result["warnings"])
     # 5% of the run in stalls: a warning, not (yet) an invalid run
-    result = loadgen.analyse(outcomes, CONFIG, [0.0] * 5000 + [50.0] * 20, cpu_s=1.0, wall_s=20.0)
+    result = analysis.analyse(outcomes, CONFIG, [0.0] * 5000 + [50.0] * 20, cpu_s=1.0, wall_s=20.0)
     assert result["verdict"] == "NO SLO" and any("(5.0% of the run" in w for w in result["warnings"])
 
 
 def test_a_stream_received_in_one_read_is_flagged():
     one_read = _done(0, 100.0, 0.0)  # every token timestamped by the same read: TPOT 0.0
-    result = loadgen.analyse([one_read, _done(1, 100.0, 10.0)], CONFIG, [0.0], 1.0, 10.0)
+    result = analysis.analyse([one_read, _done(1, 100.0, 10.0)], CONFIG, [0.0], 1.0, 10.0)
     assert result["tpot_ms"]["min"] == 0.0
     assert any("1 requests received all their output in one read" in w for w in result["warnings"])
 
@@ -251,7 +249,7 @@ def _snap(running, waiting, kv, preempt, hits, queries, prompt, gen, ttft=None):
 def test_timeline_samples_follow_the_contract():
     snaps = [(0.0, _snap(0, 0, 0.0, 5, 100, 200, 1000, 50)), (2.0, _snap(3, 1, 0.25, 5, 150, 300, 1400, 250)),
              (4.0, _snap(2, 0, 0.5, 7, 150, 300, 1400, 650))]
-    samples = server_watch.timeline_samples(snaps)
+    samples = watch.timeline_samples(snaps)
     assert samples[0] == {"t_s": 0.0, "running": 0, "waiting": 0, "kv_cache_usage_perc": 0.0, "preemptions": 0,
                           "prefix_cache_hit_rate": None, "prompt_tok_s": 0.0, "generation_tok_s": 0.0}
     assert samples[1] == {"t_s": 2.0, "running": 3, "waiting": 1, "kv_cache_usage_perc": 0.25, "preemptions": 0,
@@ -268,21 +266,21 @@ def _delta(le_s: list[float], counts: list[int]) -> dict:
 def test_cross_check_names_time_outside_the_engine():
     delta = _delta([0.05, 0.1, 0.2], [0, 90, 100])  # the engine: 90% within 50..100 ms, the rest below 200
     client = {"p50": 160.0, "p95": 260.0, "p99": 300.0, "n": 100}
-    checked = server_watch.cross_check(delta, {"ttft_ms": client, "e2e_ms": {"n": 0}}, 0.1,
+    checked = watch.cross_check(delta, {"ttft_ms": client, "e2e_ms": {"n": 0}}, 0.1,
                                        {"path": "/health", "p50_ms": 20.0, "n": 20})
     assert checked["percentiles"]["ttft_ms"]["p50"]["side"] == "above"
     assert checked["percentiles"]["ttft_ms"]["p50"]["excess_ms"] == pytest.approx(60.0)
     finding = checked["findings"][0]
     assert "at least 60.0 ms more than the engine" in finding and "/health" in finding
     assert "the other 40.0 ms" in finding
-    agree = server_watch.cross_check(delta, {"ttft_ms": {"p50": 80.0, "p95": 150.0, "p99": 190.0, "n": 100},
+    agree = watch.cross_check(delta, {"ttft_ms": {"p50": 80.0, "p95": 150.0, "p99": 190.0, "n": 100},
                                              "e2e_ms": {"n": 0}}, 0.1, None)
     assert agree["findings"] == [] and agree["percentiles"]["ttft_ms"]["p95"]["side"] == "within"
 
 
 def test_client_lag_explains_a_gap_it_covers():
     delta = _delta([0.05, 0.1], [0, 100])
-    checked = server_watch.cross_check(delta, {"ttft_ms": {"p50": 120.0, "p95": 125.0, "p99": 130.0, "n": 9},
+    checked = watch.cross_check(delta, {"ttft_ms": {"p50": 120.0, "p95": 125.0, "p99": 130.0, "n": 9},
                                                "e2e_ms": {"n": 0}}, 40.0, None)
     assert "client's own loop lag" in checked["findings"][0]
 
@@ -302,14 +300,14 @@ def test_compare_finds_a_real_improvement_and_no_change():
     rng = random.Random(7)
     a = [rng.gauss(100, 10) for _ in range(400)]
     b = [rng.gauss(80, 10) for _ in range(400)]
-    doc = compare.compare(_run_doc(a), _run_doc(b), ("a.json", "b.json"), ("A", "B"))
+    doc = comparison.compare(_run_doc(a), _run_doc(b), ("a.json", "b.json"), ("A", "B"))
     rows = {r["name"]: r for r in doc["metrics"]}
     assert doc["kind"] == "compare" and doc["schema_version"] == 1
     assert rows["ttft_ms.p50"]["verdict"] == "better" and rows["ttft_ms.p50"]["ci95_pct"][1] < 0
     assert rows["ttft_ms.p50"]["change_pct"] == pytest.approx(-20, abs=4)
     assert rows["tpot_ms.p50"]["verdict"] == "no significant difference"
     assert doc["verdict"] == "better"
-    same = compare.compare(_run_doc(a), _run_doc(list(reversed(a))), ("a", "b"), ("A", "B"))
+    same = comparison.compare(_run_doc(a), _run_doc(list(reversed(a))), ("a", "b"), ("A", "B"))
     assert same["verdict"] == "no significant difference"
     assert all(r["ci95_pct"] is None or r["ci95_pct"][0] <= 0 <= r["ci95_pct"][1] for r in same["metrics"])
 
@@ -318,14 +316,14 @@ def test_compare_resamples_large_runs_fast_and_alike():
     rng = random.Random(8)
     a = [rng.expovariate(1 / 100) for _ in range(5000)]
     b = [x * 1.1 for x in a]
-    doc = compare.compare(_run_doc(a), _run_doc(b), ("a", "b"), ("A", "B"))
+    doc = comparison.compare(_run_doc(a), _run_doc(b), ("a", "b"), ("A", "B"))
     row = {r["name"]: r for r in doc["metrics"]}["ttft_ms.p95"]
     assert row["change_pct"] == pytest.approx(10.0) and row["verdict"] == "worse"
 
 
 def test_compare_refuses_different_workloads_and_says_what_differs():
     with pytest.raises(UsageError, match=r"concurrency: 8 vs 16; input_tokens: 128 vs 'lognormal:100,400'"):
-        compare.compare(_run_doc([1.0, 2.0]), _run_doc([1.0, 2.0], concurrency=16, input_tokens="lognormal:100,400"),
+        comparison.compare(_run_doc([1.0, 2.0]), _run_doc([1.0, 2.0], concurrency=16, input_tokens="lognormal:100,400"),
                         ("a", "b"), ("A", "B"))
 
 
@@ -358,7 +356,7 @@ def test_trace_replay_reports_schedule_lag(calibration, capsys):
     assert result["kind"] == "bench" and result["requests"]["completed"] == 16
     assert result["client"]["schedule_delay_ms"]["n"] == 16
     assert result["requests"]["prompt_tokens"]["mismatched"] == 0  # exact lengths by the server's count
-    rows = workload.read_trace(str(TRACE))[:16]
+    rows = workloads.read_trace(str(TRACE))[:16]
     assert result["requests"]["output_tokens"]["requested_total"] == sum(r.output_tokens for r in rows)
     assert result["workload"]["dataset"]["name"] == "trace-sample.jsonl"
     assert code in (0, 4)
@@ -429,7 +427,7 @@ def test_real_vllm_sharegpt_with_a_timeline(vllm_server, capsys):
     # Four passes over the sample: a run of several seconds, so the child that scrapes (a fresh
     # interpreter, up in about a second) usually gets in scrapes mid-run. Only the scrapes
     # before and after the run are certain: a busy machine may start the child late.
-    requests = 4 * len(workload.read_sharegpt(str(SHAREGPT), len))
+    requests = 4 * len(workloads.read_sharegpt(str(SHAREGPT), len))
     code, result = _bench(capsys, "--url", vllm_server.url, "--sharegpt", str(SHAREGPT), "--endpoint", "chat",
                           "-n", str(requests), "-c", "3", "--warmup", "0", "--timeline-interval", "0.5",
                           "--probe", "/health", "--extra-body", vllm_server.plain_words_body())

@@ -1,4 +1,4 @@
-"""common.py: settings precedence, inference.env parsing, URL checks, error mapping."""
+"""rooflib.core (conf, cli, http_client, errors): settings precedence, inference.env parsing, URL checks, error mapping."""
 from __future__ import annotations
 
 import json
@@ -7,18 +7,20 @@ import signal
 import httpx
 import pytest
 
-import common
+from rooflib.core import catalogs, cli, conf, http_client, printing, signals
+from rooflib.core.errors import EXIT_OK, EXIT_OUTPUT, EXIT_SERVER, EXIT_USAGE, ServerError, UsageError
+from rooflib.server import model_listing
 
 
 def test_env_file_parsing_handles_comments_quotes_and_export():
     text = "# settings\nexport INFER_URL=http://h:8000  # trailing comment\nINFER_PROFILE='cpu tiny'\n\nX=\"a#b\"\nCMD=$(rm -rf /)\n"
-    assert common.parse_env_file(text) == {
+    assert conf.parse_env_file(text) == {
         "INFER_URL": "http://h:8000", "INFER_PROFILE": "cpu tiny", "X": "a#b", "CMD": "$(rm -rf /)"}
 
 
 def test_env_file_bad_line_names_the_line():
-    with pytest.raises(common.UsageError, match="line 2 is not KEY=VALUE"):
-        common.parse_env_file("A=1\nnot a setting\n")
+    with pytest.raises(UsageError, match="line 2 is not KEY=VALUE"):
+        conf.parse_env_file("A=1\nnot a setting\n")
 
 
 @pytest.mark.parametrize("flag, environ, env_file, expected, source", [
@@ -28,7 +30,7 @@ def test_env_file_bad_line_names_the_line():
     ("", {}, {}, "http://default", "default"),
 ])
 def test_settings_precedence(flag, environ, env_file, expected, source):
-    settings = common.Settings(env_file, environ)
+    settings = conf.Settings(env_file, environ)
     assert settings.get("INFER_URL", flag, "http://default") == expected
     assert settings.source("INFER_URL", flag) == source
 
@@ -36,11 +38,11 @@ def test_settings_precedence(flag, environ, env_file, expected, source):
 def test_inference_env_is_read_from_the_current_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("INFER_ENV_FILE", raising=False)
-    assert common.load_env_file() == {}
+    assert conf.load_env_file() == {}
     (tmp_path / "inference.env").write_text("INFER_URL=http://from-file:9000\n")
-    assert common.load_env_file() == {"INFER_URL": "http://from-file:9000"}
-    with pytest.raises(common.UsageError, match="does not exist"):
-        common.load_env_file(tmp_path / "missing.env")
+    assert conf.load_env_file() == {"INFER_URL": "http://from-file:9000"}
+    with pytest.raises(UsageError, match="does not exist"):
+        conf.load_env_file(tmp_path / "missing.env")
 
 
 @pytest.mark.parametrize("url, expected", [
@@ -49,13 +51,13 @@ def test_inference_env_is_read_from_the_current_directory(tmp_path, monkeypatch)
     ("https://api.example.com/v1", "https://api.example.com"),
 ])
 def test_normalize_url(url, expected):
-    assert common.normalize_url(url) == expected
+    assert conf.normalize_url(url) == expected
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://x", "", "http:// spaces"])
 def test_normalize_url_rejects_non_http(url):
-    with pytest.raises(common.UsageError, match="is not http"):
-        common.normalize_url(url)
+    with pytest.raises(UsageError, match="is not http"):
+        conf.normalize_url(url)
 
 
 def test_api_key_is_sent_and_never_printed(capsys):
@@ -65,13 +67,13 @@ def test_api_key_is_sent_and_never_printed(capsys):
         seen["auth"] = request.headers.get("authorization")
         return httpx.Response(401, text="bad key sk-secret-123")
 
-    http = common.client("http://srv", api_key="sk-secret-123", transport=httpx.MockTransport(handler))
+    http = http_client.client("http://srv", api_key="sk-secret-123", transport=httpx.MockTransport(handler))
 
     def body():
-        common.get_json(http, "/v1/models")
+        http_client.get_json(http, "/v1/models")
         return 0
 
-    assert common.run_main(body, secret="sk-secret-123") == common.EXIT_SERVER
+    assert cli.run_main(body, secret="sk-secret-123") == EXIT_SERVER
     assert seen["auth"] == "Bearer sk-secret-123"
     err = capsys.readouterr().err
     assert "sk-secret-123" not in err and "HTTP 401" in err
@@ -82,21 +84,21 @@ def test_task_argument_api_key_wins_over_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("INFER_API_KEY", "from-env")
     monkeypatch.setenv("ROOFLINE_TASK_API_KEY", "from-task")
     args = type("Args", (), {"url": "", "env_file": None})()
-    assert common.server_settings(args) == ("http://127.0.0.1:8000", "from-task")
+    assert conf.server_settings(args) == ("http://127.0.0.1:8000", "from-task")
 
 
 @pytest.mark.parametrize("name, expected", [("H100 SXM", "h100-sxm"), ("h100sxm", "h100-sxm"), ("nvidia-h100", "h100-sxm")])
 def test_find_in_catalog_by_id_or_alias(name, expected):
     catalog = {"h100-sxm": {"aliases": ["nvidia-h100"]}, "a100-80": {}}
-    assert common.find_in_catalog(catalog, name, "GPU")[0] == expected
+    assert catalogs.find_in_catalog(catalog, name, "GPU")[0] == expected
 
 
 def test_find_in_catalog_suggests_close_names():
     catalog = {"h100-sxm": {}, "h200": {}, "a100-80": {}}
-    with pytest.raises(common.UsageError, match="unknown GPU 'h100-sx': did you mean h100-sxm"):
-        common.find_in_catalog(catalog, "h100-sx", "GPU")
-    with pytest.raises(common.UsageError, match="known: a100-80, h100-sxm, h200"):
-        common.find_in_catalog(catalog, "tpu", "GPU")
+    with pytest.raises(UsageError, match="unknown GPU 'h100-sx': did you mean h100-sxm"):
+        catalogs.find_in_catalog(catalog, "h100-sx", "GPU")
+    with pytest.raises(UsageError, match="known: a100-80, h100-sxm, h200"):
+        catalogs.find_in_catalog(catalog, "tpu", "GPU")
 
 
 @pytest.mark.parametrize("listing, wanted, expected", [
@@ -104,19 +106,19 @@ def test_find_in_catalog_suggests_close_names():
     ({"data": [{"id": "a"}, {"id": "b", "max_model_len": 8}]}, "b", ("b", ["a", "b"])),
 ])
 def test_pick_model_chooses_the_wanted_or_first_entry(listing, wanted, expected):
-    entry, names = common.pick_model(listing, wanted, "http://h:8000")
+    entry, names = model_listing.pick_model(listing, wanted, "http://h:8000")
     assert (entry["id"], names) == expected
 
 
 @pytest.mark.parametrize("listing, wanted, error, message", [
-    ({"data": []}, None, common.ServerError, "http://h:8000/v1/models lists no model: is the server still loading?"),
-    ({"object": "list"}, "a", common.ServerError, "http://h:8000/v1/models lists no model"),
-    ({"data": [{"id": "a"}, {"id": "b"}]}, "c", common.UsageError,
+    ({"data": []}, None, ServerError, "http://h:8000/v1/models lists no model: is the server still loading?"),
+    ({"object": "list"}, "a", ServerError, "http://h:8000/v1/models lists no model"),
+    ({"data": [{"id": "a"}, {"id": "b"}]}, "c", UsageError,
      "model 'c' is not served by http://h:8000: set INFER_MODEL (or --model) to one of a, b"),
 ])
 def test_pick_model_errors_name_the_server_and_the_choices(listing, wanted, error, message):
     with pytest.raises(error) as caught:
-        common.pick_model(listing, wanted, "http://h:8000")
+        model_listing.pick_model(listing, wanted, "http://h:8000")
     assert str(caught.value).startswith(message)
 
 
@@ -126,53 +128,53 @@ def test_pick_model_errors_name_the_server_and_the_choices(listing, wanted, erro
     (["--kind", "x"], "error: argument --kind: invalid choice: 'x' (choose from 'a', 'b') (see prog --help)"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(capsys, argv, message):
-    p = common.parser("Does a thing.\n\nExamples:\n  prog --size 3\n")
+    p = cli.parser("Does a thing.\n\nExamples:\n  prog --size 3\n")
     p.prog = "prog"
     p.add_argument("--size", type=int)
     p.add_argument("--kind", choices=["a", "b"])
     with pytest.raises(SystemExit) as stopped:
         p.parse_args(argv)
     err = capsys.readouterr().err
-    assert stopped.value.code == common.EXIT_USAGE and err == message + "\n"
+    assert stopped.value.code == EXIT_USAGE and err == message + "\n"
 
 
-def output_of(argv: list[str]) -> common.Output:
-    p = common.parser("Does a thing.\n")
-    common.add_output_args(p)
+def output_of(argv: list[str]) -> printing.Output:
+    p = cli.parser("Does a thing.\n")
+    printing.add_output_args(p)
     return p.parse_args(argv).output
 
 
 def test_json_and_json_out_fill_one_output(tmp_path):
     out = str(tmp_path / "r.json")
-    assert output_of([]) == common.Output(json=False, file="")
-    assert output_of(["--json"]) == common.Output(json=True, file="")
-    assert output_of(["--json-out", out]) == common.Output(json=False, file=out)
-    assert output_of(["--json-out", out, "--json"]) == common.Output(json=True, file=out)
-    assert output_of(["--json-out", ""]) == common.Output()  # an empty flag means not given
+    assert output_of([]) == printing.Output(json=False, file="")
+    assert output_of(["--json"]) == printing.Output(json=True, file="")
+    assert output_of(["--json-out", out]) == printing.Output(json=False, file=out)
+    assert output_of(["--json-out", out, "--json"]) == printing.Output(json=True, file=out)
+    assert output_of(["--json-out", ""]) == printing.Output()  # an empty flag means not given
 
 
 @pytest.mark.parametrize("as_json", [False, True], ids=["human", "json"])
 def test_emit_prints_and_writes_the_same_document(tmp_path, capsys, as_json):
     out = tmp_path / "r.json"
     result = {"value": float("nan"), "name": "x"}
-    assert common.emit(result, "the human text", common.Output(json=as_json, file=str(out))) == common.EXIT_OK
+    assert printing.emit(result, "the human text", printing.Output(json=as_json, file=str(out))) == EXIT_OK
     printed = capsys.readouterr().out
-    assert out.read_text() == common.json_text(result) and json.loads(out.read_text()) == {"value": None, "name": "x"}
+    assert out.read_text() == printing.json_text(result) and json.loads(out.read_text()) == {"value": None, "name": "x"}
     assert printed == (out.read_text() if as_json else "the human text\n")
 
 
 def test_emit_reports_a_file_it_could_not_write_after_printing(tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
     target = tmp_path / "a-file" / "r.json"  # its folder is a file, as root too
-    code = common.emit({"value": 1}, "the human text", common.Output(file=str(target)))
+    code = printing.emit({"value": 1}, "the human text", printing.Output(file=str(target)))
     captured = capsys.readouterr()
-    assert code == common.EXIT_OUTPUT and captured.out == "the human text\n"
+    assert code == EXIT_OUTPUT and captured.out == "the human text\n"
     [line] = captured.err.splitlines()
     assert line.startswith(f"error: the result is printed above, but --json-out {target} was not written")
 
 
 def test_signal_hold_notes_signals_and_raises_one_on_release(capsys):
-    with common.SignalHold("test") as hold:
+    with signals.SignalHold("test") as hold:
         with pytest.raises(KeyboardInterrupt):  # not started: Ctrl-C as usual
             signal.raise_signal(signal.SIGINT)
         hold.start()

@@ -9,15 +9,14 @@ import sys
 from functools import lru_cache
 
 import pytest
-import yaml
-
-
-import engine_metrics
-import physics
 import smoke_toolcall
-import toolcalls
-from common import load_catalog
+import yaml
 from markdown_doc import REPO, Doc
+
+from rooflib.core.catalogs import load_catalog
+from rooflib.quality import toolcalls
+from rooflib.server import engine_metrics
+from rooflib.sizing import physics
 
 SKILL = "SKILL.md"
 ROOFLINE = "references/roofline.md"
@@ -48,7 +47,7 @@ LLAMA_ROOFLINE = ("--model", "llama-3.1-8b", "--gpu", "h100", "--batch", "1", "-
 # The skill's worked example of "users" at a typical length: a 1,024-token prompt and 256 output tokens.
 TYPICAL_REQUEST_TOKENS = 1024 + 256
 QWEN_ROOFLINE = ("--model", "qwen3-32b", "--gpu", "h100", "--prompt-tokens", "1024")
-PPL_GATES = yaml.safe_load((REPO / "scripts" / "catalog" / "ppl_gates.yaml").read_text())
+PPL_GATES = yaml.safe_load((REPO / "scripts" / "rooflib" / "catalog" / "ppl_gates.yaml").read_text())
 
 # (claim, the number as the docs write it (normalized), where it is written, what the tool says)
 CLAIMS = [

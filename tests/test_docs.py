@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from markdown_doc import (REPO, SKILLS, Doc, english_russian_pairs, markdown_files, skill_dir_of,
-                          task_commands)
+from markdown_doc import REPO, SKILLS, Doc, english_russian_pairs, markdown_files, skill_dir_of, task_commands
 
 TOOLBOX = REPO / "roofline-toolbox" / "Taskfile.yml"
 PROJECT = REPO / "Taskfile.yml"
@@ -165,7 +163,7 @@ class TestEnglishRussianPair:
 @pytest.mark.parametrize("skill", SKILL_NAMES)
 def test_bench_log_example_follows_the_template(skill):
     """references/bench-protocol.md shows an entry with the sections `bench` renders."""
-    template = (REPO / "scripts" / "templates" / "bench_log_entry.md.j2").read_text(encoding="utf-8")
+    template = (REPO / "scripts" / "rooflib" / "render" / "templates" / "bench_log_entry.md.j2").read_text(encoding="utf-8")
     doc = Doc.read(SKILLS / skill / "references" / "bench-protocol.md")
     example = next(content for info, content in doc.code_blocks if info == "markdown")
     assert re.findall(r"^### .+$", example, re.M) == re.findall(r"^### .+$", template, re.M)

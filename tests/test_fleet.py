@@ -1,4 +1,4 @@
-"""metrics.py --prometheus (scripts/fleet.py) against a REAL Prometheus, behind a path prefix and
+"""metrics.py --prometheus (rooflib/server/fleet.py) against a REAL Prometheus, behind a path prefix and
 basic auth, scraping two REAL CPU vLLM replicas: each test induces one fleet picture, the finding
 must name it and the replica, and the PromQL figures of each replica must agree with reading its
 /metrics directly. Then bad input, the shipped scrape config and rules (promtool), and SGLang's
@@ -18,17 +18,16 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 import httpx
-import pytest
-
 import metrics
-
-import engine_metrics
-import fleet as fleet_findings
-import profiles
+import pytest
 from markdown_doc import SKILLS
 from prometheus_server import running_prometheus
 from test_metrics import QUEUEING_PROMPTS, send_load
 from vllm_server import ServerUnavailable
+
+from rooflib.server import engine_metrics
+from rooflib.server import fleet as fleet_findings
+from rooflib.serving import profiles
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 SCRAPE_S = 1

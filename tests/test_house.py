@@ -1,7 +1,10 @@
 """The house rules a newcomer can check against the code (README, "Architecture").
 
-A command-line script (a CLI: what a Taskfile runs) imports modules, never another CLI; modules
-never import a CLI; nothing imports in a circle; no file names a path of a development machine.
+scripts/ holds only command lines (what a Taskfile runs, and what those run by path); the library
+is the package scripts/rooflib. Layers: command line -> domain packages (load, server, sizing,
+quality, serving, render) -> core. A command line never imports another one; the library never
+imports a command line; core imports nothing of the project outside core; nothing imports in a
+circle; nothing under scripts/ edits sys.path; no file names a path of a development machine.
 """
 from __future__ import annotations
 
@@ -15,38 +18,83 @@ import pytest
 from vllm_server import REPO
 
 SCRIPTS = REPO / "scripts"
+PACKAGE = SCRIPTS / "rooflib"
 TASKFILES = (REPO / "Taskfile.yml", REPO / "skills" / "roofline-toolbox" / "Taskfile.yml")
+DOMAINS = {"load", "server", "sizing", "quality", "serving", "render"}
 
 
 def clis() -> set[str]:
-    """The scripts a Taskfile runs, by module name."""
+    """The command lines: the scripts a Taskfile runs, and the scripts those run by path."""
     text = "\n".join(path.read_text(encoding="utf-8") for path in TASKFILES)
-    return set(re.findall(r"(?:\{\{\.SCRIPTS \| q\}\}|/scripts)/([a-z_]+)\.py", text))
+    found = set(re.findall(r"(?:\{\{\.SCRIPTS \| q\}\}|/scripts)/([a-z_]+)\.py", text))
+    for name in list(found):
+        tree = ast.parse((SCRIPTS / f"{name}.py").read_text(encoding="utf-8"))
+        found |= {node.value[:-3] for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                  and isinstance(node.value, str) and node.value.endswith(".py") and (SCRIPTS / node.value).is_file()}
+    return found
+
+
+def module_name(path) -> str:
+    """`rooflib.load.runner` for scripts/rooflib/load/runner.py, `bench` for scripts/bench.py."""
+    parts = path.relative_to(SCRIPTS).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+FILES = sorted([*SCRIPTS.glob("*.py"), *PACKAGE.rglob("*.py")])
+MODULES = {module_name(path): path for path in FILES}
 
 
 def imports(module: str) -> set[str]:
-    """The project modules `module` imports (scripts/*.py only)."""
-    tree = ast.parse((SCRIPTS / f"{module}.py").read_text(encoding="utf-8"))
+    """The project modules `module` imports: command lines by name, library modules by dotted name."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.add(node.module)
-    return {name for name in names if (SCRIPTS / f"{name}.py").is_file()}
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in names if name in MODULES and name != module}
 
 
-MODULES = sorted(path.stem for path in SCRIPTS.glob("*.py"))
+def layer(module: str) -> str:
+    """"cli", "core", a domain package's name, or "package" (rooflib's own __init__)."""
+    parts = module.split(".")
+    if parts[0] != "rooflib":
+        return "cli"
+    return parts[1] if len(parts) > 1 else "package"
 
 
 def test_the_taskfiles_name_the_clis_we_expect():
-    assert {"vram", "roofline", "bench", "sweep", "metrics", "accept", "ppl", "smoke_toolcall", "serve"} <= clis()
+    assert {"vram", "roofline", "bench", "sweep", "metrics", "accept", "ppl", "smoke_toolcall", "serve",
+            "setup_cpu_vllm", "tiny_model"} <= clis()
     assert not clis() - set(MODULES), "a Taskfile runs a script that does not exist"
 
 
-@pytest.mark.parametrize("module", MODULES)
-def test_no_script_imports_a_cli(module):
-    assert not imports(module) & clis(), f"{module}.py imports a command-line script: move the shared part to a module"
+def test_scripts_holds_only_command_lines():
+    extra = {path.stem for path in SCRIPTS.glob("*.py")} - clis()
+    assert not extra, f"{sorted(extra)} in scripts/ are not run by a task: a library module goes in rooflib/, a tool in tools/"
+
+
+def test_every_library_folder_is_a_layer():
+    folders = {path.name for path in PACKAGE.iterdir() if path.is_dir() and (path / "__init__.py").is_file()}
+    assert folders == DOMAINS | {"core"}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_follow_the_layers(module):
+    own = layer(module)
+    for name in imports(module):
+        other = layer(name)
+        assert other != "cli", f"{module} imports the command line {name}: move the shared part into rooflib"
+        if own == "core":
+            assert other in ("core", "package"), f"rooflib.core module {module} imports {name}: core depends on nothing above it"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_nothing_under_scripts_edits_sys_path(module):
+    text = MODULES[module].read_text(encoding="utf-8")
+    assert "sys.path" not in text, f"{module} edits sys.path: a command line finds rooflib beside it"
 
 
 def test_no_import_circle():
@@ -63,6 +111,13 @@ def test_no_import_circle():
 
     for module in MODULES:
         visit(module, ())
+
+
+def test_every_command_line_is_a_main_wearing_entry():
+    for name in sorted(clis() - {"tiny_model"}):  # tiny_model runs under the engine's Python, without rooflib
+        tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+        mains = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main"]
+        assert mains and any(ast.unparse(d) == "cli.entry" for d in mains[0].decorator_list), f"{name}.py: @cli.entry def main(argv)"
 
 
 def test_no_file_names_a_development_machine():

@@ -7,9 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import install_skills
+import pytest
 from markdown_doc import Doc, markdown_files
 from vllm_server import REPO, task_exe
 
@@ -37,7 +36,7 @@ def elsewhere(tmp_path) -> Path:
 
 def test_install_lays_out_skills_and_toolbox_without_links(installed):
     assert {p.name for p in installed.iterdir()} == {"roofline-perf", "roofline-perf-ru", "roofline-toolbox"}
-    assert (installed / "roofline-toolbox" / "scripts" / "common.py").is_file()
+    assert (installed / "roofline-toolbox" / "scripts" / "rooflib" / "core" / "cli.py").is_file()
     assert (installed / "roofline-toolbox" / "profiles" / "cpu-tiny.yaml").is_file()
     assert not [p for p in installed.rglob("*") if p.is_symlink()]
     assert not list(installed.rglob("__pycache__"))
@@ -47,11 +46,12 @@ def test_install_ships_only_what_the_tasks_run(installed):
     # The list is written out so that a new script is a decision, not an accident.
     scripts = installed / "roofline-toolbox" / "scripts"
     assert sorted(p.name for p in scripts.glob("*.py")) == [
-        "accept.py", "bench.py", "common.py", "compare.py", "engine_metrics.py", "fleet.py", "loadgen.py",
-        "metrics.py", "perplexity.py", "physics.py", "ppl.py", "profiles.py", "report.py", "roofline.py",
-        "serve.py", "served.py", "server_watch.py", "setup_cpu_vllm.py", "sizing.py", "smoke_toolcall.py",
-        "stats.py", "sweep.py", "tiny_model.py", "toolcalls.py", "vram.py", "workload.py"]
-    assert sorted(p.name for p in scripts.iterdir() if p.is_dir()) == ["catalog", "data", "templates"]
+        "accept.py", "bench.py", "compare.py", "metrics.py", "ppl.py", "report.py", "roofline.py", "serve.py",
+        "setup_cpu_vllm.py", "smoke_toolcall.py", "sweep.py", "tiny_model.py", "vram.py"]
+    assert sorted(p.name for p in scripts.iterdir() if p.is_dir()) == ["data", "rooflib"]
+    shipped = {str(p.relative_to(scripts)) for p in (scripts / "rooflib").rglob("*") if p.is_file()}
+    assert shipped == {str(p.relative_to(REPO / "scripts")) for p in (REPO / "scripts" / "rooflib").rglob("*")
+                       if p.is_file() and "__pycache__" not in p.parts}
 
 
 def test_every_installed_script_starts_from_the_install(installed, elsewhere):
@@ -119,7 +119,7 @@ def test_install_rejects_a_file_as_target(tmp_path, capsys):
 
 
 def test_help_shows_examples():
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "install_skills.py"), "--help"],
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "install_skills.py"), "--help"],
                             capture_output=True, text=True)
     assert result.returncode == 0
     assert "Examples:" in result.stdout and "Exit codes:" in result.stdout

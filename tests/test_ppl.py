@@ -8,15 +8,16 @@ import re
 import subprocess
 from pathlib import Path
 
-import pytest
-
-import common
 import ppl
-import perplexity
+import pytest
 import setup_cpu_vllm
 from fake_ppl_server import BOS, exact_nll, fake_ppl_server, token_ids
 from fault_server import Action, fault_server
-from common import cache_dir
+
+from rooflib.core import http_client
+from rooflib.core.conf import cache_dir
+from rooflib.core.errors import UsageError
+from rooflib.quality import perplexity
 
 SAMPLE = perplexity.SAMPLE_TEXT.read_text(encoding="utf-8")
 
@@ -168,7 +169,7 @@ def test_perplexity_through_the_api_equals_transformers(trained_vllm, capsys, wi
     args = ["--url", trained_vllm.url, *REAL_TIMEOUT] + (["--window", str(window), "--stride", str(stride)] if window else [])
     code, run_, err = run(capsys, *args)
     assert code == 0 and run_["model"] == "tiny-qwen3-trained", run_["stopped"] if run_ else err
-    with common.client(trained_vllm.url, timeout=600) as http:
+    with http_client.client(trained_vllm.url, timeout=600) as http:
         prefix, ids = perplexity.tokenize(http, "vllm", run_["model"], SAMPLE)
     sequence = prefix + ids
     assert perplexity.ids_sha256(sequence) == run_["token_ids_sha256"]
@@ -201,7 +202,7 @@ def test_a_crash_mid_run_keeps_what_was_scored(capsys):
     assert code == 3 and len(run_["windows"]) == 3 and run_["bits_per_byte"] is None
     assert run_["stopped"].startswith("server error: POST /v1/completions answered HTTP 500")
     assert run_["scored_tokens"] == sum(w["scored"] for w in run_["windows"]) == 399 + 2 * 100
-    with pytest.raises(common.UsageError, match="a partial run cannot be compared"):
+    with pytest.raises(UsageError, match="a partial run cannot be compared"):
         perplexity.compare(run_, run_, perplexity.gate("fp8", None, None), 64)
 
 

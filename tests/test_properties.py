@@ -2,10 +2,10 @@
 returns or raises its one documented error, in bounded time (a hard alarm fails an example stuck in
 a loop; no hypothesis deadline: an example that is merely slow on a busy machine is not a fault).
 
-Parsers: HTTP chunked framing (loadgen.dechunk, loadgen.ChunkFraming), a streamed response and its
-SSE events (loadgen.parse_response / settle, toolcalls.sse_events), Prometheus text
-(engine_metrics.parse_exposition, snapshot, report), a model's config.json (sizing.checked_model), a
-serve profile (profiles.load_profile, render), inference.env (common.parse_env_file, load_env_file),
+Parsers: HTTP chunked framing (http1.dechunk, asyncclient.ChunkFraming), a streamed response and its
+SSE events (http1.parse_response / settle, toolcalls.sse_events), Prometheus text
+(engine_metrics.parse_exposition, snapshot, report), a model's config.json (estimate.checked_model), a
+serve profile (profiles.load_profile, render), inference.env (conf.parse_env_file, load_env_file),
 saved records read back (perplexity.load_run, toolcalls.load_baseline), and files too deep for the
 JSON decoder or not YAML (compare, report, bench's datasets, served.root_config, the user's tool-call cases).
 """
@@ -17,21 +17,17 @@ import signal
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-
-import loadgen
-import common
-import compare
-import engine_metrics
-import perplexity
-import profiles
-import report
-import served
-import sizing
-import toolcalls
-import workload
-from common import UsageError
+from rooflib.core import catalogs, conf, fileio, printing
+from rooflib.core.errors import UsageError
+from rooflib.load import asyncclient, comparison, http1, request_outcome, workloads
+from rooflib.quality import perplexity, toolcalls
+from rooflib.render import report_html
+from rooflib.server import engine_metrics, served
+from rooflib.serving import profiles
+from rooflib.sizing import estimate
 
 EXAMPLE_BOUND_S = 10  # a hard stop per example, far above any example's time: only a hang reaches it
 PROPERTY = settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow,
@@ -77,11 +73,11 @@ def splits(data: bytes, cuts: list[int]) -> list[bytes]:
 def test_chunked_framing_is_total(pieces, cuts):
     raw = b"".join(pieces)
     try:
-        segments, complete = loadgen.dechunk(raw)
+        segments, complete = http1.dechunk(raw)
         assert all(size >= 0 and 0 <= start <= len(raw) for _, start, size in segments)
     except ValueError:
         pass
-    framing = loadgen.ChunkFraming()
+    framing = asyncclient.ChunkFraming()
     try:
         for piece in splits(raw, cuts):
             framing.feed(piece)
@@ -94,9 +90,9 @@ def test_chunked_framing_is_total(pieces, cuts):
 @hard_bound
 def test_chunked_framing_reads_valid_coding_exactly(datas, cuts):
     raw = b"".join(b"%x\r\n%s\r\n" % (len(d), d) for d in datas) + b"0\r\n\r\n"
-    segments, complete = loadgen.dechunk(raw)
+    segments, complete = http1.dechunk(raw)
     assert complete and b"".join(raw[start:start + size] for _, start, size in segments) == b"".join(datas)
-    framing = loadgen.ChunkFraming()
+    framing = asyncclient.ChunkFraming()
     done = [framing.feed(piece) for piece in splits(raw, cuts)]
     assert done[-1] and not any(done[:-1])
 
@@ -126,8 +122,8 @@ def test_streamed_response_always_settles_to_a_classified_outcome(events, chunke
     raw = head(chunked=chunked) + ((b"%x\r\n%s\r\n" % (len(body), body) if body else b"") +
                                    (b"0\r\n\r\n" if terminated else b"") if chunked else body)
     reads = [(i * 1000, piece) for i, piece in enumerate(splits(raw, cuts))]
-    outcome = loadgen.settle(loadgen.Outcome(index=0, reads=reads), chat=False)
-    assert outcome.error is None or outcome.error in loadgen.ERROR_KINDS
+    outcome = request_outcome.settle(request_outcome.Outcome(index=0, reads=reads), chat=False)
+    assert outcome.error is None or outcome.error in request_outcome.ERROR_KINDS
     if outcome.error is None:
         assert outcome.token_times and outcome.completion_tokens is not None
 
@@ -168,7 +164,7 @@ def test_prometheus_text_gives_a_report_or_one_invalid_scrape_line(lines, newlin
     except engine_metrics.InvalidScrape as exc:
         assert "\n" not in str(exc)
         return
-    json.dumps(common.json_safe(report), default=str, allow_nan=False)  # valid JSON, NaN or not
+    json.dumps(printing.json_safe(report), default=str, allow_nan=False)  # valid JSON, NaN or not
     # No figure printed as "nan" (the warning that names NaN samples aside).
     assert "nan" not in engine_metrics.format_report(report).replace("NaN or Inf", "").lower().split()
 
@@ -191,7 +187,7 @@ config = st.fixed_dictionaries({}, optional={
 @hard_bound
 def test_model_config_gives_a_model_or_one_usage_line(document):
     try:
-        sizing.checked_model(document, "m", "config.json")
+        estimate.checked_model(document, "m", "config.json")
     except UsageError as exc:
         assert "\n" not in str(exc)
 
@@ -240,7 +236,7 @@ def test_env_file_gives_settings_or_one_usage_line(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("env") / "inference.env"
     path.write_bytes(data)
     try:
-        values = common.load_env_file(path)
+        values = conf.load_env_file(path)
         assert all(isinstance(k, str) and isinstance(v, str) for k, v in values.items())
     except UsageError as exc:
         assert "\n" not in str(exc)
@@ -266,7 +262,7 @@ def test_saved_runs_and_baselines_load_or_give_one_usage_line(tmp_path_factory, 
 
 def test_endless_and_directory_inputs_are_one_usage_line(tmp_path):
     for path in ("/dev/zero", str(tmp_path)):
-        for read in (perplexity.read_text, common.load_env_file, lambda p: profiles.load_profile(Path(p))):
+        for read in (perplexity.read_text, conf.load_env_file, lambda p: profiles.load_profile(Path(p))):
             with pytest.raises(UsageError, match=path) as caught:
                 read(path)
             assert "\n" not in str(caught.value)
@@ -274,7 +270,7 @@ def test_endless_and_directory_inputs_are_one_usage_line(tmp_path):
 
 def test_server_json_nested_too_deep_is_a_value_error():
     with pytest.raises(ValueError, match="nested too deeply"):
-        common.parse_json("[" * 100_000)
+        fileio.parse_json("[" * 100_000)
 
 
 def test_files_nested_too_deep_are_one_usage_line(tmp_path):
@@ -283,8 +279,8 @@ def test_files_nested_too_deep_are_one_usage_line(tmp_path):
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000)
     records = '{"sent_ns": 1}\n' + "[" * 100_000 + "\n"
-    reads = [compare.load, workload.read_prompts, lambda p: workload.read_sharegpt(p, len),
-             lambda p: report.parse_result(deep.read_text(), p), lambda p: report.parse_records(records, p)]
+    reads = [comparison.load, workloads.read_prompts, lambda p: workloads.read_sharegpt(p, len),
+             lambda p: report_html.parse_result(deep.read_text(), p), lambda p: report_html.parse_records(records, p)]
     for read in reads:
         with pytest.raises(UsageError) as caught:
             read(str(deep))
@@ -293,7 +289,7 @@ def test_files_nested_too_deep_are_one_usage_line(tmp_path):
 
 
 def test_the_users_case_files_give_cases_or_one_usage_line(tmp_path):
-    catalog = common.load_catalog("toolcall_cases")
+    catalog = catalogs.load_catalog("toolcall_cases")
     faults = {"a folder": lambda f: f.mkdir(), "an alias": lambda f: f.write_text("a: &x {}\ncases: *x\n"),
               "not YAML": lambda f: f.write_text("cases: [\n"), "not UTF-8": lambda f: f.write_bytes(b"\xff")}
     for name, write in faults.items():

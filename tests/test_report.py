@@ -12,16 +12,16 @@ import random
 import re
 from pathlib import Path
 
-import pytest
-
 import bench
-
-import loadgen
 import chromium
+import pytest
 import report
 import roofline
 import sweep
 from conftest import IN_CI
+
+from rooflib.load import analysis, request_outcome, sweeps
+from rooflib.render import report_html
 
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts" / "report"
@@ -87,19 +87,19 @@ def assert_every_series_drawn(page: dict) -> None:
 # ---------------------------------------------------------------- documents per the contracts
 
 def outcome(index: int, sent_ms: float, ttft_ms: float, tpot_ms: float, tokens: int, failed: bool = False,
-            warmup: bool = False) -> loadgen.Outcome:
+            warmup: bool = False) -> request_outcome.Outcome:
     sent = int(sent_ms * 1e6)
     if failed:
-        return loadgen.Outcome(index, warmup=warmup, sent_ns=sent, status=500, error="http_5xx", detail="boom")
+        return request_outcome.Outcome(index, warmup=warmup, sent_ns=sent, status=500, error="http_5xx", detail="boom")
     times = [sent + int((ttft_ms + tpot_ms * k) * 1e6) for k in range(tokens)]
-    return loadgen.Outcome(index, warmup=warmup, sent_ns=sent, status=200, token_times=times,
+    return request_outcome.Outcome(index, warmup=warmup, sent_ns=sent, status=200, token_times=times,
                          chunk_tokens=[1] * tokens, completion_tokens=tokens, usage_reported=True,
                          prompt_tokens=WORKLOAD["input_tokens"], finish_reason="length", done_ns=times[-1])
 
 
 def bench_run(requests: int, model: str = "tiny-qwen3", concurrency: int = 4, failed: int = 0,
               lag_ms: tuple = (0.01,), samples: int = 0, seed: int = 0) -> tuple[dict, list[dict]]:
-    """A bench result and its records, through loadgen.analyse (the real code) on made-up requests;
+    """A bench result and its records, through analysis.analyse (the real code) on made-up requests;
     with `samples`, a server timeline scraped every 2 s over the same span as the requests."""
     rng = random.Random(seed)
     spacing_ms = 2000 * samples / requests if samples else 5
@@ -108,8 +108,8 @@ def bench_run(requests: int, model: str = "tiny-qwen3", concurrency: int = 4, fa
     config = {**WORKLOAD, "num_requests": requests, "concurrency": concurrency, "rate": None,
               "slo_ttft_p95_ms": 200.0, "slo_tpot_p95_ms": 20.0, "model": model, "url": "http://127.0.0.1:8000",
               "load": f"closed loop, {concurrency} in flight, {requests} requests"}
-    doc = loadgen.analyse(outcomes, config, list(lag_ms), 1, 2)
-    doc["workload"] = {"workload": "synthetic", "concurrency": concurrency, **WORKLOAD}  # as loadgen.execute adds it
+    doc = analysis.analyse(outcomes, config, list(lag_ms), 1, 2)
+    doc["workload"] = {"workload": "synthetic", "concurrency": concurrency, **WORKLOAD}  # as benchrun.execute adds it
     doc["server"] = {"info": {"model": model, "engine_version": "0.32.0", "owned_by": "vllm"}}
     if samples:
         doc["timeline"] = {"interval_s": 2.0, "samples": [
@@ -124,8 +124,8 @@ def sweep_doc(model: str = "tiny-qwen3") -> dict:
     runs = {1: bench_run(8, model, 1)[0], 2: bench_run(8, model, 2, seed=1)[0],
             4: bench_run(8, model, 4, lag_ms=(0.01,) * 50 + (30.0,) * 5)[0],
             8: bench_run(8, model, 8, failed=3)[0], 16: bench_run(8, model, 16, failed=8)[0]}
-    points = [sweep.point_summary(c, doc) for c, doc in runs.items()]
-    return {"kind": "sweep", "schema_version": 1, "points": points, "knee": sweep.knee(points, True),
+    points = [sweeps.point_summary(c, doc) for c, doc in runs.items()]
+    return {"kind": "sweep", "schema_version": 1, "points": points, "knee": sweeps.knee(points, True),
             "slo_set": True, "slo": {"ttft_p95_ms": 200.0, "tpot_p95_ms": 20.0}, "levels": list(runs),
             "interrupted": False, "config": {**WORKLOAD, "warmup": 0, "url": "http://127.0.0.1:8000", "model": model}}
 
@@ -200,7 +200,7 @@ def test_real_acceptance_run_renders_verdict_first(vllm_server, browser, capsys,
                         "--bench-n", "4", "--bench-c", "2", "--bench-in", "32", "--bench-out", "8", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["kind"] == "accept", result["reasons"]
-    html, text = render(tmp_path, capsys, "real-accept", write(tmp_path, "accept.json", result))
+    html, text = render(tmp_path, capsys, "real-accept", write(tmp_path, "acceptance.json", result))
     page = browse(browser, html)
     chart = charts(page)["accept"]
     assert chart["intervals"] == 4 and chart["rows"] == len(result["rows"])
@@ -253,16 +253,16 @@ def test_from_one_to_ten_thousand_points(browser, capsys, tmp_path, requests):
                         "--records", str(records_file))
     page = browse(browser, html)
     found = charts(page)
-    every = -(-requests // report.MAX_BARS)
+    every = -(-requests // report_html.MAX_BARS)
     assert found["run-requests"]["bars"] == len(range(0, requests, every))
     ttft = found["run-latency"]["series"][0]
-    assert ttft["total"] == min(requests, report.CDF_POINTS) and ttft["drawn"] <= report.MAX_LINE_POINTS
-    assert found["run-server"]["series"][0]["drawn"] <= report.MAX_LINE_POINTS
-    assert found["run-server"]["rows"] == min(requests, report.TABLE_ROWS)
-    assert found["run-server"]["rules"] == (0 if requests > report.MAX_PREEMPTION_LINES else requests // 10)
+    assert ttft["total"] == min(requests, report_html.CDF_POINTS) and ttft["drawn"] <= report_html.MAX_LINE_POINTS
+    assert found["run-server"]["series"][0]["drawn"] <= report_html.MAX_LINE_POINTS
+    assert found["run-server"]["rows"] == min(requests, report_html.TABLE_ROWS)
+    assert found["run-server"]["rules"] == (0 if requests > report_html.MAX_PREEMPTION_LINES else requests // 10)
     # The counts stay honest: the table has every request, the note says what was drawn.
-    assert f"TTFT  {report.fmt(doc['ttft_ms']['p50'])}" in text and f"  {report.fmt(requests)}" in text
-    if requests > report.MAX_BARS:
+    assert f"TTFT  {report_html.fmt(doc['ttft_ms']['p50'])}" in text and f"  {report_html.fmt(requests)}" in text
+    if requests > report_html.MAX_BARS:
         assert f"every {every}th of {requests} requests drawn" in page["text"]
     assert_every_series_drawn(page)
 
@@ -300,13 +300,13 @@ def test_sizing_shows_the_budget_and_the_levers(browser, capsys, tmp_path):
     doc = json.loads(capsys.readouterr().out)
     html, text = render(tmp_path, capsys, "sizing", write(tmp_path, "vram.json", doc))
     found = charts(browse(browser, html))
-    assert found["sizing-budget"]["segments"] == len(report.BUDGET) + 1
+    assert found["sizing-budget"]["segments"] == len(report_html.BUDGET) + 1
     assert found["sizing-levers"]["columns"] == len(doc["levers"]) + 1
     assert f"KV cache tokens                  {doc['kv_cache_tokens']:,}" in text
     assert vram.main(["--model", "qwen3-32b", "--gpu", "l4", "--json"]) == 1
     short = json.loads(capsys.readouterr().out)
     html, text = render(tmp_path, capsys, "sizing-short", write(tmp_path, "short.json", short))
-    assert charts(browse(browser, html))["sizing-budget"]["segments"] == len(report.BUDGET) + 1
+    assert charts(browse(browser, html))["sizing-budget"]["segments"] == len(report_html.BUDGET) + 1
     assert text.startswith("== Sizing: qwen3-32b on NVIDIA L4: does not fit\n")
     assert f"  smallest change that fits        {short['fix']['change']}\n" in text
     assert f"(short by {-short['kv_cache_gib']:.2f} GiB: it does not fit)" in text
@@ -318,8 +318,8 @@ def test_older_files_without_kind_are_recognised(tmp_path):
     doc, _ = bench_run(4)
     del doc["kind"]
     sweep_result = {k: v for k, v in sweep_doc().items() if k not in ("kind", "schema_version")}
-    assert report.parse_result(json.dumps(doc), "b.json").kind == "bench"
-    assert report.parse_result(json.dumps(sweep_result), "s.json").kind == "sweep"
+    assert report_html.parse_result(json.dumps(doc), "b.json").kind == "bench"
+    assert report_html.parse_result(json.dumps(sweep_result), "s.json").kind == "sweep"
 
 
 @pytest.mark.parametrize("content, message", [
@@ -365,7 +365,7 @@ def test_text_summary_and_json(capsys, tmp_path):
     assert report.main([path, "--format", "text"]) == 0
     text = capsys.readouterr().out
     assert text.startswith(f"== Bench run: bench: {doc['verdict']}\n")
-    assert f"  TTFT ms     p50 {report.fmt(doc['ttft_ms']['p50'])}, p95 {report.fmt(doc['ttft_ms']['p95'])}" in text
+    assert f"  TTFT ms     p50 {report_html.fmt(doc['ttft_ms']['p50'])}, p95 {report_html.fmt(doc['ttft_ms']['p95'])}" in text
     assert report.main([path, "--out", str(tmp_path / "r.html"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     umask = os.umask(0)

@@ -6,15 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
-
-import common
-import physics as phys
 import roofline
-import sizing
+
+from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_USAGE
+from rooflib.sizing import estimate
+from rooflib.sizing import physics as phys
 
 
 def physics(model: str, gpu: str = "h100", tp: int = 1, **kw) -> phys.Physics:
-    return phys.Physics(sizing.Inputs(model=sizing.resolve_model(model), gpu=sizing.resolve_gpu(gpu, None), tp=tp, **kw))
+    return phys.Physics(estimate.Inputs(model=estimate.resolve_model(model), gpu=estimate.resolve_gpu(gpu, None), tp=tp, **kw))
 
 
 def test_llama8b_h100_batch1_is_the_weight_read():
@@ -76,7 +76,7 @@ def test_cli_json(capsys):
 
 
 def test_cli_needs_bandwidth(capsys):
-    assert roofline.main(["--model", "qwen3-32b", "--gpu-gb", "80"]) == common.EXIT_USAGE
+    assert roofline.main(["--model", "qwen3-32b", "--gpu-gb", "80"]) == EXIT_USAGE
     assert "needs a catalog GPU" in capsys.readouterr().err
 
 
@@ -109,18 +109,18 @@ def test_roofline_bench_checks_the_fp8_vs_4bit_direction(tmp_path, capsys):
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text("cases: []\ndirections:\n  - {id: x, model: llama-3.1-8b, gpu: h100-sxm, batch: 1, context: 1024,"
                      " int4_speedup: 0.5, fp8_speedup: 1.5, source: test}\n")
-    assert roofline_bounds.main(["--fixture", str(wrong)]) == common.EXIT_CHECK_FAILED
+    assert roofline_bounds.main(["--fixture", str(wrong)]) == EXIT_CHECK_FAILED
     assert "WRONG DIRECTION" in capsys.readouterr().out
 
 
 def test_roofline_names_the_batch_from_which_fp8_beats_4bit(capsys):
-    inp = sizing.Inputs(model=sizing.resolve_model("qwen3-32b"), gpu=sizing.resolve_gpu("h100", None), quant="awq")
+    inp = estimate.Inputs(model=estimate.resolve_model("qwen3-32b"), gpu=estimate.resolve_gpu("h100", None), quant="awq")
     crossover = phys.fp8_crossover_batch(inp, 1024)
     fp8, awq = physics("qwen3-32b", quant="fp8"), physics("qwen3-32b", quant="awq")
     assert 1 < crossover < 128
     assert fp8.decode(crossover, 1024)["step_ms_expected"] < awq.decode(crossover, 1024)["step_ms_expected"]
     assert fp8.decode(crossover - 1, 1024)["step_ms_expected"] >= awq.decode(crossover - 1, 1024)["step_ms_expected"]
-    a100 = sizing.Inputs(model=sizing.resolve_model("qwen3-32b"), gpu=sizing.resolve_gpu("a100-80gb", None), quant="awq")
+    a100 = estimate.Inputs(model=estimate.resolve_model("qwen3-32b"), gpu=estimate.resolve_gpu("a100-80gb", None), quant="awq")
     assert phys.fp8_crossover_batch(a100, 1024) is None  # no FP8 tensor cores: FP8 is weight-only there too
     assert roofline.main(["--model", "qwen3-32b", "--gpu", "h100", "--quant", "awq"]) == 0
     assert f"the same model in FP8 is expected faster from batch {crossover}" in capsys.readouterr().out

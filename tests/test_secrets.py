@@ -10,8 +10,8 @@ it wrote under the test's folder (records, logs, reports, JSON, caches) are scan
 and its JSON-escaped form, and the row names the text that must stand where the key was: `***`
 in place of the key, so a row whose key never reached an output fails.
 
-Also: every command line's `main` goes through common.entry (argparse errors are redacted); a key
-too short to mask (common.MIN_MASKED_CHARS) leaves the output whole but is still hidden where it is
+Also: every command line's `main` goes through cli.entry (argparse errors are redacted); a key
+too short to mask (redaction.MIN_MASKED_CHARS) leaves the output whole but is still hidden where it is
 known to be a key (a profile's); a key that JSON escapes differently; a traceback.
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-import common
 from fault_server import FAULTS, fault_server
+
+from rooflib.core import cli, printing, redaction
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
@@ -267,8 +267,8 @@ def command_lines() -> list[str]:
 def test_main_goes_through_the_entry_wrapper(script):
     tree = ast.parse((SCRIPTS / f"{script}.py").read_text(encoding="utf-8"))
     (main,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main"]
-    assert [ast.unparse(d) for d in main.decorator_list] == ["common.entry"], \
-        f"{script}.main must be decorated with @common.entry: its secrets are registered before its arguments are read"
+    assert [ast.unparse(d) for d in main.decorator_list] == ["cli.entry"], \
+        f"{script}.main must be decorated with @cli.entry: its secrets are registered before its arguments are read"
 
 
 @pytest.mark.parametrize("script", command_lines())
@@ -292,8 +292,8 @@ def test_without_the_key_known_it_is_printed(tmp_path):
 
 def test_a_traceback_is_redacted(tmp_path):
     """A bug's traceback, printed after main has returned its streams, is redacted too."""
-    program = (f"import sys; sys.path.insert(0, {str(SCRIPTS)!r}); import common\n"
-               "@common.entry\n"
+    program = (f"import sys; sys.path.insert(0, {str(SCRIPTS)!r}); from rooflib.core import cli\n"
+               "@cli.entry\n"
                "def main(argv=None):\n"
                "    raise RuntimeError('a bug that quotes ' + sys.argv[1])\n"
                "main()\n")
@@ -325,7 +325,7 @@ def test_a_short_key_in_a_url_is_not_taken_for_the_key(tmp_path):
 
 def test_a_short_profile_key_is_still_hidden_where_it_is_a_key(tmp_path):
     short = "Zq7"
-    assert len(short) < common.MIN_MASKED_CHARS
+    assert len(short) < redaction.MIN_MASKED_CHARS
     profile = tmp_path / "short.yaml"
     profile.write_text(f"engine: vllm\nmodel: m\nenv:\n  VLLM_API_KEY: {short}\n  TOKENIZERS_PARALLELISM: 'false'\n"
                        f"extra_args: ['--api-key={short}']\n", encoding="utf-8")
@@ -338,15 +338,15 @@ def test_a_short_profile_key_is_still_hidden_where_it_is_a_key(tmp_path):
 
 def test_a_key_is_masked_in_its_json_and_repr_forms(capsys):
     key = 'sk-"quoted"\\back\u00e9-0123456789'
-    common.add_secret(key)
+    redaction.add_secret(key)
 
     def body() -> int:
-        common.emit({"model": key}, "", common.Output(json=True))
+        printing.emit({"model": key}, "", printing.Output(json=True))
         print(f"error: unknown model {key!r}", file=sys.stderr)
         print(json.dumps({"model": key}), file=sys.stderr)
         return 0
 
-    assert common.run_main(body) == 0
+    assert cli.run_main(body) == 0
     out, err = capsys.readouterr()
     assert json.loads(out) == {"model": "***"}
     assert err == "error: unknown model '***'\n" + '{"model": "***"}\n'

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-import common
 import serve
 from vllm_server import REPO, TOOLBOX, task_exe
 
-CACHE = common.cache_dir()
+from rooflib.core import conf
+
+CACHE = conf.cache_dir()
 
 # Every shipped profile and the exact command it must render to.
 EXPECTED = {
@@ -54,7 +54,7 @@ def _no_engine_python_override(monkeypatch):
 
 
 def test_every_shipped_profile_is_covered():
-    assert sorted(p.stem for p in serve.common.PROFILES_DIR.glob("*.yaml")) == sorted(EXPECTED)
+    assert sorted(p.stem for p in conf.PROFILES_DIR.glob("*.yaml")) == sorted(EXPECTED)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

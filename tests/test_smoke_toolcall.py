@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-
-import common
 import smoke_toolcall as smoke
-import toolcalls
 from fake_toolcall_server import fake_toolcall_server
 
-CATALOG = common.load_catalog("toolcall_cases")
+from rooflib.core import catalogs
+from rooflib.quality import toolcalls
+
+CATALOG = catalogs.load_catalog("toolcall_cases")
 EVENT = CATALOG["tools"]["create_event"]["parameters"]
 GOOD_EVENT = {"title": "x", "start": "2025-03-14T15:00", "duration_minutes": 45, "attendees": ["a"],
               "location": {"name": "HQ", "lat": 1.5, "lon": -2}}

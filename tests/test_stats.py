@@ -1,10 +1,10 @@
-"""stats.py: the percentile definition every result states (numpy's linear interpolation) and a
+"""rooflib/core/stats.py: the percentile definition every result states (numpy's linear interpolation) and a
 sample's summary, shared by bench, sweep, compare and report."""
 from __future__ import annotations
 
 import pytest
 
-import stats
+from rooflib.core import stats
 
 
 def test_percentile_is_linear_like_numpy():

@@ -1,4 +1,4 @@
-"""sizing.py: KV-cache accounting against the real CPU vLLM, the catalogs, the levers, bad input."""
+"""estimate.py: KV-cache accounting against the real CPU vLLM, the catalogs, the levers, bad input."""
 from __future__ import annotations
 
 import json
@@ -8,12 +8,13 @@ import sys
 
 import httpx
 import pytest
-
-import common
-import sizing
 import vram
-from common import cache_dir
 from vllm_server import REPO, TOOLBOX, task_exe
+
+from rooflib.core import catalogs
+from rooflib.core.conf import cache_dir
+from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, ServerError, UsageError
+from rooflib.sizing import estimate
 
 GIB = 1 << 30
 MODELS_DIR = cache_dir() / "models"
@@ -45,8 +46,8 @@ def run_error(argv, capsys) -> tuple[int, str]:
 
 
 def cpu_estimate(config: dict, ctx: int, kv_bytes: int = GIB, block_size: int | None = None) -> dict:
-    model = sizing.model_from_config(config, "tiny", "test")
-    return sizing.estimate(sizing.Inputs(model=model, gpu={"name": "CPU", "memory_gib": 0}, ctx=ctx,
+    model = estimate.model_from_config(config, "tiny", "test")
+    return estimate.estimate(estimate.Inputs(model=model, gpu={"name": "CPU", "memory_gib": 0}, ctx=ctx,
                                      kv_cache_bytes=kv_bytes, platform="cpu", block_size=block_size))
 
 
@@ -70,7 +71,7 @@ def test_tiny_architectures_match_logged_cpu_vllm(name, ctx, block, bytes_per_to
 
 @pytest.mark.parametrize("amx, block", [(True, 128), (False, 16)])
 def test_cpu_mla_block_follows_the_host(amx, block, monkeypatch):
-    monkeypatch.setattr(sizing, "host_cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(estimate, "host_cpu_has_amx", lambda: amx)
     assert cpu_estimate(TINY_CONFIGS["tiny-deepseek"], 2048)["block_size"] == block
     assert cpu_estimate(TINY_CONFIGS["tiny-llama"], 2048)["block_size"] == 128
 
@@ -87,9 +88,9 @@ def test_sliding_window_layers_cost_the_window_not_the_context():
 
 def test_logged_available_memory_gives_logged_tokens():
     """LMCache/LMCache#1739 (vLLM ~0.11, one GPU): Qwen3-14B, 6.51 GiB -> 42,656 tokens at 32,768."""
-    inp = sizing.Inputs(model=sizing.resolve_model("Qwen/Qwen3-14B"), gpu={"name": "GPU", "memory_gib": 80},
+    inp = estimate.Inputs(model=estimate.resolve_model("Qwen/Qwen3-14B"), gpu={"name": "GPU", "memory_gib": 80},
                       ctx=32768, kv_cache_bytes=int(6.51 * GIB), vllm_version="0.11")
-    result = sizing.estimate(inp)
+    result = estimate.estimate(inp)
     assert result["kv_bytes_per_token"] == 40 * 2 * 8 * 128 * 2
     assert result["kv_cache_tokens"] == 42_656
     assert f"{result['max_concurrency']:.2f}" == "1.30"
@@ -99,37 +100,37 @@ def test_logged_available_memory_gives_logged_tokens():
 
 
 def test_kv_bytes_per_token_for_known_models():
-    assert sizing.estimate(_inp("llama-3.1-8b", "h100"))["kv_bytes_per_token"] == 131_072
-    assert sizing.estimate(_inp("deepseek-r1", "h200", tp=8))["kv_bytes_per_token"] == 70_272
-    assert sizing.estimate(_inp("llama-3.1-8b", "h100", kv_dtype="fp8"))["kv_bytes_per_token"] == 65_536
+    assert estimate.estimate(_inp("llama-3.1-8b", "h100"))["kv_bytes_per_token"] == 131_072
+    assert estimate.estimate(_inp("deepseek-r1", "h200", tp=8))["kv_bytes_per_token"] == 70_272
+    assert estimate.estimate(_inp("llama-3.1-8b", "h100", kv_dtype="fp8"))["kv_bytes_per_token"] == 65_536
 
 
 def test_mla_is_replicated_across_tp_and_gqa_heads_are_not_split_below_one():
-    assert sizing.estimate(_inp("deepseek-r1", "h200", tp=8))["kv_bytes_per_token"] == \
-        sizing.estimate(_inp("deepseek-r1", "h200", tp=4, ctx=4096))["kv_bytes_per_token"]
+    assert estimate.estimate(_inp("deepseek-r1", "h200", tp=8))["kv_bytes_per_token"] == \
+        estimate.estimate(_inp("deepseek-r1", "h200", tp=4, ctx=4096))["kv_bytes_per_token"]
     # Qwen3-235B has 4 KV heads: at TP8 each GPU still holds one head (a replica).
-    tp4 = sizing.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=4, ctx=8192))["kv_bytes_per_token"]
-    tp8 = sizing.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=8, ctx=8192))["kv_bytes_per_token"]
+    tp4 = estimate.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=4, ctx=8192))["kv_bytes_per_token"]
+    tp8 = estimate.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=8, ctx=8192))["kv_bytes_per_token"]
     assert tp4 == tp8 == 94 * 2 * 1 * 128 * 2
 
 
 def test_gpt_oss_groups_like_vllm():
-    result = sizing.estimate(_inp("gpt-oss-120b", "h100", ctx=8192))
+    result = estimate.estimate(_inp("gpt-oss-120b", "h100", ctx=8192))
     assert result["kv_cache_groups"] == 2   # 18 sliding + 18 full layers: two groups of 18
-    specs = sizing.layer_specs(sizing.resolve_model("gpt-oss-120b"), 1, 1, 2, 16)
+    specs = estimate.layer_specs(estimate.resolve_model("gpt-oss-120b"), 1, 1, 2, 16)
     # A request of 8192 tokens: 512 blocks for the full group, window 127 + 8192 batched -> 8192 -> 513 for sliding.
-    assert sizing.kv_capacity(specs, 1e12, 8192, 8192)["blocks_per_request"] == 512 + 513
+    assert estimate.kv_capacity(specs, 1e12, 8192, 8192)["blocks_per_request"] == 512 + 513
 
 
 def test_weights_follow_the_checkpoint_quantization():
-    bf16 = sizing.estimate(_inp("qwen3-32b", "h100", ctx=8192))
-    fp8 = sizing.estimate(_inp("qwen3-32b-fp8", "h100", ctx=8192))
+    bf16 = estimate.estimate(_inp("qwen3-32b", "h100", ctx=8192))
+    fp8 = estimate.estimate(_inp("qwen3-32b-fp8", "h100", ctx=8192))
     assert 60 < bf16["weights_gib"] < 62          # 32.8 B x 2 bytes
     assert 31 < fp8["weights_gib"] < 33
     # MXFP4 experts, padded for the Marlin kernel where the GPU has no FP4: vllm#23278 logged
     # "Model loading took 65.9651 GiB" on an H100.
-    assert sizing.estimate(_inp("gpt-oss-120b", "h100", ctx=8192))["weights_gib"] == pytest.approx(65.97, abs=0.5)
-    assert sizing.estimate(_inp("gpt-oss-120b", "b200", ctx=8192))["weights_gib"] == pytest.approx(60.7, abs=0.5)
+    assert estimate.estimate(_inp("gpt-oss-120b", "h100", ctx=8192))["weights_gib"] == pytest.approx(65.97, abs=0.5)
+    assert estimate.estimate(_inp("gpt-oss-120b", "b200", ctx=8192))["weights_gib"] == pytest.approx(60.7, abs=0.5)
 
 
 @pytest.mark.parametrize("version, util, batched, logged_kv_gib", [
@@ -139,22 +140,22 @@ def test_weights_follow_the_checkpoint_quantization():
 def test_gpt_oss_120b_on_h100_matches_the_logged_budget(version, util, batched, logged_kv_gib):
     """The sampler warm-up over 1024 rows x 201,088 vocab, not the MoE forward, sets the profile
     peak: the same ~7.5 GiB whether the batch is 8192 or 1024 tokens."""
-    result = sizing.estimate(_inp("gpt-oss-120b", "h100", ctx=131072, gpu_util=util, vllm_version=version,
+    result = estimate.estimate(_inp("gpt-oss-120b", "h100", ctx=131072, gpu_util=util, vllm_version=version,
                                 max_num_batched_tokens=batched))
     assert result["kv_cache_gib"] == pytest.approx(logged_kv_gib, abs=0.5)
     assert not result["fits"]
 
 
 def test_v1_profile_peak_is_the_larger_of_forward_and_sampler():
-    model = sizing.resolve_model("gpt-oss-120b")
-    small, large = (sizing.activation_bytes(model, 1, tokens, 1024, "mxfp4", "pytorch") for tokens in (1024, 8192))
+    model = estimate.resolve_model("gpt-oss-120b")
+    small, large = (estimate.activation_bytes(model, 1, tokens, 1024, "mxfp4", "pytorch") for tokens in (1024, 8192))
     assert small == large                               # the sampler dominates both
-    one_row = sizing.activation_bytes(model, 1, 8192, 1, "mxfp4", "pytorch")
+    one_row = estimate.activation_bytes(model, 1, 8192, 1, "mxfp4", "pytorch")
     assert one_row < small / 5                          # --max-num-seqs 1: the forward is what is left
-    sort, triton, flashinfer = (sizing.activation_bytes(model, 1, 8192, 1024, "mxfp4", kind)
+    sort, triton, flashinfer = (estimate.activation_bytes(model, 1, 8192, 1024, "mxfp4", kind)
                                 for kind in ("pytorch", "triton", "flashinfer"))
     assert flashinfer < triton < sort / 2
-    not_last_stage = sizing.activation_bytes(model, 1, 8192, 1024, "mxfp4", "pytorch", samples=False)
+    not_last_stage = estimate.activation_bytes(model, 1, 8192, 1024, "mxfp4", "pytorch", samples=False)
     assert not_last_stage == one_row < small            # a stage that does not sample: the forward alone
 
 
@@ -164,14 +165,14 @@ def test_v1_profile_peak_is_the_larger_of_forward_and_sampler():
     ("0.21", "flashinfer"), ("0.32", "flashinfer"),                    # PR #40376
 ])
 def test_default_sampler_follows_the_release(version, sampler):
-    assert sizing.default_sampler(sizing.version_tuple(version)) == sampler
+    assert estimate.default_sampler(estimate.version_tuple(version)) == sampler
 
 
 @pytest.mark.parametrize("layers, pp, parts", [
     (27, 2, [14, 13]), (32, 4, [8, 8, 8, 8]), (61, 4, [15, 15, 16, 15]), (94, 8, [11, 12, 12, 12, 12, 12, 12, 11]),
 ])
 def test_pipeline_split_follows_vllm(layers, pp, parts):
-    assert sizing.pp_partition(layers, pp) == parts and sum(parts) == layers
+    assert estimate.pp_partition(layers, pp) == parts and sum(parts) == layers
 
 
 def test_pipeline_stages_size_their_own_pools_and_the_smallest_binds():
@@ -179,39 +180,39 @@ def test_pipeline_stages_size_their_own_pools_and_the_smallest_binds():
     layers, the embedding, no sampler) logged 12.13 GiB; the last (13 layers, LM head, sampler)
     11.33 GiB; the engine keeps the first stage's block count: 807,792 tokens."""
     inp = _inp("deepseek-v2-lite", "l4", tp=2, pp=2, ctx=1024, vllm_version="0.9", enforce_eager=True)
-    first, last = (sizing.budget(inp, stage) for stage in (0, 1))
+    first, last = (estimate.budget(inp, stage) for stage in (0, 1))
     assert first["activation_bytes"] < last["activation_bytes"]          # only the last stage samples
-    result = sizing.estimate(inp)
+    result = estimate.estimate(inp)
     assert result["pp_stage"] == 0 and result["attention_layers"] == 14
     # 5.2% short: the first stage logged less fixed overhead than the 0.7 GiB assumed (benchmark case).
     assert result["kv_cache_tokens"] == pytest.approx(807_792, rel=0.06)
 
 
 def test_tp_splits_weights():
-    one = sizing.estimate(_inp("llama-3.3-70b", "h100", tp=2, ctx=8192))
-    two = sizing.estimate(_inp("llama-3.3-70b", "h100", tp=4, ctx=8192))
+    one = estimate.estimate(_inp("llama-3.3-70b", "h100", tp=2, ctx=8192))
+    two = estimate.estimate(_inp("llama-3.3-70b", "h100", tp=4, ctx=8192))
     assert two["weights_gib"] == pytest.approx(one["weights_gib"] / 2, rel=0.01)
 
 
-def _inp(model, gpu, tp=1, ctx=None, kv_dtype="auto", **kw) -> sizing.Inputs:
-    return sizing.Inputs(model=sizing.resolve_model(model), gpu=sizing.resolve_gpu(gpu, None), tp=tp, ctx=ctx,
+def _inp(model, gpu, tp=1, ctx=None, kv_dtype="auto", **kw) -> estimate.Inputs:
+    return estimate.Inputs(model=estimate.resolve_model(model), gpu=estimate.resolve_gpu(gpu, None), tp=tp, ctx=ctx,
                        kv_dtype=kv_dtype, **kw)
 
 
 # ---- catalogs
 
 
-@pytest.mark.parametrize("key", sorted(common.load_catalog("models")))
+@pytest.mark.parametrize("key", sorted(catalogs.load_catalog("models")))
 def test_catalog_model_parameters_match_the_model_card(key):
-    entry = common.load_catalog("models")[key]
-    model = sizing.resolve_model(key)
-    counted = sizing.count_params(model).total + model.extra_params
+    entry = catalogs.load_catalog("models")[key]
+    model = estimate.resolve_model(key)
+    counted = estimate.count_params(model).total + model.extra_params
     assert entry["source"].startswith("https://")
     assert counted / 1e9 == pytest.approx(entry["params_b"], rel=0.03)
 
 
 def test_catalog_gpus_are_complete():
-    for key, gpu in common.load_catalog("gpus").items():
+    for key, gpu in catalogs.load_catalog("gpus").items():
         for field in ("name", "memory_gb", "memory_gib", "bandwidth_tb_s", "bf16_dense_tflops",
                       "fp8_dense_tflops", "fp4_dense_tflops", "interconnect_gb_s", "source"):
             assert field in gpu, f"{key} lacks {field}"
@@ -222,13 +223,13 @@ def test_catalog_gpus_are_complete():
                                        ("QWEN3 32B", "qwen3-32b"), ("deepseek-ai/DeepSeek-R1", "deepseek-v3"),
                                        ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b")])
 def test_friendly_model_names(name, key):
-    assert sizing.resolve_model(name).name == key
+    assert estimate.resolve_model(name).name == key
 
 
 @pytest.mark.parametrize("name, key", [("H100", "h100-sxm"), ("h100-sxm", "h100-sxm"), ("H100 SXM", "h100-sxm"),
                                        ("a100", "a100-80gb"), ("MI300X", "mi300x"), ("4090", "rtx-4090")])
 def test_friendly_gpu_names(name, key):
-    assert sizing.resolve_gpu(name, None)["id"] == key
+    assert estimate.resolve_gpu(name, None)["id"] == key
 
 
 # ---- the command
@@ -236,7 +237,7 @@ def test_friendly_gpu_names(name, key):
 
 def test_readme_command_answers_offline(capsys):
     code, result = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "32768"], capsys)
-    assert code == common.EXIT_OK and result["fits"]
+    assert code == EXIT_OK and result["fits"]
     for key in ("weights_gib", "activation_gib", "kv_bytes_per_token", "kv_cache_gib", "kv_cache_tokens",
                 "max_concurrency", "fits", "levers", "roofline"):
         assert key in result
@@ -250,7 +251,7 @@ def test_fractional_flags_are_accepted(capsys):
     """vllm#27508's command: a utilization below 1 and a smaller batch."""
     code, result = run_json(["--model", "gpt-oss-120b", "--gpu", "h100", "--ctx", "131072", "--vllm-version", "0.11",
                              "--gpu-util", "0.95", "--max-num-batched-tokens", "1024"], capsys)
-    assert code == common.EXIT_CHECK_FAILED
+    assert code == EXIT_CHECK_FAILED
     assert result["gpu_util"] == 0.95 and result["max_num_batched_tokens"] == 1024
     assert result["fix"] is not None
 
@@ -270,7 +271,7 @@ def test_task_vram_prints_a_human_answer():
 
 def test_a_marginal_verdict_says_what_flips_it(capsys):
     code, result = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "32768", "--gpu-util", "0.9"], capsys)
-    assert code == common.EXIT_CHECK_FAILED and round(result["max_concurrency"], 2) == 0.99
+    assert code == EXIT_CHECK_FAILED and round(result["max_concurrency"], 2) == 0.99
     assert result["marginal"] and result["flips_at_gpu_util"] == 0.91
     assert "gpu_memory_utilization decides it (0.90 does not fit, 0.91 does)" in result["marginal_reason"]
     code, roomy = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "8192"], capsys)
@@ -287,13 +288,13 @@ def test_typical_length_concurrency_is_not_the_full_context(capsys):
 
 def test_does_not_fit_names_the_smallest_fix(capsys):
     code, result = run_json(["--model", "llama-3.3-70b", "--gpu", "h100", "--ctx", "8192"], capsys)
-    assert code == common.EXIT_CHECK_FAILED and not result["fits"]
+    assert code == EXIT_CHECK_FAILED and not result["fits"]
     assert result["fix"]["levers"] == ["fp8-weights"]     # 66 GiB of FP8 weights leave ~5 GiB of KV
 
 
 def test_sglang_matches_its_logged_pool():
     """vllm#21348: SGLang, Qwen3-235B-A22B-FP8, 4x H100, --mem-fraction-static 0.93: #tokens 367,404."""
-    result = sizing.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=4, ctx=40960, engine="sglang", gpu_util=0.93))
+    result = estimate.estimate(_inp("qwen3-235b-a22b-fp8", "h100", tp=4, ctx=40960, engine="sglang", gpu_util=0.93))
     assert result["kv_cache_tokens"] == pytest.approx(367_404, rel=0.02)
 
 
@@ -319,7 +320,7 @@ def test_engine_sglang_has_no_blocks(capsys):
 def test_bad_input_is_one_clear_line(argv, message, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     code, err = run_error(argv, capsys)
-    assert code == common.EXIT_USAGE
+    assert code == EXIT_USAGE
     assert len(err.splitlines()) == 1 and message in err, err
 
 
@@ -347,19 +348,19 @@ def test_hf_config_is_fetched_with_token_and_cached(tmp_path, monkeypatch):
             return httpx.Response(200, json=TINY_CONFIGS["tiny-qwen3"])
         return httpx.Response(200, json={"metadata": {"total_size": 9_000_000}})
 
-    model = sizing.resolve_model("someorg/tiny-model", transport=httpx.MockTransport(handler))
+    model = estimate.resolve_model("someorg/tiny-model", transport=httpx.MockTransport(handler))
     assert model.name == "someorg/tiny-model" and model.checkpoint_bytes == 9_000_000
     assert seen[0] == ("/someorg/tiny-model/resolve/main/config.json", "Bearer hf_secret")
-    again = sizing.resolve_model("someorg/tiny-model", transport=httpx.MockTransport(lambda r: httpx.Response(500)))
+    again = estimate.resolve_model("someorg/tiny-model", transport=httpx.MockTransport(lambda r: httpx.Response(500)))
     assert again.layers == model.layers      # from the cache, no second request
 
 
-@pytest.mark.parametrize("status, error, text", [(401, common.ServerError, "gated"),
-                                                 (404, common.UsageError, "no config.json")])
+@pytest.mark.parametrize("status, error, text", [(401, ServerError, "gated"),
+                                                 (404, UsageError, "no config.json")])
 def test_hf_errors_are_clear(status, error, text, tmp_path, monkeypatch):
     monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path))
     with pytest.raises(error, match=text):
-        sizing.resolve_model("someorg/gated", transport=httpx.MockTransport(lambda r: httpx.Response(status)))
+        estimate.resolve_model("someorg/gated", transport=httpx.MockTransport(lambda r: httpx.Response(status)))
 
 
 def test_offline_hub_id_says_what_to_do(tmp_path, monkeypatch):
@@ -368,11 +369,11 @@ def test_offline_hub_id_says_what_to_do(tmp_path, monkeypatch):
     def offline(request):
         raise httpx.ConnectError("no route", request=request)
 
-    with pytest.raises(common.ServerError, match="offline, pass a catalog name or a local folder"):
-        sizing.resolve_model("someorg/other", transport=httpx.MockTransport(offline))
+    with pytest.raises(ServerError, match="offline, pass a catalog name or a local folder"):
+        estimate.resolve_model("someorg/other", transport=httpx.MockTransport(offline))
 
 
-# ---- the real engine: vLLM's own log against sizing.py, to the token
+# ---- the real engine: vLLM's own log against estimate.py, to the token
 
 
 def logged_capacity(log: str) -> tuple[int, int, str]:
@@ -437,9 +438,9 @@ def test_profile_batch_defaults_follow_gpu_entrypoint_and_version(capsys, gpu, e
     ("b200", 1, 0.852, 16384),
 ])
 def test_sglang_defaults_follow_its_memory_heuristic(gpu, tp, fraction, chunk):
-    d = sizing.sglang_defaults(sizing.resolve_gpu(gpu, None)["memory_gib"] * 1024, tp)
+    d = estimate.sglang_defaults(estimate.resolve_gpu(gpu, None)["memory_gib"] * 1024, tp)
     assert (d["mem_fraction_static"], d["chunked_prefill_size"]) == (fraction, chunk)
-    result = sizing.estimate(_inp("llama-3.1-8b", gpu, tp=tp, ctx=8192, engine="sglang"))
+    result = estimate.estimate(_inp("llama-3.1-8b", gpu, tp=tp, ctx=8192, engine="sglang"))
     assert result["gpu_util"] == fraction and result["max_num_batched_tokens"] == chunk
 
 
@@ -474,7 +475,7 @@ def test_url_whose_root_is_a_server_path_names_the_flag_that_supplies_it(capsys)
     with fake_vllm("/srv/models/qwen3-32b") as url:
         code = vram.main(["--url", url, "--gpu", "h100"])
     err = capsys.readouterr().err
-    assert code == common.EXIT_USAGE and err.count("\n") == 1
+    assert code == EXIT_USAGE and err.count("\n") == 1
     assert "a path on the server that this machine cannot read; pass MODEL=<catalog name" in err
 
 
@@ -497,7 +498,7 @@ def test_gpu_gb_is_the_marketed_size_and_gpu_gib_the_logged_total(capsys):
     assert marketed["gpu_memory_gib"] == pytest.approx(79.19, abs=0.005) == logged["gpu_memory_gib"]
     assert marketed["kv_cache_tokens"] == catalog["kv_cache_tokens"] == logged["kv_cache_tokens"]
     code, err = run_error(["--model", "qwen3-8b", "--gpu-gb", "80", "--gpu-gib", "79"], capsys)
-    assert code == common.EXIT_USAGE and "give one" in err
+    assert code == EXIT_USAGE and "give one" in err
 
 
 @pytest.mark.parametrize("rope, limit", [
@@ -506,14 +507,14 @@ def test_gpu_gb_is_the_marketed_size_and_gpu_gib_the_logged_total(capsys):
     ({"rope_type": "llama3", "factor": 8.0}, 40960),      # llama3 / longrope / su keep the limit
 ])
 def test_rope_scaling_sets_the_limit_as_vllm_derives_it(rope, limit):
-    model = sizing.resolve_model("qwen3-32b", hf_overrides={"rope_scaling": rope})
+    model = estimate.resolve_model("qwen3-32b", hf_overrides={"rope_scaling": rope})
     assert model.max_len == limit
 
 
 def test_rope_scaled_context_is_answered_and_unscaled_is_refused_with_the_flag(capsys):
     yarn = '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}'
     code, err = run_error(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "131072"], capsys)
-    assert code == common.EXIT_USAGE and "ROPE_SCALING=" in err
+    assert code == EXIT_USAGE and "ROPE_SCALING=" in err
     code, result = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--tp", "2", "--ctx", "131072",
                              "--kv-dtype", "fp8", "--rope-scaling", yarn], capsys)
     assert code == 0 and result["ctx"] == 131072 and result["fits"]
@@ -521,12 +522,12 @@ def test_rope_scaled_context_is_answered_and_unscaled_is_refused_with_the_flag(c
                      "--hf-overrides", '{"rope_scaling": %s}' % yarn], capsys)[1]
     assert same["kv_cache_tokens"] == result["kv_cache_tokens"]
     code, err = run_error(["--model", "qwen3-32b", "--gpu", "h100", "--rope-scaling", "{yarn"], capsys)
-    assert code == common.EXIT_USAGE and "ROPE_SCALING is not valid JSON" in err
+    assert code == EXIT_USAGE and "ROPE_SCALING is not valid JSON" in err
 
 
 def test_unknown_offline_model_points_at_a_config_json_on_disk(capsys):
     code, err = run_error(["--model", "olmo-3-7b", "--gpu", "h100"], capsys)
-    assert code == common.EXIT_USAGE and "path of its config.json" in err
+    assert code == EXIT_USAGE and "path of its config.json" in err
 
 
 def test_every_answer_carries_a_range(capsys):
@@ -554,11 +555,11 @@ def test_a_verdict_that_flips_inside_its_range_is_marginal_and_names_the_setting
 
 def test_utilization_one_point_away_from_the_edge_is_marginal():
     """Where the verdict changes with gpu_memory_utilization +-0.01, the reason says so."""
-    model, gpu = sizing.resolve_model("llama-3.1-8b"), sizing.resolve_gpu("rtx-4090")
+    model, gpu = estimate.resolve_model("llama-3.1-8b"), estimate.resolve_gpu("rtx-4090")
     edge = next(u / 100 for u in range(50, 100)
-                if sizing.estimate(sizing.Inputs(model=model, gpu=gpu, ctx=8192, gpu_util=u / 100,
+                if estimate.estimate(estimate.Inputs(model=model, gpu=gpu, ctx=8192, gpu_util=u / 100,
                                                  vllm_version="0.19"))["fits"])
-    result = sizing.estimate(sizing.Inputs(model=model, gpu=gpu, ctx=8192, gpu_util=edge, vllm_version="0.19"))
+    result = estimate.estimate(estimate.Inputs(model=model, gpu=gpu, ctx=8192, gpu_util=edge, vllm_version="0.19"))
     assert result["marginal"] and "gpu_memory_utilization decides it" in result["marginal_reason"]
 
 
@@ -574,7 +575,7 @@ def test_language_model_only_drops_the_vision_tower(capsys):
     ("h100", 1, "0.19", 0.25), ("h100", 2, "0.19", 2.1), ("h100", 2, "0.18", 0.4), ("l40s", 2, "0.19", 0.4),
 ])
 def test_symmetric_memory_all_reduce_buffers_on_hopper_at_tp_above_one(gpu, tp, version, gib):
-    result = sizing.estimate(_inp("llama-3.3-70b-fp8", gpu, tp=max(tp, 2) if gpu == "l40s" else tp, ctx=8192,
+    result = estimate.estimate(_inp("llama-3.3-70b-fp8", gpu, tp=max(tp, 2) if gpu == "l40s" else tp, ctx=8192,
                                   vllm_version=version))
     assert result["non_torch_gib"] == pytest.approx(gib)
 
@@ -587,10 +588,10 @@ def test_expert_parallel_is_accepted_and_reported(capsys):
 
 def test_four_bit_moe_profiles_the_marlin_intermediate_caches():
     """fused_marlin_moe keeps M x top_k x (max(2N, K) + N) activations; K (hidden) is not split by TP."""
-    model = sizing.resolve_model("qwen3-30b-a3b")
+    model = estimate.resolve_model("qwen3-30b-a3b")
     tokens, n = 8192, model.expert_intermediate / 4
-    marlin = sizing.activation_bytes(model, 4, tokens, 1, "int4", "flashinfer")
-    bf16 = sizing.activation_bytes(model, 4, tokens, 1, "bf16", "flashinfer")
+    marlin = estimate.activation_bytes(model, 4, tokens, 1, "int4", "flashinfer")
+    bf16 = estimate.activation_bytes(model, 4, tokens, 1, "bf16", "flashinfer")
     qkv = model.heads * model.head_dim + 2 * model.kv_heads * model.head_dim
     expected = tokens * (model.top_k * (max(2 * n, model.hidden) + n) + qkv / 4) * 2 + 0.15 * GIB
     assert marlin == pytest.approx(expected) and marlin > bf16

@@ -22,8 +22,8 @@ from typing import Iterator, Sequence
 
 import httpx
 
-import common
-import profiles
+from rooflib.core.errors import ServerError
+from rooflib.serving import profiles
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLBOX = REPO / "roofline-toolbox" / "Taskfile.yml"
@@ -91,7 +91,7 @@ def running_vllm(log_dir: Path, sets: Sequence[str] = (), model: str = "tiny-qwe
     try:  # only a failed start is "unavailable"; errors inside the tests stay theirs
         stack.enter_context(profiles.running(cmd, url, log_path, STARTUP_TIMEOUT_S, cwd=log_dir,
                                           env={**os.environ, **(env or {})}))
-    except common.ServerError as exc:
+    except ServerError as exc:
         raise ServerUnavailable(f"vLLM did not start: {exc}")
     with stack:
         yield Server(url=url, model=model, log_path=log_path)

@@ -26,8 +26,8 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
-import common
-from common import ServerError, UsageError
+from rooflib.core import conf, http_client, redaction
+from rooflib.core.errors import ServerError, UsageError
 
 # Rules of thumb of the fleet findings (the skill's fleet table; change them together).
 IMBALANCE_RATIO = 2.0   # the queueing replica finished at least this many times more requests
@@ -68,7 +68,7 @@ class Credentials:
     password: str | None = None
 
 
-def credentials(settings: common.Settings) -> Credentials:
+def credentials(settings: conf.Settings) -> Credentials:
     """PROMETHEUS_USER / PROMETHEUS_PASSWORD from the environment or inference.env."""
     password = settings.get("PROMETHEUS_PASSWORD") or None
     user = settings.get("PROMETHEUS_USER") or None
@@ -85,12 +85,12 @@ class Prometheus:
         if re.match(r"^https?://[^/\s]*@", url.strip()):
             raise UsageError("the Prometheus URL holds credentials: give them in PROMETHEUS_USER and "
                              "PROMETHEUS_PASSWORD instead, so they are never printed")
-        self.url = common.normalize_url(url)  # a path prefix (--web.route-prefix) stays in it
+        self.url = conf.normalize_url(url)  # a path prefix (--web.route-prefix) stays in it
         self.secret = auth.password
         self.at = time.time()
         self.http = httpx.Client(base_url=self.url, transport=transport,
                                  auth=(auth.user, auth.password) if auth.password else None,
-                                 timeout=httpx.Timeout(timeout, connect=min(timeout, common.CONNECT_TIMEOUT_S)))
+                                 timeout=httpx.Timeout(timeout, connect=min(timeout, http_client.CONNECT_TIMEOUT_S)))
 
     def __enter__(self) -> "Prometheus":
         return self
@@ -99,13 +99,13 @@ class Prometheus:
         self.http.close()
 
     def _fail(self, error: type[Exception], message: str) -> Exception:
-        return error(common.redact(message, self.secret))
+        return error(redaction.redact(message, self.secret))
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         """The result vector of an instant query: [{"metric": {...}, "value": [t, "v"]}, ...]."""
         where = f"Prometheus at {self.url}"
         try:
-            with common.answered(where, self.http.timeout.read):
+            with http_client.answered(where, self.http.timeout.read):
                 response = self.http.get("/api/v1/query", params={"query": expr, "time": f"{self.at:.3f}"})
         except ServerError as exc:
             raise self._fail(ServerError, str(exc))

@@ -8,16 +8,13 @@ import hashlib
 import json
 import math
 import random
-import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import ServerError, UsageError  # noqa: E402
+from rooflib.core import catalogs, conf, fileio, http_client, printing
+from rooflib.core.errors import ServerError, UsageError
 
-
-SAMPLE_TEXT = Path(__file__).resolve().parent / "data" / "sample.txt"
+SAMPLE_TEXT = Path(__file__).resolve().parents[2] / "data" / "sample.txt"  # scripts/data: the sample inputs
 
 
 APIS = ("vllm", "vllm-echo", "sglang")
@@ -36,7 +33,7 @@ MAX_TEXT_BYTES = 64 << 20  # far more than a perplexity text needs; bounds a rea
 
 
 def read_text(path: str) -> str:
-    text = common.read_bounded(path, "TEXT", MAX_TEXT_BYTES)
+    text = fileio.read_bounded(path, "TEXT", MAX_TEXT_BYTES)
     if not text.strip():
         raise UsageError(f"TEXT {path} is empty: give a text of your own, ideally tens of thousands of tokens")
     return text
@@ -64,7 +61,7 @@ def ids_sha256(ids: Sequence[int]) -> str:
 
 
 def post(http, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    with common.answered(f"{http.base_url}{path}", http.timeout.read):
+    with http_client.answered(f"{http.base_url}{path}", http.timeout.read):
         response = http.post(path, json=body)
     if response.status_code == 404:
         raise UsageError(f"{http.base_url} has no {path} endpoint: is it vLLM (--api vllm) or SGLang (--api sglang)?")
@@ -75,7 +72,7 @@ def post(http, path: str, body: dict[str, Any]) -> dict[str, Any]:
                              "ppl needs prompt logprobs (vLLM /v1/completions, SGLang /generate)")
         raise ServerError(f"POST {path} answered HTTP {response.status_code}: {message}")
     try:
-        return common.parse_json(response.content)
+        return fileio.parse_json(response.content)
     except ValueError:
         raise ServerError(f"POST {path} did not answer JSON")
 
@@ -200,7 +197,7 @@ def measure(http, api: str, model: str, text: str, window: int | None, stride: i
                          f"use at most {max_model_len - 1} (one position is left for the generated token)")
     plan = windows(len(sequence), window, stride)
     if len(plan) > 1:
-        common.progress(f"the text is {len(sequence):,} tokens, longer than one window of {window:,}: "
+        printing.progress(f"the text is {len(sequence):,} tokens, longer than one window of {window:,}: "
                         f"scoring {len(plan)} windows with stride {stride:,}")
     token_nll: list[float] = []
     per_window = []
@@ -212,7 +209,7 @@ def measure(http, api: str, model: str, text: str, window: int | None, stride: i
             token_nll += scored
             per_window.append({"begin": begin, "end": end, "scored": len(scored), "nll": sum(scored)})
             if number % 10 == 0:
-                common.progress(f"window {number}/{len(plan)}")
+                printing.progress(f"window {number}/{len(plan)}")
         begin, end, first = plan[0]
         again = [-lp for lp in score_window(http, api, model, sequence[begin:end])[first - begin:]]
         recheck = abs(sum(again) - per_window[0]["nll"]) / len(again)
@@ -264,7 +261,7 @@ def paired_change(base: Sequence[float], cand: Sequence[float], block: int,
 
 
 def gate(scheme: str, warn_pct: float | None, fail_pct: float | None) -> dict[str, Any]:
-    key, entry = common.find_in_catalog(common.load_catalog("ppl_gates"), scheme, "quantization scheme")
+    key, entry = catalogs.find_in_catalog(catalogs.load_catalog("ppl_gates"), scheme, "quantization scheme")
     levels = {"scheme": key, "name": entry["name"], "warn_pct": entry["warn_pct"], "fail_pct": entry["fail_pct"],
               "source": entry["source"]}
     if warn_pct is not None:
@@ -299,7 +296,7 @@ def compare(base: dict[str, Any], cand: dict[str, Any], levels: dict[str, Any], 
 
 
 def load_run(path: str) -> dict[str, Any]:
-    run = common.read_json_file(path, "saved run", f"save a run with `ppl.py --json > {path}`")
+    run = fileio.read_json_file(path, "saved run", f"save a run with `ppl.py --json > {path}`")
     needed = {"text_sha256", "token_ids_sha256", "token_nll", "nll", "bytes", "ppl", "window", "stride"}
     if not isinstance(run, dict) or not needed <= run.keys():
         raise UsageError(f"{path} is not a saved ppl run: save one with `ppl.py --json > {path}`")
@@ -307,8 +304,8 @@ def load_run(path: str) -> dict[str, Any]:
 
 
 def resolve_text(args) -> tuple[str, str]:
-    path = common.settings_from_args(args).get("TEXT", args.text)
+    path = conf.settings_from_args(args).get("TEXT", args.text)
     if not path:
-        common.progress(f"no TEXT given: scoring the bundled sample {SAMPLE_TEXT} (your own text is the point)")
+        printing.progress(f"no TEXT given: scoring the bundled sample {SAMPLE_TEXT} (your own text is the point)")
         path = str(SAMPLE_TEXT)
     return path, read_text(path)

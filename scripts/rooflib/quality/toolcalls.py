@@ -7,15 +7,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import ServerError, UsageError  # noqa: E402
-
+from rooflib.core import fileio, http_client, printing
+from rooflib.core.errors import ServerError, UsageError
 
 PASS, WARN, FAIL, SKIP, ERROR = "PASS", "WARN", "FAIL", "SKIP", "ERROR"
 SEVERITY = {PASS: 0, SKIP: 0, WARN: 1, FAIL: 2, ERROR: 2}
@@ -215,7 +212,7 @@ def raise_for_config(status: int, text: str) -> None:
     if status == 400 and NO_TOOL_PARSER.search(text):
         message = text
         try:
-            message = common.parse_json(text).get("error", {}).get("message", text)
+            message = fileio.parse_json(text).get("error", {}).get("message", text)
         except (ValueError, AttributeError):
             pass
         raise ConfigError(f"the server does not have tool calling enabled (HTTP 400: {message.strip()}): {CONFIG_HINT}")
@@ -240,7 +237,7 @@ def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        yield common.parse_json(data)
+        yield fileio.parse_json(data)
 
 
 def merge_stream(chunks: Sequence[dict[str, Any]]) -> Answer:
@@ -284,13 +281,13 @@ def merge_stream(chunks: Sequence[dict[str, Any]]) -> Answer:
 def send(http, body: dict[str, Any]) -> Answer:
     """POST a chat request; a no-tool-parser 400 is a ConfigError, other failures ServerError."""
     try:
-        with common.answered(f"{http.base_url}/v1/chat/completions", http.timeout.read):
+        with http_client.answered(f"{http.base_url}/v1/chat/completions", http.timeout.read):
             if not body["stream"]:
                 response = http.post("/v1/chat/completions", json=body)
                 raise_for_config(response.status_code, response.text)
                 if response.status_code != 200:
                     raise ServerError(f"HTTP {response.status_code}: {response.text[:200].strip()}")
-                return plain_answer(common.parse_json(response.content))
+                return plain_answer(fileio.parse_json(response.content))
             with http.stream("POST", "/v1/chat/completions", json=body) as response:
                 if response.status_code != 200:
                     text = response.read().decode(errors="replace")
@@ -314,7 +311,7 @@ def parse_arguments(call: dict[str, Any], tools: dict[str, Any]) -> tuple[dict[s
     if not isinstance(raw, str):
         return None, [Check(FAIL, f"{name}: arguments is {json_type(raw)}, not a JSON string")]
     try:
-        args = common.parse_json(raw)
+        args = fileio.parse_json(raw)
     except ValueError:
         return None, [Check(FAIL, f"{name}: arguments are not valid JSON: {short(raw)}")]
     if not isinstance(args, dict):
@@ -502,7 +499,7 @@ def with_user_cases(catalog: dict[str, Any], folder: str) -> tuple[dict[str, Any
     merged = {**catalog, "tools": dict(catalog["tools"]), "cases": dict(catalog["cases"])}
     names: list[str] = []
     for path in files:
-        data = common.load_yaml(common.read_bounded(path, "cases file", USER_CASES_MAX_BYTES), str(path)) or {}
+        data = fileio.load_yaml(fileio.read_bounded(path, "cases file", USER_CASES_MAX_BYTES), str(path)) or {}
         if not isinstance(data, dict) or not isinstance(data.get("cases"), dict):
             raise UsageError(f"{path} needs a `cases:` mapping, as in scripts/catalog/toolcall_cases.yaml")
         for name, tool in (data.get("tools") or {}).items():
@@ -581,7 +578,7 @@ def compare_baseline(results: list[dict[str, Any]], baseline: dict[str, Any]) ->
 
 
 def load_baseline(path: str) -> dict[str, Any]:
-    data = common.read_json_file(path, "baseline", f"save it with `smoke_toolcall.py --json > {path}`")
+    data = fileio.read_json_file(path, "baseline", f"save it with `smoke_toolcall.py --json > {path}`")
     if not isinstance(data, dict) or not isinstance(data.get("cases"), list):
         raise UsageError(f"baseline {path} has no 'cases' list: save it with `smoke_toolcall.py --json > {path}`")
     return data
@@ -606,7 +603,7 @@ def run_smoke(http, model: str, case_ids: list[str], repeat: int, max_tokens: in
                                 "reason": "--no-parallel: the model family does not do parallel calls",
                                 "passed": 0, "repeats": 0, "runs": []})
                 continue
-            common.progress(f"case {case_id} ({repeat} repeat(s))")
+            printing.progress(f"case {case_id} ({repeat} repeat(s))")
             runs = [run_repeat(http, case, catalog, model, max_tokens, long_words) for _ in range(repeat)]
             results.append(summarize_case(case_id, case, runs))
     except KeyboardInterrupt:

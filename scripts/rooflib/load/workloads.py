@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import common
-from common import UsageError
+from rooflib.core import fileio
+from rooflib.core.errors import UsageError
 
 MAX_FILE_BYTES = 2 * 1024 ** 3
 MOONCAKE_BLOCK_TOKENS = 512  # a Mooncake hash id stands for a block of 512 tokens (its README)
@@ -106,7 +106,7 @@ def _lines(path: str, what: str) -> list[tuple[int, Any]]:
             if not line.strip():
                 continue
             try:
-                row = common.parse_json(line)
+                row = fileio.parse_json(line)
             except ValueError as exc:  # a JSONDecodeError names the fault in .msg; "nested too deeply" has none
                 raise UsageError(f"{path}:{number}: not JSON ({getattr(exc, 'msg', exc)}): one JSON object per line")
             if not isinstance(row, dict):
@@ -168,7 +168,7 @@ def read_sharegpt(path: str, count_tokens: Callable[[str], int]) -> list[Entry]:
     length is the recorded answer's (by `count_tokens`), None when no answer follows."""
     if _opens_an_array(Path(path)):
         try:
-            data = common.parse_json(common.read_bounded(path, "ShareGPT file", MAX_FILE_BYTES))
+            data = fileio.parse_json(fileio.read_bounded(path, "ShareGPT file", MAX_FILE_BYTES))
         except json.JSONDecodeError as exc:
             raise UsageError(f"{path}:{exc.lineno}: not JSON ({exc.msg})")
         except ValueError as exc:  # nested too deeply: no line to name

@@ -1,6 +1,6 @@
 """The sizing model behind `task vram` and `task roofline`: model shape, memory budget, KV capacity.
 
-Both CLIs (vram.py, roofline.py) import this module and physics.py; neither imports the other.
+Both CLIs (vram.py, roofline.py) import this module and physics; neither imports the other.
 
 The model is a catalog name (scripts/catalog/models.yaml, works offline), a Hugging Face repo id
 (config.json is fetched once with httpx, HF_TOKEN if set, and cached), or a local folder /
@@ -15,14 +15,12 @@ import json
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import UsageError  # noqa: E402
+from rooflib.core import catalogs, cli, conf, fileio, http_client, redaction
+from rooflib.core.errors import ServerError, UsageError
 
 GIB = 1 << 30
 DEFAULT_VLLM_VERSION = "0.32"
@@ -253,7 +251,7 @@ def _safetensors_bytes(folder: Path) -> int | None:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         try:
-            total = common.parse_json(common.read_bounded(index, "safetensors index", MAX_CONFIG_BYTES))["metadata"]["total_size"]
+            total = fileio.parse_json(fileio.read_bounded(index, "safetensors index", MAX_CONFIG_BYTES))["metadata"]["total_size"]
             return int(total) if total else None
         except (ValueError, TypeError, KeyError):
             return None  # the checkpoint size is a cross-check, not needed
@@ -265,41 +263,41 @@ def fetch_hf_config(repo_id: str, transport: Any = None) -> tuple[dict[str, Any]
     """config.json (and the safetensors index's total size) of a Hub repo, cached on disk."""
     import httpx
 
-    cache = common.cache_dir() / "hf-configs" / (repo_id.replace("/", "--") + ".json")
+    cache = conf.cache_dir() / "hf-configs" / (repo_id.replace("/", "--") + ".json")
     try:
-        cached = common.parse_json(common.read_bounded(cache, "cached config", MAX_CONFIG_BYTES))
+        cached = fileio.parse_json(fileio.read_bounded(cache, "cached config", MAX_CONFIG_BYTES))
         return cached["config"], cached.get("checkpoint_bytes")
     except (UsageError, ValueError, KeyError, TypeError):
         pass  # none yet, or damaged: fetched again
     token = os.environ.get("HF_TOKEN")
-    common.add_secret(token)  # never printed, as the API key
-    with common.client(HF_URL, api_key=token, timeout=20.0, transport=transport) as http:
+    redaction.add_secret(token)  # never printed, as the API key
+    with http_client.client(HF_URL, api_key=token, timeout=20.0, transport=transport) as http:
         try:
             response = http.get(f"/{repo_id}/resolve/main/config.json", follow_redirects=True)
         except httpx.HTTPError as exc:
-            raise common.ServerError(f"cannot fetch {repo_id}/config.json from {HF_URL} ({type(exc).__name__}); "
+            raise ServerError(f"cannot fetch {repo_id}/config.json from {HF_URL} ({type(exc).__name__}); "
                                      "offline, pass a catalog name or a local folder / config.json")
         if response.status_code in (401, 403):
-            raise common.ServerError(f"{HF_URL}/{repo_id} is gated (HTTP {response.status_code}): "
+            raise ServerError(f"{HF_URL}/{repo_id} is gated (HTTP {response.status_code}): "
                                      "set HF_TOKEN to a token that has access, or pass a local config.json")
         if response.status_code == 404:
             raise UsageError(f"no config.json at {HF_URL}/{repo_id}: check the repo id")
         if response.status_code >= 400:
-            raise common.ServerError(f"{HF_URL}/{repo_id}/config.json answered HTTP {response.status_code}")
+            raise ServerError(f"{HF_URL}/{repo_id}/config.json answered HTTP {response.status_code}")
         try:
-            config = common.parse_json(response.content)
+            config = fileio.parse_json(response.content)
         except ValueError:
-            raise common.ServerError(f"{HF_URL}/{repo_id}/config.json is not JSON")
+            raise ServerError(f"{HF_URL}/{repo_id}/config.json is not JSON")
         checkpoint_bytes = None
         try:
             index = http.get(f"/{repo_id}/resolve/main/model.safetensors.index.json", follow_redirects=True)
             if index.status_code == 200:
-                checkpoint_bytes = common.parse_json(index.content).get("metadata", {}).get("total_size")
+                checkpoint_bytes = fileio.parse_json(index.content).get("metadata", {}).get("total_size")
         except (httpx.HTTPError, ValueError, AttributeError):
             checkpoint_bytes = None
         if isinstance(checkpoint_bytes, bool) or not isinstance(checkpoint_bytes, int):
             checkpoint_bytes = None
-    common.write_atomic(str(cache), json.dumps({"config": config, "checkpoint_bytes": checkpoint_bytes}))
+    fileio.write_atomic(str(cache), json.dumps({"config": config, "checkpoint_bytes": checkpoint_bytes}))
     return config, checkpoint_bytes
 
 
@@ -336,14 +334,14 @@ def resolve_model(name: str, transport: Any = None, hf_overrides: Mapping[str, A
         if not file.is_file():
             raise UsageError(f"{path} has no config.json: point MODEL at a model folder or its config.json")
         try:
-            config = common.parse_json(common.read_bounded(file, "model config", MAX_CONFIG_BYTES))
+            config = fileio.parse_json(fileio.read_bounded(file, "model config", MAX_CONFIG_BYTES))
         except ValueError:
             raise UsageError(f"{file} is not valid JSON")
         return checked_model(apply_hf_overrides(config, overrides), path.name if path.is_dir() else path.parent.name,
                              str(file), checkpoint_bytes=_safetensors_bytes(file.parent))
-    catalog = common.load_catalog("models")
+    catalog = catalogs.load_catalog("models")
     try:
-        key, entry = common.find_in_catalog(catalog, name, "model")
+        key, entry = catalogs.find_in_catalog(catalog, name, "model")
     except UsageError as exc:
         if re.fullmatch(r"[\w.-]+/[\w.-]+", name):
             config, checkpoint_bytes = fetch_hf_config(name, transport)
@@ -363,16 +361,16 @@ def resolve_gpu(name: str | None, gpu_gb: float | None = None, gpu_gib: float | 
         raise UsageError("GPU_GB (marketed GB) and GPU_GIB (the GiB total vLLM logs) are two ways to say the "
                          "same thing: give one")
     if gpu_gb is not None or gpu_gib is not None:
-        base = dict(common.find_in_catalog(common.load_catalog("gpus"), name, "GPU")[1]) if name else {}
+        base = dict(catalogs.find_in_catalog(catalogs.load_catalog("gpus"), name, "GPU")[1]) if name else {}
         reported = gpu_gib if gpu_gib is not None else gpu_gb * REPORTED_GIB_PER_MARKETED_GB
         label = f"{gpu_gib:g} GiB GPU" if gpu_gib is not None else f"{gpu_gb:g} GB GPU ({reported:.2f} GiB)"
         return {**base, "id": base.get("id", "custom"), "name": base.get("name", label), "memory_gib": reported}
     if not name:
         raise UsageError("no GPU given: set GPU (e.g. h100, a100-80gb, l40s; see scripts/catalog/gpus.yaml), "
                          "GPU_GB (the marketed size, e.g. 80) or GPU_GIB (the total vLLM logs)")
-    catalog = common.load_catalog("gpus")
+    catalog = catalogs.load_catalog("gpus")
     try:
-        key, entry = common.find_in_catalog(catalog, name, "GPU")
+        key, entry = catalogs.find_in_catalog(catalog, name, "GPU")
     except UsageError as exc:
         known = ", ".join(sorted(catalog))
         raise UsageError(str(exc) if "known:" in str(exc) else f"{exc} (known: {known}; or set GPU_GB or GPU_GIB)")
@@ -1082,7 +1080,7 @@ def add_model_args(p) -> None:
     """The flags vram and roofline share (task variables MODEL, GPU, GPU_GB, TP, ...).
 
     Not given and given empty (the Taskfile passes every variable) both mean "not set", as for
-    every script (common.Settings); the defaults are in the help texts.
+    every script (conf.Settings); the defaults are in the help texts.
     """
     p.add_argument("--model", help="catalog name, Hugging Face repo id, or local folder / config.json (MODEL)")
     p.add_argument("--gpu", help="catalog GPU name, e.g. h100, a100-80gb, l40s, mi300x (GPU)")
@@ -1152,15 +1150,15 @@ class ServerDefaults:
 
 
 def inputs_from_args(args, transport: Any = None, server: ServerDefaults = ServerDefaults()) -> Inputs:
-    s = common.settings_from_args(args)
+    s = conf.settings_from_args(args)
 
     def get(name: str) -> str:
         return s.get(name, getattr(args, name.lower()))
 
-    gpu_gb = common.number("GPU_GB", get("GPU_GB"), float)
-    gpu_gib = common.number("GPU_GIB", get("GPU_GIB"), float)
-    kv_gib = common.number("--kv-cache-gib", args.kv_cache_gib, float)
-    kv_bytes = common.number("--kv-cache-bytes", args.kv_cache_bytes or server.kv_cache_bytes, int)
+    gpu_gb = cli.number("GPU_GB", get("GPU_GB"), float)
+    gpu_gib = cli.number("GPU_GIB", get("GPU_GIB"), float)
+    kv_gib = cli.number("--kv-cache-gib", args.kv_cache_gib, float)
+    kv_bytes = cli.number("--kv-cache-bytes", args.kv_cache_bytes or server.kv_cache_bytes, int)
     if kv_gib is not None:
         kv_bytes = int(kv_gib * GIB)
     gpu_name = get("GPU")
@@ -1180,13 +1178,13 @@ def inputs_from_args(args, transport: Any = None, server: ServerDefaults = Serve
         model = replace(model, extra_params=0.0, multimodal=False)
     return Inputs(
         model=model, gpu=gpu,
-        tp=common.number("TP", get("TP")) or 1, pp=common.number("PP", get("PP")) or 1,
-        ctx=common.number("CTX", get("CTX") or server.ctx), kv_dtype=get("KV_DTYPE") or server.kv_dtype or "auto",
-        quant=get("QUANT") or "auto", gpu_util=common.number("GPU_UTIL", get("GPU_UTIL") or server.gpu_util, float),
+        tp=cli.number("TP", get("TP")) or 1, pp=cli.number("PP", get("PP")) or 1,
+        ctx=cli.number("CTX", get("CTX") or server.ctx), kv_dtype=get("KV_DTYPE") or server.kv_dtype or "auto",
+        quant=get("QUANT") or "auto", gpu_util=cli.number("GPU_UTIL", get("GPU_UTIL") or server.gpu_util, float),
         engine=(get("ENGINE") or "vllm").lower(),
-        max_num_seqs=common.number("MAX_NUM_SEQS", get("MAX_NUM_SEQS")),
-        max_num_batched_tokens=common.number("MAX_NUM_BATCHED_TOKENS", get("MAX_NUM_BATCHED_TOKENS")),
-        kv_cache_bytes=kv_bytes, block_size=common.number("--block-size", args.block_size or server.block_size),
+        max_num_seqs=cli.number("MAX_NUM_SEQS", get("MAX_NUM_SEQS")),
+        max_num_batched_tokens=cli.number("MAX_NUM_BATCHED_TOKENS", get("MAX_NUM_BATCHED_TOKENS")),
+        kv_cache_bytes=kv_bytes, block_size=cli.number("--block-size", args.block_size or server.block_size),
         platform=platform, vllm_version=args.vllm_version, enforce_eager=args.enforce_eager,
         entrypoint=args.entrypoint, vllm_engine=args.vllm_engine, sampler=args.sampler,
         expert_parallel=args.enable_expert_parallel)

@@ -1,5 +1,5 @@
-"""Statistics of a measured sample, shared by the load generator (loadgen.py), compare.py and
-report.py: percentiles by linear interpolation between order statistics (numpy's default
+"""Statistics of a measured sample, shared by the load generator (rooflib/load), compare and
+the report: percentiles by linear interpolation between order statistics (numpy's default
 method, the definition every result's "percentiles" states) and a sample's summary.
 """
 from __future__ import annotations

@@ -19,9 +19,9 @@ from typing import Any, Sequence
 
 import httpx
 
-import common
-import engine_metrics
-from common import ServerError, UsageError
+from rooflib.core import http_client, signals
+from rooflib.core.errors import ServerError, UsageError
+from rooflib.server import engine_metrics
 
 PERCENTILES = ("p50", "p95", "p99")
 
@@ -49,7 +49,7 @@ class Timeline:
         process = self._context.Process(
             target=scrape_pages, daemon=True, name="metrics-timeline",
             args=(self.base_url, self.api_key, self.interval_s, self._start, self._stop, self._pages))
-        with common.signals_blocked(*common.STOP_SIGNALS):  # until the child ignores them
+        with signals.signals_blocked(*signals.STOP_SIGNALS):  # until the child ignores them
             process.start()
             self._process = process
         return self
@@ -96,7 +96,7 @@ def scrape_pages(base_url: str, api_key: str | None, interval_s: float, start: f
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Blocked since Timeline.start: one that came while we started up is dropped now.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, common.STOP_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals.STOP_SIGNALS)
     parent = os.getppid()
     got, tick = [], 1
     while not stop.wait(max(0.0, start + tick * interval_s - time.monotonic())) and os.getppid() == parent:
@@ -205,7 +205,7 @@ def outside_engine(name: str, excess: float, loop_lag_p99: float | None, probe: 
 def probe(base_url: str, api_key: str | None, path: str, count: int = 20, timeout: float = 10.0) -> dict[str, Any]:
     """Round trips of a trivial GET (/health, /v1/models) on one keep-alive connection."""
     times = []
-    with common.client(base_url, api_key, timeout, max_connections=1) as http:
+    with http_client.client(base_url, api_key, timeout, max_connections=1) as http:
         try:
             http.get(path)  # connect first: the run reuses connections too
             for _ in range(count):

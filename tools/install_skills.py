@@ -2,8 +2,8 @@
 """Install the Roofline skills into a skills folder (Claude Code's ~/.claude/skills by default).
 
 Copies roofline-perf and roofline-perf-ru (each with its references) and, beside them,
-roofline-toolbox with its Taskfile, profiles and the scripts its tasks run (with the modules they
-import and their catalog, templates and data; nothing else), so that the command the skills
+roofline-toolbox with its Taskfile, profiles, the command lines its tasks run, the library package
+they import (scripts/rooflib, with its catalogs and templates) and the sample data; nothing else, so that the command the skills
 document, `task -t "${CLAUDE_SKILL_DIR}/../roofline-toolbox/Taskfile.yml" <task>`, works from the
 installed copy. An earlier install is replaced; a folder of the same name that is not Roofline's
 is left alone (exit 2). The tasks need python3 with httpx, tiktoken, jinja2, pyyaml and go-task
@@ -28,9 +28,13 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import UsageError  # noqa: E402
+# A project tool, not shipped: it imports the library from the scripts folder it installs.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from rooflib.core import (
+    cli,  # noqa: E402
+    printing,  # noqa: E402
+)
+from rooflib.core.errors import UsageError  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SKILLS = ("roofline-perf", "roofline-perf-ru")
@@ -40,19 +44,20 @@ DEFAULT_TARGET = "~/.claude/skills"
 # What an earlier install of each folder contains; anything else under that name is not ours.
 SIGNATURE = {**{name: f"SKILL.md:name: {name}" for name in SKILLS}, TOOLBOX: "Taskfile.yml:Roofline toolbox"}
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
-# What the scripts read besides their own code.
-SCRIPT_DATA = ("catalog", "templates", "data")
+PACKAGE = "rooflib"  # the library the command lines import, with its catalogs and templates
+SAMPLE_DATA = "data"  # the sample inputs the command lines default to and the docs name
 
 
 def shipped_scripts(source: Path = REPO) -> list[str]:
-    """The scripts the toolbox's tasks run and the project scripts they import or run, by file name.
+    """The command lines the toolbox's tasks run, and the ones they run by path, by file name.
 
-    Test instruments (the calibration server, under benchmarks/) and the project's own tools
-    (this installer) are not among them, so an install does not carry them.
+    The library package ships whole beside them (`PACKAGE`); the project's own tools (this
+    installer, under tools/) and test instruments (under benchmarks/) do not ship.
     """
     scripts = source / "scripts"
     taskfile = (source / "skills" / TOOLBOX / "Taskfile.yml").read_text(encoding="utf-8")
     todo = re.findall(r"\{\{\.SCRIPTS \| q\}\}/([A-Za-z0-9_]+\.py)", taskfile)
+    todo += [str(path.relative_to(scripts)) for path in (scripts / PACKAGE).rglob("*.py")]
     shipped: set[str] = set()
     while todo:
         name = todo.pop()
@@ -60,13 +65,10 @@ def shipped_scripts(source: Path = REPO) -> list[str]:
             continue
         shipped.add(name)
         tree = ast.parse((scripts / name).read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
-            modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                       [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
-            # A script another one runs by path ("tiny_model.py") ships like an import.
-            run = [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else []
-            todo += [f for f in [*(f"{m}.py" for m in modules), *run] if f.endswith(".py") and (scripts / f).is_file()]
-    return sorted(shipped)
+        # A command line another one runs by path ("tiny_model.py") ships with it.
+        todo += [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                 and isinstance(node.value, str) and node.value.endswith(".py") and (scripts / node.value).is_file()]
+    return sorted(name for name in shipped if "/" not in name)
 
 
 def is_roofline_install(folder: Path, name: str) -> bool:
@@ -95,7 +97,7 @@ def stage(name: str, staging: Path, source: Path = REPO) -> None:
     (staging / "scripts").mkdir()
     for name in shipped_scripts(source):
         shutil.copy2(source / "scripts" / name, staging / "scripts" / name)
-    for folder in SCRIPT_DATA:
+    for folder in (PACKAGE, SAMPLE_DATA):
         shutil.copytree(source / "scripts" / folder, staging / "scripts" / folder, ignore=_IGNORE)
 
 
@@ -119,13 +121,13 @@ def install(target: Path, source: Path = REPO) -> list[str]:
 
 
 def build_parser():
-    p = common.parser(__doc__)
+    p = cli.parser(__doc__)
     p.add_argument("--target", default="", help=f"skills folder to install into (empty: {DEFAULT_TARGET})")
-    common.add_output_args(p)
+    printing.add_output_args(p)
     return p
 
 
-@common.entry
+@cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -138,9 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         human = (f"Installed {', '.join(Path(p).name for p in installed)} into {target}\n"
                  f"Try: {result['try']}\n"
                  f"The tasks need, once: python3 -m pip install {RUNTIME}")
-        return common.emit(result, human, args.output)
+        return printing.emit(result, human, args.output)
 
-    return common.run_main(body)
+    return cli.run_main(body)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ supplies it instead.
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import engine_metrics  # noqa: E402
-import sizing  # noqa: E402
+from rooflib.core import fileio, http_client
+from rooflib.core.errors import ServerError, UsageError
+from rooflib.server import engine_metrics, model_listing
+from rooflib.sizing import estimate
 
 # The acceptance levels (scripts/catalog/ppl_gates.yaml) of each weight format sizing names.
 SCHEME_OF_QUANT = {"int4": "4bit", "mxfp4": "4bit", "nvfp4": "4bit", "fp8": "fp8", "int8": "int8"}
@@ -26,12 +25,12 @@ SCHEME_OF_QUANT = {"int4": "4bit", "mxfp4": "4bit", "nvfp4": "4bit", "fp8": "fp8
 def served_facts(url: str, api_key: str | None = None, timeout: float = 30.0,
                  wanted_model: str | None = None) -> dict[str, Any]:
     """The served model's /v1/models entry and the deployment's cache_config_info settings."""
-    with common.client(url, api_key, timeout) as http:
-        entry = common.served_model(http, wanted_model)
+    with http_client.client(url, api_key, timeout) as http:
+        entry = model_listing.served_model(http, wanted_model)
     try:
         text, _ = engine_metrics.scrape(url, api_key, timeout)
         info = engine_metrics.snapshot(text, url)["cache_config"]
-    except (common.ServerError, engine_metrics.InvalidScrape):
+    except (ServerError, engine_metrics.InvalidScrape):
         info = {}
     return {"url": url, "model": entry["id"], "root": entry.get("root") or entry["id"],
             "max_model_len": entry.get("max_model_len"), "cache_config": info,
@@ -44,16 +43,16 @@ def root_config(root: str, transport: Any = None) -> tuple[dict[str, Any] | None
     file = path / "config.json" if path.is_dir() else path
     if file.is_file():
         try:
-            return common.parse_json(common.read_bounded(file, "model config", sizing.MAX_CONFIG_BYTES)), str(file)
-        except (common.UsageError, ValueError):
+            return fileio.parse_json(fileio.read_bounded(file, "model config", estimate.MAX_CONFIG_BYTES)), str(file)
+        except (UsageError, ValueError):
             return None, f"{file} is not readable JSON"
     if root.startswith(("/", "~", ".")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", root):
         return None, f"the server loaded {root!r}, a path on the server that this machine cannot read"
     try:
-        config, _ = sizing.fetch_hf_config(root, transport)
-    except (common.ServerError, common.UsageError) as exc:
+        config, _ = estimate.fetch_hf_config(root, transport)
+    except (ServerError, UsageError) as exc:
         return None, str(exc)
-    return config, f"{sizing.HF_URL}/{root}"
+    return config, f"{estimate.HF_URL}/{root}"
 
 
 def scheme_of(quant: str) -> str | None:
@@ -64,4 +63,4 @@ def scheme_of(quant: str) -> str | None:
 def quant_of_profile(profile: Mapping[str, Any]) -> str | None:
     """The weight format a serve profile asks vLLM for with --quantization, if it does."""
     method = str(profile.get("quantization") or "").lower()
-    return sizing.QUANT_ALIASES.get(method) if method else None
+    return estimate.QUANT_ALIASES.get(method) if method else None

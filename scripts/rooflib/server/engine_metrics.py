@@ -1,7 +1,7 @@
 """What an engine's /metrics says: Prometheus text parsing, the vLLM and SGLang metric names of each
 generation, snapshots and their difference, exact histogram quantiles, the report with its
 bottleneck diagnosis, and reading a URL, a saved file or a Prometheus server. metrics.py is its
-command line; bench.py and served.py read servers through it.
+command line; bench.py and rooflib/server/served.py read servers through it.
 """
 from __future__ import annotations
 
@@ -15,11 +15,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-import fleet  # noqa: E402
-from common import ServerError, UsageError  # noqa: E402
-
+from rooflib.core import conf, http_client
+from rooflib.core.errors import ServerError, UsageError
+from rooflib.server import fleet
 
 QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
 
@@ -931,7 +929,7 @@ def window(before: dict[str, Any], after: dict[str, Any], during: Sequence[dict[
 
 def metrics_url(url: str) -> str:
     """The /metrics URL of a server given by its base URL (or by the /metrics URL itself)."""
-    url = common.normalize_url(url)
+    url = conf.normalize_url(url)
     return url if url.endswith("/metrics") else url + "/metrics"
 
 
@@ -943,8 +941,8 @@ def scrape(url: str, api_key: str | None = None, timeout: float = 30.0,
     """GET the /metrics page of `url` (a base URL or the /metrics URL); (text, unix time)."""
     target = metrics_url(url)
     base, path = target.rsplit("/", 1)
-    with common.client(base, api_key, timeout, max_connections=1, transport=transport) as http:
-        with common.answered(target, timeout), http.stream("GET", "/" + path) as response:
+    with http_client.client(base, api_key, timeout, max_connections=1, transport=transport) as http:
+        with http_client.answered(target, timeout), http.stream("GET", "/" + path) as response:
             body, size = [], 0
             for piece in response.iter_bytes():
                 body.append(piece)

@@ -10,16 +10,13 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (first: it checks the dependencies)
-from common import UsageError  # noqa: E402
-
+from rooflib.core import cli, conf, fileio, redaction
+from rooflib.core.errors import ServerError, UsageError
 
 # key -> (allowed types, engines that understand it). Types are checked before rendering.
 PROFILE_KEYS: dict[str, tuple[tuple[type, ...], tuple[str, ...]]] = {
@@ -66,7 +63,7 @@ KV_CACHE_DTYPES = {
 DEFAULT_PORT = {"vllm": 8000, "sglang": 30000}
 
 
-def find_profile(name: str, profiles_dir: Path = common.PROFILES_DIR) -> Path:
+def find_profile(name: str, profiles_dir: Path = conf.PROFILES_DIR) -> Path:
     """A profile name (cpu-tiny) or a path to a YAML file."""
     candidate = Path(name)
     if candidate.suffix in (".yaml", ".yml") or os.sep in name:
@@ -83,11 +80,11 @@ def find_profile(name: str, profiles_dir: Path = common.PROFILES_DIR) -> Path:
 def load_profile(path: Path) -> dict[str, Any]:
     """A profile file as a mapping (not yet validated); the keys it carries are registered."""
     # Bounded read, UTF-8 only, no YAML aliases (an alias bomb would expand to gigabytes).
-    data = common.load_yaml(common.read_bounded(path, "profile", common.MAX_SETTINGS_BYTES), f"profile {path}")
+    data = fileio.load_yaml(fileio.read_bounded(path, "profile", fileio.MAX_SETTINGS_BYTES), f"profile {path}")
     if not isinstance(data, dict):
         raise UsageError(f"profile {path} must be a YAML mapping of settings, got {type(data).__name__}")
     for secret in secrets(data):
-        common.add_secret(secret)
+        redaction.add_secret(secret)
     return data
 
 
@@ -103,7 +100,7 @@ def secrets(profile: dict[str, Any]) -> set[str]:
     found = {str(value) for name, value in env.items() if SECRET_ENV_NAME.search(str(name))} \
         if isinstance(env, dict) else set()
     extra = [str(arg) for arg in profile.get("extra_args") or []] if isinstance(profile.get("extra_args"), list) else []
-    return (found | set(common.flag_values(extra, API_KEY_FLAG))) - {""}
+    return (found | set(cli.flag_values(extra, API_KEY_FLAG))) - {""}
 
 
 def masked(values: Sequence[str], hidden: set[str]) -> list[str]:
@@ -111,7 +108,7 @@ def masked(values: Sequence[str], hidden: set[str]) -> list[str]:
     after the `=`, as *** (whatever its length: these are known to be secrets)."""
     def mask(value: str) -> str:
         flag, sep, rest = value.partition("=")
-        return common.MASK if value in hidden else f"{flag}={common.MASK}" if sep and rest in hidden else value
+        return redaction.MASK if value in hidden else f"{flag}={redaction.MASK}" if sep and rest in hidden else value
     return [mask(value) for value in values]
 
 
@@ -124,10 +121,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise UsageError(f"--set {text!r} is not key=value, e.g. --set max_num_seqs=2")
-    if len(value) > common.MAX_SETTINGS_BYTES:
-        raise UsageError(f"--set {key.strip()}: the value is longer than {common.MAX_SETTINGS_BYTES:,} bytes")
+    if len(value) > fileio.MAX_SETTINGS_BYTES:
+        raise UsageError(f"--set {key.strip()}: the value is longer than {fileio.MAX_SETTINGS_BYTES:,} bytes")
     try:
-        return key.strip(), common.load_yaml(value, f"--set {key.strip()}")
+        return key.strip(), fileio.load_yaml(value, f"--set {key.strip()}")
     except UsageError:
         return key.strip(), value
 
@@ -182,7 +179,7 @@ def validate(profile: dict[str, Any]) -> dict[str, Any]:
 
 def expand(value: str) -> str:
     """`{cache}` in a profile's model or python is the project's cache dir (tiny local models)."""
-    return value.replace("{cache}", str(common.cache_dir()))
+    return value.replace("{cache}", str(conf.cache_dir()))
 
 
 def engine_python(profile: dict[str, Any]) -> str:
@@ -306,7 +303,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: P
     while True:
         if proc.poll() is not None:
             tail = (log_path.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
-            raise common.ServerError(f"the server exited with status {proc.returncode} while starting: "
+            raise ServerError(f"the server exited with status {proc.returncode} while starting: "
                                      f"{tail} (log {log_path})")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -314,7 +311,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: P
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise common.ServerError(f"the server was not healthy after {timeout_s:.0f} s (log {log_path})")
+            raise ServerError(f"the server was not healthy after {timeout_s:.0f} s (log {log_path})")
         time.sleep(1)
 
 

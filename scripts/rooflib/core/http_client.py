@@ -1,0 +1,117 @@
+"""The one HTTP client factory: auth header, timeouts, and a deadline on every read.
+
+httpx's read timeout restarts on every byte, so a server that drips bytes could hold a request
+for ever; the deadline backend bounds the whole request instead. `answered` turns a timeout or a
+transport failure into one line that names the server and what to do.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from typing import Any
+
+import httpcore
+import httpx
+
+from rooflib.core.errors import ServerError
+from rooflib.core.fileio import parse_json
+
+# The end of the current request (time.monotonic), per thread: every socket read ends by then.
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("deadline", default=None)
+STREAM_DEADLINE_FACTOR = 10  # a streamed answer may take ten times --timeout in all
+CONNECT_TIMEOUT_S = 10.0  # at most, to open a connection: a server that listens accepts at once
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A socket whose reads end by the request's deadline. httpx's read timeout is per read, so
+    a server dripping a byte now and then would hold a request forever without this."""
+
+    def __init__(self, stream: httpcore.NetworkStream):
+        self.stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        deadline = _DEADLINE.get()
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise httpcore.ReadTimeout("the answer took longer than its deadline in all")
+            timeout = left if timeout is None else min(timeout, left)
+        return self.stream.read(max_bytes, timeout)
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self.stream.write(buffer, timeout)
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def start_tls(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+        return _DeadlineStream(self.stream.start_tls(*args, **kwargs))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self.stream.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.SyncBackend):
+    def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+        return _DeadlineStream(super().connect_tcp(*args, **kwargs))
+
+
+class _Client(httpx.Client):
+    """httpx.Client with a deadline on each request in all: --timeout for the head and a body
+    read at once, ten times that for a streamed body, whatever the server drips."""
+
+    def __init__(self, total_s: float, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.total_s = total_s
+
+    def send(self, request: httpx.Request, *, stream: bool = False, **kwargs: Any) -> httpx.Response:
+        _DEADLINE.set(time.monotonic() + self.total_s)  # the head (and a whole body not streamed)
+        response = super().send(request, stream=stream, **kwargs)
+        if stream:  # the streamed body, read after this returns
+            _DEADLINE.set(time.monotonic() + self.total_s * STREAM_DEADLINE_FACTOR)
+        return response
+
+
+def client(base_url: str, api_key: str | None = None, timeout: float = 30.0,
+           max_connections: int = 16, transport: httpx.BaseTransport | None = None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    if transport is None:
+        transport = httpx.HTTPTransport(limits=limits)
+        # httpx has no public way to give its pool a network backend; the pool reads this one.
+        transport._pool._network_backend = _DeadlineBackend()  # noqa: SLF001
+    return _Client(
+        timeout, base_url=base_url, headers=headers, transport=transport,
+        timeout=httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S)), limits=limits,
+    )
+
+
+@contextlib.contextmanager
+def answered(where: str, timeout_s: float):
+    """Around one request to `where` (a URL, or "Prometheus at URL"): a transport failure is one
+    ServerError line (exit 3). A timeout says so, after how long and how to raise the limit: a
+    server too busy for --timeout is not an unreachable one."""
+    started = time.monotonic()
+    try:
+        yield
+    except httpx.ConnectTimeout:  # no connection at all: a longer --timeout would not help
+        raise ServerError(f"cannot reach {where}: no connection within {min(timeout_s, CONNECT_TIMEOUT_S):g} s")
+    except httpx.TimeoutException:
+        raise ServerError(f"{where} timed out after {round(time.monotonic() - started, 1):g} s (--timeout {timeout_s:g}): "
+                          "the server is busy or the request is long; raise --timeout (task: add -- --timeout N)")
+    except httpx.HTTPError as exc:
+        raise ServerError(f"cannot reach {where}: {type(exc).__name__}: {exc}".rstrip(": "))
+
+
+def get_json(http: httpx.Client, path: str, **kwargs: Any) -> Any:
+    """GET/POST helper that turns transport and HTTP failures into ServerError lines."""
+    method = "POST" if "json" in kwargs else "GET"
+    with answered(f"{http.base_url}{path}", http.timeout.read):
+        response = http.request(method, path, **kwargs)
+    if response.status_code >= 400:
+        raise ServerError(f"{method} {path} answered HTTP {response.status_code}: {response.text[:200].strip()}")
+    try:
+        return parse_json(response.content)
+    except ValueError:
+        raise ServerError(f"{method} {path} did not answer JSON (is {http.base_url} an inference server?)")

@@ -1,0 +1,260 @@
+"""From outcomes to a run's figures: TTFT, TPOT, ITL, e2e, the client's validity, the SLO verdict."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_SERVER
+from rooflib.core.stats import summarize
+from rooflib.load.request_outcome import ERROR_KINDS, Outcome
+
+SCHEMA_VERSION = 1
+
+# The event-loop lag that may distort a figure: above both this floor and LAG_SHARE of the
+# smallest median measured (TTFT, TPOT), the run is invalid.
+LAG_FLOOR_MS = 1.0
+
+
+LAG_SHARE = 0.10
+
+
+# Client stalls (lag above the threshold) may cover at most this share of the run. On a busy
+# 2-core machine, task bench:calibrate runs with 3% and 7% of their time in stalls stayed within
+# 0.3% of the truth at p50 and p95 (the server stalled with the client: nothing was waiting),
+# one with 34% had TTFT p50 21% off. Above STALL_WARN the run says how much it stalled.
+STALL_SHARE = 0.10
+
+
+STALL_WARN = 0.01
+
+
+EPOLL_ROUNDING_MS = 1.0
+
+
+DEFINITIONS = {
+    "ttft_ms": "request sent -> first chunk with content (role-only chunks excluded) = vLLM TTFT",
+    "tpot_ms": "(e2e - ttft)/(output_tokens - 1) per request = vLLM/SGLang TPOT = AIPerf ITL = GuideLLM ITL",
+    "itl_ms": "per-chunk gaps between content chunks, pooled = vLLM ITL = AIPerf ICL",
+    "itl_token_ms": "each chunk gap divided over the tokens the chunk carried (server usage deltas)",
+    "e2e_ms": "request sent -> last content chunk",
+    "percentiles": "linear interpolation (numpy default), n = samples",
+}
+
+
+def stalls(lag_ms: Sequence[float], threshold: float, wall_s: float) -> dict[str, Any]:
+    """The client's stalls: lag samples above the threshold, their total and share of the run.
+    The probe takes a sample every 5 ms when the loop is free but one per stall, so a count
+    of samples (a p95) hides long stalls: their time does not."""
+    long = [x for x in lag_ms if x > threshold]
+    total_s = sum(long) / 1e3
+    return {"count": len(long), "total_s": total_s, "worst_ms": max(long, default=0.0),
+            "share": total_s / wall_s if wall_s else 0.0}
+
+
+def client_validity(lag: dict[str, Any], ttft: dict[str, Any], tpot: dict[str, Any],
+                    schedule_delay: dict[str, Any], cpu_util: float,
+                    lag_ms: Sequence[float] = (), wall_s: float = 0.0) -> tuple[bool, float, list[str]]:
+    """Is the client's own delay small against what it measured? (valid, threshold ms, reasons)
+
+    The verdict stands on p95 figures, so the lag's p95 decides, and so does the share of the
+    run the client spent stalled; a p99 above the threshold only earns a warning (see analyse)."""
+    medians = [s["p50"] for s in (ttft, tpot) if s["p50"]]
+    threshold = max(LAG_FLOOR_MS, LAG_SHARE * min(medians)) if medians else LAG_FLOOR_MS
+    reasons = []
+    stalled = stalls(lag_ms, threshold, wall_s)
+    if stalled["share"] > STALL_SHARE:
+        reasons.append(f"the client stalled {stalled['total_s']:.1f} s of the {wall_s:.1f} s run "
+                       f"({stalled['share']:.0%}, worst {stalled['worst_ms']:.0f} ms): requests in flight "
+                       "then were timed late; run the client on a quieter core or with --workers")
+    if lag["p95"] is not None and lag["p95"] > threshold:
+        cause = (f"the client used {cpu_util:.0%} of a core: use --workers" if cpu_util > 0.5 else
+                 f"the client used only {cpu_util:.0%} of a core: other processes kept it waiting; "
+                 "run it on a quieter machine or core")
+        reasons.append(f"client event-loop lag p95 {lag['p95']:.2f} ms > {threshold:.2f} ms "
+                       f"({LAG_SHARE:.0%} of the smallest median measured); {cause}")
+    # A timer may fire up to a millisecond late by asyncio's own rounding: sends that late are on time.
+    if schedule_delay["p95"] is not None and schedule_delay["p95"] > threshold + EPOLL_ROUNDING_MS:
+        reasons.append(f"open-loop sends ran late: schedule delay p95 {schedule_delay['p95']:.2f} ms "
+                       f"> {threshold + EPOLL_ROUNDING_MS:.2f} ms: the client could not keep the rate")
+    return not reasons, threshold, reasons
+
+
+def slo_check(ttft_p95: float | None, tpot_p95: float | None, slo_ttft: float | None,
+              slo_tpot: float | None) -> dict[str, Any]:
+    checks = {}
+    for name, target, value in (("ttft_p95_ms", slo_ttft, ttft_p95), ("tpot_p95_ms", slo_tpot, tpot_p95)):
+        if target is not None:
+            checks[name] = {"target": target, "measured": value,
+                            "met": value is not None and value <= target}
+    return checks
+
+
+def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequence[float],
+            cpu_s: float, wall_s: float, interrupted: bool = False) -> dict[str, Any]:
+    """The run's result document (--json), from per-request outcomes."""
+    measured = [o for o in outcomes if not o.warmup]
+    done = [o for o in measured if o.ok]
+    failed = [o for o in measured if not o.ok]
+    errors = {kind: sum(o.error == kind for o in failed) for kind in ERROR_KINDS}
+    errors = {k: v for k, v in errors.items() if v}
+    ttft = summarize(o.ttft_ms for o in done)
+    tpot = summarize(o.tpot_ms for o in done if o.tpot_ms is not None)
+    out_tokens = config["output_tokens"]
+    short = [o for o in done if (o.completion_tokens or 0) < (o.requested_tokens or out_tokens)]
+    requested_total = sum(o.requested_tokens or out_tokens for o in done)
+    prompt_lens = [o.prompt_tokens for o in done if o.prompt_tokens is not None]
+    duration_s = 0.0
+    if done:
+        duration_s = (max(o.token_times[-1] for o in done) - min(o.sent_ns for o in done)) / 1e9
+    total_out = sum(o.completion_tokens or 0 for o in done)
+    total_in = sum(prompt_lens)
+    lag = summarize(lag_ms)
+    schedule = summarize((o.sent_ns - o.scheduled_ns) / 1e6 for o in measured
+                         if o.scheduled_ns is not None and not config.get("concurrency"))
+    cpu_util = cpu_s / wall_s if wall_s else 0.0
+    # Worker processes each probe their own loop: their stalls add up over workers x wall time.
+    probed_s = wall_s * config.get("workers", 1)
+    valid, threshold, invalid_reasons = client_validity(lag, ttft, tpot, schedule, cpu_util, lag_ms, probed_s)
+    stalled = stalls(lag_ms, threshold, probed_s)
+    if errors.get("client_fd_limit"):
+        valid = False
+        # First: it makes the run invalid whatever else the client did (a busy host may also have
+        # stalled it), and no other remedy helps before it.
+        invalid_reasons.insert(0, f"the client ran out of file descriptors for {errors['client_fd_limit']} requests: "
+                                  "raise the limit (ulimit -n 65536) and run again; the server is not at fault")
+    slo = slo_check(ttft["p95"], tpot["p95"], config.get("slo_ttft_p95_ms"), config.get("slo_tpot_p95_ms"))
+    good = [o for o in done if all(
+        (name != "ttft_p95_ms" or o.ttft_ms <= c["target"]) and
+        (name != "tpot_p95_ms" or o.tpot_ms is None or o.tpot_ms <= c["target"]) for name, c in slo.items())]
+    warnings = []
+    if short:
+        warnings.append(f"ignore_eos not honoured: {len(short)} of {len(done)} requests returned fewer "
+                        f"tokens than asked (finish_reason: "
+                        f"{', '.join(sorted({str(o.finish_reason) for o in short}))}); TPOT holds, throughput is lower")
+    uneven = [o for o in done if o.usage_reported and sum(o.chunk_tokens) != o.completion_tokens]
+    if uneven:
+        warnings.append(f"{len(uneven)} requests had chunks of unknown size (no per-chunk usage, e.g. SGLang "
+                        "without continuous_usage_stats): ITL per token counts one token per chunk there")
+    if any(not o.usage_reported for o in done):
+        warnings.append("the server sent no usage: output tokens counted as content chunks "
+                        "(an undercount when a chunk carries several tokens)")
+    fixed_length = config.get("workload", "synthetic") == "synthetic" and not config.get("input_dist")
+    target_in = config["input_tokens"] if fixed_length else None
+    mismatched = [o.prompt_tokens - o.prompt_target for o in done
+                  if o.prompt_target is not None and o.prompt_tokens is not None and o.prompt_tokens != o.prompt_target]
+    if mismatched and config.get("prompt_tokenizer", "").startswith("server"):
+        warnings.append(f"{len(mismatched)} prompts were not the length they were built to by the server's usage "
+                        f"(off by {min(mismatched)}..{max(mismatched)} tokens)")
+    cached = [o.cached_tokens for o in done if o.cached_tokens]
+    if cached and not config.get("shared_prefix") and config.get("workload", "synthetic") == "synthetic":
+        warnings.append(f"{len(cached)} requests hit the prefix cache although prompts were unique "
+                        f"(up to {max(cached)} cached tokens)")
+    if valid and lag["p99"] is not None and lag["p99"] > threshold:
+        warnings.append(f"client event-loop lag p99 {lag['p99']:.2f} ms > {threshold:.2f} ms: "
+                        "p99 figures may include client delay (p95 ones do not)")
+    if valid and (stalled["share"] > STALL_WARN or stalled["worst_ms"] > max(threshold, 0.5 * (ttft["p50"] or 0))):
+        warnings.append(f"the client stalled {stalled['total_s']:.2f} s in all ({stalled['share']:.1%} of the run, "
+                        f"worst {stalled['worst_ms']:.0f} ms): requests in flight then may carry that delay "
+                        f"(the run stays valid below {STALL_SHARE:.0%} of its time in stalls)")
+    if valid and schedule["p99"] is not None and schedule["p99"] > threshold + EPOLL_ROUNDING_MS:
+        warnings.append(f"open-loop sends ran late: schedule lag p99 {schedule['p99']:.2f} ms: the slowest "
+                        "1% of arrivals were bunched (p95 kept to the schedule)")
+    one_read = [o for o in done if (o.completion_tokens or 0) > 1 and o.token_times[0] == o.token_times[-1]]
+    if one_read:
+        warnings.append(f"{len(one_read)} requests received all their output in one read (TPOT 0.0 ms): a proxy "
+                        "or the server buffered the stream, or the client stalled; their TPOT is not a decode time")
+    if 0 < ttft["n"] < 100:
+        warnings.append(f"n = {ttft['n']}: p99 is about the maximum" + (", p95 too" if ttft["n"] < 20 else ""))
+    reasons = []
+    if failed:
+        reasons.append(f"{len(failed)} of {len(measured)} requests failed ({', '.join(f'{k} {v}' for k, v in errors.items())})")
+    reasons += [f"{name} {c['measured']:.1f} ms > {c['target']:g} ms" if c["measured"] is not None
+                else f"{name}: nothing measured" for name, c in slo.items() if not c["met"]]
+    # Failed requests are facts whatever the client's lag; SLO figures are not when it lagged.
+    if errors.get("client_fd_limit"):
+        verdict = "INVALID"
+    elif measured and not done:
+        verdict = "ERROR"
+    elif failed:
+        verdict = "FAIL"
+    elif not valid:
+        verdict = "INVALID"
+    elif reasons:
+        verdict = "FAIL"
+    else:
+        verdict = "PASS" if slo else "NO SLO"
+    return {
+        "kind": "bench",
+        "schema_version": SCHEMA_VERSION,
+        "verdict": verdict,
+        "verdict_reasons": invalid_reasons + reasons if verdict == "INVALID" else reasons,
+        "slo": slo,
+        "ttft_ms": ttft,
+        "tpot_ms": tpot,
+        "reasoning": reasoning_summary(done),
+        "itl_ms": summarize(g for o in done for g in o.chunk_gaps_ms()),
+        "itl_token_ms": summarize(g for o in done for g in o.token_gaps_ms()),
+        "e2e_ms": summarize(o.e2e_ms for o in done),
+        "throughput": {
+            "req_s": len(done) / duration_s if duration_s else None,
+            "output_tok_s": total_out / duration_s if duration_s else None,
+            "total_tok_s": (total_in + total_out) / duration_s if duration_s else None,
+            "input_tok_s": total_in / duration_s if duration_s else None,
+            "duration_s": duration_s,
+            "effective_concurrency": sum(o.e2e_ms for o in done) / 1e3 / duration_s if duration_s else None,
+            "goodput_req_s": len(good) / duration_s if duration_s and slo else None,
+        },
+        "requests": {
+            "sent": len(measured), "completed": len(done), "failed": len(failed), "errors": errors,
+            "warmup": len(outcomes) - len(measured),
+            "output_tokens": {"requested": out_tokens, "requested_total": requested_total,
+                              "total": total_out, "short": len(short),
+                              "ignore_eos_honoured": not short},
+            "prompt_tokens": {"target": target_in, **{k: v for k, v in summarize(prompt_lens).items()
+                                                      if k in ("mean", "min", "max", "n")},
+                              "mismatched": len(mismatched)},
+            "cached_prompt_tokens": sum(cached),
+            "tokens_per_chunk": summarize(k for o in done for k in o.chunk_tokens),
+            "first_errors": [f"#{o.index} {o.error}: {o.detail}" for o in failed[:5]],
+        },
+        "config": config,
+        "client": {"valid": valid, "invalid_reasons": invalid_reasons, "loop_lag_ms": lag,
+                   "lag_threshold_ms": threshold, "schedule_delay_ms": schedule,
+                   "stalls": stalled,
+                   "cpu_util": cpu_util,
+                   "transport": "raw asyncio HTTP/1.1, keep-alive, TCP_NODELAY"},
+        "warnings": warnings,
+        "interrupted": interrupted,
+        "definitions": DEFINITIONS,
+        "samples": samples(done),
+    }
+
+
+def reasoning_summary(done: Sequence[Outcome]) -> dict[str, Any] | None:
+    """Reasoning models: time to the first answer token, token counts and TPOT of each part;
+    None when no request reasoned."""
+    reasoned = [o for o in done if o.reasoning_seen]
+    if not reasoned:
+        return None
+    return {"requests": len(reasoned), "answered": sum(o.answer_at is not None for o in reasoned),
+            "ttft_answer_ms": summarize(o.ttft_answer_ms for o in reasoned if o.ttft_answer_ms is not None),
+            "reasoning_tokens": summarize(o.reasoning_tokens for o in reasoned),
+            "answer_tokens": summarize(o.answer_tokens for o in reasoned),
+            "tpot_reasoning_ms": summarize(o.tpot_reasoning_ms for o in reasoned if o.tpot_reasoning_ms is not None),
+            "tpot_answer_ms": summarize(o.tpot_answer_ms for o in reasoned if o.tpot_answer_ms is not None)}
+
+
+def samples(done: Sequence[Outcome]) -> dict[str, list[float | None]]:
+    """Per-request figures of the completed measured requests, in request order, for
+    compare.py's bootstrap (compact: 0.01 ms)."""
+    def r(value: float | None) -> float | None:
+        return None if value is None else round(value, 2)
+    return {"ttft_ms": [r(o.ttft_ms) for o in done], "tpot_ms": [r(o.tpot_ms) for o in done],
+            "e2e_ms": [r(o.e2e_ms) for o in done],
+            **({"ttft_answer_ms": [r(o.ttft_answer_ms) for o in done]} if any(o.reasoning_seen for o in done) else {})}
+
+
+def exit_code(result: dict[str, Any]) -> int:
+    if result["interrupted"]:
+        return EXIT_INTERRUPTED
+    return {"ERROR": EXIT_SERVER, "INVALID": EXIT_INVALID,
+            "FAIL": EXIT_CHECK_FAILED}.get(result["verdict"], EXIT_OK)

@@ -1,0 +1,389 @@
+"""One bench run, end to end: options into a config, the workload, the run, the server's view, the result.
+
+bench.py and sweep.py are its command lines; the flags and settings they share are defined here.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from rooflib.core import cli, conf, http_client, printing, signals
+from rooflib.core.errors import EXIT_USAGE, ServerError, UsageError
+from rooflib.load import workloads
+from rooflib.load.analysis import analyse
+from rooflib.load.asyncclient import ENDPOINTS, Target
+from rooflib.load.promptgen import WORDS, TokenCounter, build_prompts, fallback_counter, payload, server_counter
+from rooflib.load.runner import Plan, RequestSource, RunResult, run_in_loop, run_workers
+from rooflib.server import watch
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "render" / "templates" / "bench_log_entry.md.j2"
+
+
+LIMITS = {"num_requests": 1_000_000, "concurrency": 100_000, "input_tokens": 10_000_000,
+          "output_tokens": 1_000_000}
+
+
+def metrics_snapshot(target: Target, timeout: float) -> tuple[dict[str, Any] | None, str]:
+    """One scrape of /metrics through rooflib/server/engine_metrics.py: (snapshot, '') or (None, why not)."""
+    from rooflib.server import engine_metrics
+
+    try:
+        text, at = engine_metrics.scrape(target.base_url, target.api_key, timeout)
+        return engine_metrics.snapshot(text, target.base_url, at), ""
+    except (ServerError, UsageError, engine_metrics.InvalidScrape) as exc:
+        return None, str(exc)
+
+
+def server_side(before: dict[str, Any] | None, after: dict[str, Any] | None, note: str,
+                completed_tokens: int, slo: dict[str, Any], during: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """What the server's own metrics say about the run: its latency histograms, queue vs
+    prefill time, token counters, preemptions, prefix hits, and engine_metrics's diagnosis."""
+    from rooflib.server import engine_metrics
+
+    if before is None or after is None:
+        return {"metrics": None, "metrics_note": note or "/metrics unavailable", "summary": []}
+    delta = engine_metrics.difference(before, after, during)
+    targets = engine_metrics.Targets(slo.get("ttft_p95_ms", {}).get("target"), slo.get("tpot_p95_ms", {}).get("target"))
+    report = engine_metrics.report(delta, slo=targets)
+    generated = delta["counters"].get("generation_tokens", {}).get("value")
+    keep = ("engine", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms",
+            "preemptions", "prefix_cache_hit_rate", "prompt_tokens", "running_peak", "waiting_peak",
+            "kv_cache_usage_max", "diagnosis", "warnings")
+    figures = {key: report.get(key) for key in keep}
+    figures["generation_tokens"] = generated
+
+    def p(row: dict[str, Any], name: str) -> str:
+        return printing.fmt_number(row.get(name), 1)
+    # Means come from exact sums; quantiles of coarse buckets would not add up.
+    lines = [f"TTFT mean {p(report['ttft_ms'], 'mean')} ms = queue {p(report['queue_ms'], 'mean')} + prefill "
+             f"{p(report['prefill_ms'], 'mean')} ms; TTFT p50/p95 {p(report['ttft_ms'], 'p50')}/"
+             f"{p(report['ttft_ms'], 'p95')} ms, e2e mean {p(report['e2e_ms'], 'mean')} ms ({report['e2e_ms']['n']} requests)",
+             f"generation tokens +{printing.fmt_number(generated, 0)} (bench counted {completed_tokens}), "
+             f"preemptions +{printing.fmt_number(report['preemptions'], 0)}, prefix-cache hit rate "
+             f"{printing.fmt_number(None if report['prefix_cache_hit_rate'] is None else 100 * report['prefix_cache_hit_rate'], 1)}%",
+             f"peak running {printing.fmt_number(report['running_peak'], 0)}, waiting {printing.fmt_number(report['waiting_peak'], 0)}, "
+             f"KV cache max {printing.fmt_number(None if report['kv_cache_usage_max'] is None else 100 * report['kv_cache_usage_max'], 1)}%"]
+    lines += [f"{f['bottleneck']}: {f['evidence']}" for f in report["diagnosis"]]
+    return {"metrics": {**figures, "lines": lines}, "metrics_note": "", "summary": lines[:2]}
+
+
+def make_config(args: Any, settings: conf.Settings) -> dict[str, Any]:
+    """Validated run settings (flag > environment > inference.env > default)."""
+    n_given = settings.get("BENCH_N", args.num_requests)
+    n = cli.number("-n/--num-requests (BENCH_N)", n_given, int, 1, LIMITS["num_requests"], default=32)
+    rate = cli.number("--rate (requests/s)", args.rate, float, 1e-6, 1e6)
+    sources = [name for name in ("prompts", "sharegpt", "trace") if getattr(args, name)]
+    if len(sources) > 1:
+        raise UsageError(f"--{sources[0]} and --{sources[1]} both give the requests: choose one")
+    c_default = None if rate or args.trace else 8
+    c = cli.number("-c/--concurrency (BENCH_C)", settings.get("BENCH_C", args.concurrency), int, 1, LIMITS["concurrency"], default=c_default)
+    cfg = {
+        "num_requests": n, "num_requests_given": n_given not in (None, ""), "concurrency": c, "rate": rate,
+        "input_tokens": cli.number("--input-tokens (BENCH_IN)", settings.get("BENCH_IN", args.input_tokens), int, 1, LIMITS["input_tokens"], default=2048),
+        "output_tokens": cli.number("--output-tokens (BENCH_OUT)", settings.get("BENCH_OUT", args.output_tokens), int, 1, LIMITS["output_tokens"], default=256),
+        "slo_ttft_p95_ms": cli.number("--slo-ttft-p95-ms (SLO_TTFT_P95_MS)", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float, 1e-3, None),
+        "slo_tpot_p95_ms": cli.number("--slo-tpot-p95-ms (SLO_TPOT_P95_MS)", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float, 1e-3, None),
+        "burstiness": cli.number("--burstiness", args.burstiness, float, 1e-3, 1e3, default=1.0),
+        "duration_s": cli.number("--duration (s)", args.duration, float, 1e-3, 7 * 86400),
+        "warmup": cli.number("--warmup", args.warmup, int, 0, LIMITS["num_requests"], default=c or 0),
+        "shared_prefix": cli.number("--shared-prefix", args.shared_prefix, int, 0, LIMITS["input_tokens"], default=0),
+        "workers": cli.number("--workers", args.workers, int, 1, 256, default=1),
+        "multi_turn": cli.number("--multi-turn", args.multi_turn, int, 1, 1000, default=1),
+        "timeout_s": cli.number("--timeout", args.timeout, float, 1e-3, None, default=30.0),
+        "seed": cli.number("--seed", args.seed, int, 0, None, default=0),
+        "speed": cli.number("--speed", args.speed, float, 1e-6, 1e6, default=1.0),
+        "trace_block_tokens": cli.number("--trace-block-tokens", args.trace_block_tokens, int, 1, 1_000_000,
+                                            default=workloads.MOONCAKE_BLOCK_TOKENS),
+        "timeline_interval_s": cli.number("--timeline-interval (s)", args.timeline_interval, float, 0, 3600, default=2.0),
+        "probe": args.probe or None,
+        "endpoint": args.endpoint,
+        "workload": sources[0] if sources else "synthetic",
+        "dataset": getattr(args, sources[0]) if sources else None,
+        "input_dist": args.input_dist or None,
+        "output_dist": args.output_dist or None,
+        "log": settings.get("BENCH_LOG", args.log, None),
+    }
+    if cfg["probe"] and not cfg["probe"].startswith("/"):
+        raise UsageError(f"--probe takes a path such as /health or /v1/models, got {cfg['probe']!r}")
+    if cfg["shared_prefix"] > cfg["input_tokens"]:
+        raise UsageError(f"--shared-prefix {cfg['shared_prefix']} is longer than --input-tokens {cfg['input_tokens']}")
+    if cfg["workload"] != "synthetic" and (cfg["input_dist"] or cfg["output_dist"] or cfg["shared_prefix"] or cfg["multi_turn"] > 1):
+        raise UsageError(f"--{cfg['workload']} gives the prompts and lengths: drop --input-dist, --output-dist, "
+                         "--shared-prefix and --multi-turn")
+    if cfg["workload"] == "trace" and rate:
+        raise UsageError("--trace sends at the trace's own times: use --speed, not --rate")
+    for key, what in (("input_dist", "--input-dist"), ("output_dist", "--output-dist")):
+        if cfg[key]:
+            workloads.parse_distribution(cfg[key], what)
+    if (cfg["input_dist"] or cfg["output_dist"]) and cfg["multi_turn"] > 1:
+        raise UsageError("--multi-turn sends --input-tokens per turn: drop --input-dist/--output-dist")
+    try:
+        cfg["extra_body"] = json.loads(args.extra_body) if args.extra_body else {}
+        if not isinstance(cfg["extra_body"], dict):
+            raise ValueError
+    except ValueError:
+        raise UsageError("--extra-body must be a JSON object, e.g. '{\"top_k\": 1}'")
+    if cfg["multi_turn"] > 1 and cfg["endpoint"] != "chat":
+        raise UsageError("--multi-turn needs --endpoint chat: a conversation is a list of chat messages")
+    if cfg["workers"] > 1 and c is not None and cfg["workers"] > c:
+        raise UsageError(f"--workers {cfg['workers']} exceeds the concurrency {c}: each worker needs a share")
+    return cfg
+
+
+def describe_load(cfg: dict[str, Any], n: int) -> str:
+    rate, c = cfg["rate"], cfg["concurrency"]
+    if cfg["workload"] == "trace":
+        load = f"trace replay at {cfg['speed']:g}x" + (f", at most {c} in flight" if c else "")
+    elif rate:
+        load = (f"open loop {rate:g} req/s, "
+                f"{'Poisson' if cfg['burstiness'] == 1 else 'gamma burstiness ' + format(cfg['burstiness'], 'g')}"
+                + (f", at most {c} in flight" if c else ""))
+    else:
+        load = f"closed loop, {c} in flight"
+    unit = f"conversations of {cfg['multi_turn']} turns" if cfg["multi_turn"] > 1 else "requests"
+    return load + (f", {n} {unit}" + (f" or {cfg['duration_s']:g} s" if cfg["duration_s"] else "")
+                   + (f", {cfg['warmup']} warm-up" if cfg["warmup"] else ""))
+
+
+def build_parser():
+    p = cli.parser(__doc__)
+    cli.add_server_args(p)
+    printing.add_output_args(p)
+    p.add_argument("--model", default="", help="served model name (else $INFER_MODEL, else the first in /v1/models)")
+    p.add_argument("-n", "--num-requests", default="", help="measured requests (else $BENCH_N, 32; a dataset's or trace's size); the cap of a --duration run")
+    p.add_argument("-c", "--concurrency", default="", help="requests in flight (else $BENCH_C, 8; with --rate or --trace: a cap, none by default)")
+    p.add_argument("--input-tokens", default="", help="prompt tokens, exact by the server's tokenizer (else $BENCH_IN, 2048)")
+    p.add_argument("--output-tokens", default="", help="output tokens per request, forced by ignore_eos (else $BENCH_OUT, 256; a dataset's default)")
+    p.add_argument("--input-dist", default="", help="prompt lengths drawn per request: fixed:N, uniform:LO,HI, normal:MEAN,SD, lognormal:P50,P95")
+    p.add_argument("--output-dist", default="", help="output lengths drawn per request (same forms as --input-dist)")
+    p.add_argument("--prompts", default="", help='JSONL of {"prompt": ...} or {"messages": [...]}, optional "output_tokens"')
+    p.add_argument("--sharegpt", default="", help="ShareGPT conversations (JSON array or JSONL): every human turn, with its history")
+    p.add_argument("--trace", default="", help="replay a Mooncake/BurstGPT JSONL trace at its own times (see --speed)")
+    p.add_argument("--speed", default="", help="trace replay speed: 2 = twice as fast (default 1)")
+    p.add_argument("--trace-block-tokens", default="", help="tokens per trace hash id (default 512, Mooncake's)")
+    p.add_argument("--slo-ttft-p95-ms", default="", help="SLO: TTFT p95 at most this (else $SLO_TTFT_P95_MS)")
+    p.add_argument("--slo-tpot-p95-ms", default="", help="SLO: TPOT p95 at most this (else $SLO_TPOT_P95_MS)")
+    p.add_argument("--log", default="", help="append a log entry to this Markdown file (else $BENCH_LOG)")
+    p.add_argument("--rate", default="", help="open loop: requests per second on an absolute schedule")
+    p.add_argument("--burstiness", default="", help="open-loop gamma shape: 1 = Poisson, <1 burstier, >1 steadier (default 1)")
+    p.add_argument("--duration", default="", help="stop sending after this many seconds (in-flight requests finish)")
+    p.add_argument("--warmup", default="", help="warm-up requests at the same concurrency, not counted (default: the concurrency)")
+    p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions", help="API to load")
+    p.add_argument("--shared-prefix", default="", help="the first K prompt tokens are the same in every request (prefix-cache case; default 0)")
+    p.add_argument("--multi-turn", default="", help="chat conversations of this many turns: -n counts conversations, "
+                   "each turn adds a user message of --input-tokens to the history and the answers (default 1)")
+    p.add_argument("--records", default="", help="write one JSON line per request to this file")
+    p.add_argument("--workers", default="", help="client processes sharing the load, when one core cannot keep up (default 1)")
+    p.add_argument("--timeline-interval", default="", help="seconds between /metrics scrapes during the run (default 2; 0: none, "
+                   "as each scrape costs the server a moment)")
+    p.add_argument("--probe", default="", help="time a trivial GET (e.g. /health) to split client-vs-engine gaps into network and server")
+    p.add_argument("--seed", default="", help="seed for prompts and arrivals (default 0)")
+    p.add_argument("--extra-body", default="", help="JSON object merged into every request body")
+    p.epilog += ("\n--timeout is per request: a stream that receives nothing for that long counts as a timeout.")
+    return p
+
+
+VERIFY_SAMPLE = 16
+
+
+def calibrate_maker(counter: TokenCounter, seed: int) -> workloads.PromptMaker | None:
+    """Find the words that are one token each after the run's head (one tokenizer call per
+    word); None when too few are, or they do not add up."""
+    head = " ".join(random.SystemRandom().choice(WORDS) for _ in range(3))
+    base = counter.count(head)
+    with ThreadPoolExecutor(8 if counter.exact else 1) as pool:
+        counts = list(pool.map(lambda word: counter.count(f"{head} {word}"), WORDS))
+    units = [word for word, got in zip(WORDS, counts) if got == base + 1]
+    if len(units) < 16 or counter.count(" ".join([head, *units])) != base + len(units):
+        return None
+    return workloads.PromptMaker(units, head, base, seed)
+
+
+def verify_sample(counter: TokenCounter, load: workloads.Workload) -> list[str]:
+    """Count a sample of built prompts with the tokenizer: the mismatches, described."""
+    rng = random.Random(load.seed)
+    indices = sorted({0, load.count - 1, *(rng.randrange(load.count) for _ in range(VERIFY_SAMPLE - 2))})
+    specs = [load.spec(i) for i in indices]
+    with ThreadPoolExecutor(8 if counter.exact else 1) as pool:
+        got = list(pool.map(lambda spec: counter.count(spec.prompt), specs))
+    return [f"#{i}: {n} tokens, built for {spec.prompt_tokens}" for i, spec, n in zip(indices, specs, got)
+            if n != spec.prompt_tokens]
+
+
+def build_workload(target: Target, cfg: dict[str, Any]) -> tuple[workloads.Workload, str, list[list[str]] | None]:
+    """The run's workload, its prompt-length source (for the report), and multi-turn texts."""
+    chat = cfg["endpoint"] == "chat"
+    kind, dataset = cfg["workload"], cfg["dataset"]
+    out = cfg["output_tokens"]
+    if kind in ("prompts", "sharegpt"):
+        if kind == "prompts":
+            entries = workloads.read_prompts(dataset)
+            source = "dataset text (lengths by the server's usage)"
+        else:
+            local = fallback_counter()
+            entries = workloads.read_sharegpt(dataset, local.count)
+            source = f"dataset text (lengths by the server's usage; answer lengths by {local.name})"
+        count = cfg["num_requests"] if cfg["num_requests_given"] else len(entries)
+        return workloads.Workload(kind, cfg["warmup"] + count, out, cfg["seed"], entries=entries), source, None
+    with http_client.client(target.base_url, target.api_key, cfg["timeout_s"], max_connections=8) as http:
+        counter = server_counter(http, target.model, chat) or fallback_counter()
+        if not counter.exact:
+            printing.progress(f"bench: the server has no /tokenize; prompt lengths by {counter.name}")
+        if kind == "trace":
+            rows = workloads.read_trace(dataset)
+            count = min(cfg["num_requests"], len(rows)) if cfg["num_requests_given"] else len(rows)
+            load = workloads.Workload("trace", count, out, cfg["seed"], trace=rows,
+                                         block_tokens=cfg["trace_block_tokens"])
+        else:
+            total = (cfg["warmup"] + cfg["num_requests"]) * cfg["multi_turn"]
+            load = workloads.Workload(
+                "synthetic", total, out, cfg["seed"],
+                input_dist=workloads.parse_distribution(cfg["input_dist"] or str(cfg["input_tokens"]), "--input-dist"),
+                output_dist=workloads.parse_distribution(cfg["output_dist"] or str(out), "--output-dist"))
+        load.maker = calibrate_maker(counter, cfg["seed"])
+        if load.maker is not None and cfg["shared_prefix"]:
+            load.shared_tokens = load.maker.fits(cfg["shared_prefix"], 0)
+            load.shared_prefix = load.maker.text(load.shared_tokens, 0)
+        wrong = verify_sample(counter, load) if load.maker is not None else ["too few one-token words"]
+        fixed = load.kind == "synthetic" and load.input_dist.kind == "fixed"
+        if wrong and fixed:
+            # The slow exact way: every prompt fitted with the tokenizer before the run.
+            printing.progress(f"bench: prompt words do not add up ({wrong[0]}): fitting {total} prompts of "
+                            f"{cfg['input_tokens']} tokens one by one ({counter.name})")
+            prompts = build_prompts(counter, total, cfg["input_tokens"], cfg["shared_prefix"], cfg["seed"])
+            entries = [workloads.Entry(prompt=p, prompt_tokens=cfg["input_tokens"]) for p in prompts]
+            load = workloads.Workload("prompts", total, out, cfg["seed"], entries=entries)
+        elif wrong:
+            raise UsageError(f"prompts of a chosen length cannot be built with this tokenizer ({wrong[0]}): "
+                             "use --input-tokens alone, or --prompts with your own texts")
+    turns = None
+    if cfg["multi_turn"] > 1:  # the conversations' texts, made now: each turn waits for the last answer
+        texts = [load.spec(i).prompt for i in range(load.count)]
+        turns = [texts[i:i + cfg["multi_turn"]] for i in range(0, len(texts), cfg["multi_turn"])]
+        load = workloads.Workload("prompts", len(turns), out, cfg["seed"], entries=[
+            workloads.Entry(prompt=t[0], prompt_tokens=cfg["input_tokens"]) for t in turns])
+    return load, counter.name, turns
+
+
+def workload_identity(cfg: dict[str, Any], load: workloads.Workload) -> dict[str, Any]:
+    """What two runs must share to be compared (compare.py): requests, lengths, load shape."""
+    identity = {k: cfg[k] for k in ("workload", "endpoint", "concurrency", "rate", "burstiness", "duration_s",
+                                    "warmup", "multi_turn", "shared_prefix", "speed")}
+    identity["requests"] = load.count - cfg["warmup"]
+    identity["extra_body"] = cfg["extra_body"] or None
+    if cfg["workload"] == "synthetic":
+        identity["input_tokens"] = cfg["input_dist"] or cfg["input_tokens"]
+        identity["output_tokens"] = cfg["output_dist"] or cfg["output_tokens"]
+        identity["seed"] = cfg["seed"]
+    else:
+        data = Path(cfg["dataset"]).read_bytes()
+        identity["dataset"] = {"name": Path(cfg["dataset"]).name, "sha256": hashlib.sha256(data).hexdigest()}
+        identity["output_tokens"] = cfg["output_tokens"] if cfg["workload"] != "trace" else None
+    return identity
+
+
+def execute(target: Target, cfg: dict[str, Any], hold: signals.SignalHold, quiet: bool = False) -> dict[str, Any]:
+    """Build the workload, run the load, watch the server, analyse: the result document. A Ctrl-C
+    or SIGTERM while the workload is built raises KeyboardInterrupt (nothing measured); during the
+    load it stops the load; from the end of the load it waits in `hold` (started here, kept by the
+    caller until the result is printed and written), so that the last scrape and the analysis
+    complete the result, which then says interrupted."""
+    started = time.perf_counter()
+    chat = cfg["endpoint"] == "chat"
+    load, prompt_source, turns = build_workload(target, cfg)
+    max_len = target.info.get("max_model_len")
+    longest = 0
+    if load.input_dist and load.output_dist:
+        longest = load.input_dist.upper + load.output_dist.upper
+    elif load.trace:
+        longest = max(r.input_tokens + r.output_tokens for r in load.trace[:load.count])
+    elif cfg["multi_turn"] == 1 and load.kind == "prompts" and cfg["workload"] == "synthetic":
+        longest = cfg["input_tokens"] + cfg["output_tokens"]
+    if max_len and longest > max_len:
+        raise UsageError(f"prompt + output tokens reach {longest}, over the model's max_model_len {max_len}: "
+                         "shorten --input-tokens/--output-tokens or their distributions")
+    run_id = f"{random.Random().getrandbits(32):08x}"
+    path = ENDPOINTS[cfg["endpoint"]]
+    template = {k: v for k, v in payload(cfg["endpoint"], target.model, "", 0, {}).items()
+                if k not in ("prompt", "messages", "max_tokens")}
+    source = RequestSource(load, target, path, template, cfg["extra_body"], run_id)
+    offsets = load.offsets_s(cfg["speed"])
+    if offsets is not None and cfg["warmup"] < len(offsets):
+        offsets = [o - offsets[cfg["warmup"]] for o in offsets]
+    plan = Plan(source, cfg["warmup"], cfg["concurrency"], chat, cfg["rate"], cfg["burstiness"],
+                cfg["duration_s"], cfg["seed"], turns, offsets)
+    config = {**{k: v for k, v in cfg.items() if k not in ("extra_body", "num_requests_given")},
+              "num_requests": load.count - cfg["warmup"], "load": describe_load(cfg, load.count - cfg["warmup"]),
+              "url": target.base_url, "model": target.model, "prompt_tokenizer": prompt_source, "run_id": run_id,
+              "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "extra_body": cfg["extra_body"] or None}
+    probed = watch.probe(target.base_url, target.api_key, cfg["probe"]) if cfg["probe"] else None
+    before, note = metrics_snapshot(target, cfg["timeout_s"])
+    timeline = watch.Timeline(target.base_url, target.api_key, cfg["timeline_interval_s"]) \
+        if before is not None and cfg["timeline_interval_s"] else None
+    printing.progress(f"bench: {config['load']} against {target.base_url} ({target.model})")
+    try:  # a Ctrl-C as the timeline starts still stops it
+        if timeline:
+            timeline.start(before)
+        if cfg["workers"] > 1:  # both start `hold` as the run ends
+            run = run_workers(plan, cfg["workers"], cfg["timeout_s"], hold)
+        else:
+            run = run_in_loop(plan, cfg["timeout_s"], quiet=quiet, hold=hold)
+    except KeyboardInterrupt:  # came before the run handled it: nothing measured, and that is the result
+        run = RunResult([], [], 0.0, 0.0, interrupted=True)
+        hold.start()
+    finally:
+        if timeline:
+            timeline.stop()
+    first_sent = min((o.sent_ns for o in run.outcomes if o.sent_ns), default=None)
+    # vLLM counts a request's last tokens just after it streamed them: by now it has.
+    after, note_after = metrics_snapshot(target, cfg["timeout_s"]) if before is not None else (None, note)
+    timeline_doc = timeline.result(after) if timeline else None
+    result = analyse(run.outcomes, config, run.loop_lag_ms, run.cpu_s, run.wall_s, run.interrupted)
+    result["workload"] = workload_identity(cfg, load)
+    # Seconds from the start of execute to the first request on the wire: building the
+    # workload, probing and the first scrape included (what a 100,000-request run waits).
+    result["startup_s"] = None if first_sent is None else first_sent / 1e9 - started
+    all_tokens = sum(o.completion_tokens or 0 for o in run.outcomes if o.ok or o.error == "stream_cut")
+    during = timeline.during() if timeline else []
+    result["server"] = {"info": target.info, **server_side(before, after, note or note_after, all_tokens,
+                                                           result["slo"], during)}
+    result["timeline"] = timeline_doc
+    result["server"]["probe"] = probed
+    if before is not None and after is not None and first_sent is not None:
+        from rooflib.server import engine_metrics
+
+        delta = engine_metrics.difference(before, after, during)
+        checked = watch.cross_check(delta, {"ttft_ms": result["ttft_ms"], "e2e_ms": result["e2e_ms"]},
+                                           result["client"]["loop_lag_ms"]["p99"], probed)
+        result["server"]["cross_check"] = checked
+    generated = (result["server"]["metrics"] or {}).get("generation_tokens")
+    if generated is not None and generated != all_tokens:
+        result["warnings"].append(
+            f"the server generated {generated:.0f} tokens during the run, the bench received {all_tokens} "
+            "(warm-up included): other traffic shared the server (or streams were lost), so this run measured "
+            "a mixed load: its latencies and the verdict hold for that mix, and the server-side figures are "
+            "not this run's alone")
+    result["records"] = [o.record() for o in run.outcomes]
+    # One held since the load ended (during the last scrape, say) ends the run all the same.
+    result["interrupted"] = run.interrupted or bool(hold.noted)
+    return result
+
+
+def run_with_settings(args: Any, body: Callable[[Any, conf.Settings, Target], int]) -> int:
+    """Read the settings (inference.env) and resolve the server (URL, API key) once, for bench
+    and sweep alike; errors are redacted with that key."""
+    try:
+        settings = conf.settings_from_args(args)
+        server = Target(*conf.server_settings(args, settings))
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return cli.run_main(lambda: body(args, settings, server), secret=server.api_key)

@@ -1,0 +1,401 @@
+"""Running a plan of requests: closed and open loops, trace replay, worker processes, the client's own lag."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import multiprocessing
+import random
+import resource
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from queue import Empty
+from typing import Any, Callable
+
+from rooflib.core import printing, signals
+from rooflib.core.errors import ServerError
+from rooflib.load import workloads
+from rooflib.load.analysis import EPOLL_ROUNDING_MS
+from rooflib.load.asyncclient import ENDPOINTS, Client, Target, request_bytes
+from rooflib.load.request_outcome import Outcome, settle
+
+LAG_PROBE_S = 0.005
+
+
+@dataclass
+class RequestSource:
+    """The run's requests as HTTP bytes, each made from the workload when it is about to be
+    sent: a run of 100,000 requests starts at once and holds one request's bytes per stream."""
+    workload: workloads.Workload
+    target: Target
+    path: str
+    template: dict[str, Any]  # the body without prompt/messages/max_tokens
+    extra: dict[str, Any]     # --extra-body, merged last
+    run_id: str
+    indices: list[int] | None = None  # a worker's share of the workload
+
+    def __len__(self) -> int:
+        return self.workload.count if self.indices is None else len(self.indices)
+
+    def get(self, i: int) -> tuple[bytes, workloads.Spec]:
+        index = i if self.indices is None else self.indices[i]
+        spec = self.workload.spec(index)
+        body = dict(self.template, max_tokens=spec.output_tokens)
+        if spec.messages is not None and self.path == ENDPOINTS["chat"]:
+            body["messages"] = spec.messages
+        elif spec.messages is not None:  # a conversation sent to /v1/completions: its text
+            body["prompt"] = "\n\n".join(m["content"] for m in spec.messages)
+        elif self.path == ENDPOINTS["chat"]:
+            body["messages"] = [{"role": "user", "content": spec.prompt}]
+        else:
+            body["prompt"] = spec.prompt
+        return request_bytes(self.target, self.path, {**body, **self.extra}, f"bench-{self.run_id}-{index}"), spec
+
+    def subset(self, indices: list[int]) -> "RequestSource":
+        mine = indices if self.indices is None else [self.indices[i] for i in indices]
+        return RequestSource(self.workload, self.target, self.path, self.template, self.extra, self.run_id, mine)
+
+
+@dataclass
+class Plan:
+    """What to send: the first `warmup` requests are warm-up requests, sent at the same
+    concurrency and not counted. `offsets_s` (a trace) are intended send times, per request."""
+    requests: RequestSource
+    warmup: int
+    concurrency: int | None
+    chat: bool
+    rate: float | None = None
+    burstiness: float = 1.0
+    duration_s: float | None = None
+    seed: int = 0
+    # Multi-turn chat: the user message of every turn of conversation i (requests[i] is its
+    # first turn); later turns carry the history, with the answers the server gave.
+    turns: list[list[str]] | None = None
+    offsets_s: list[float] | None = None
+
+    def part(self, indices: list[int], concurrency: int | None, rate: float | None, seed: int) -> "Plan":
+        """The share of a worker process: the requests (conversations) `indices`."""
+        return Plan(self.requests.subset(indices), sum(i < self.warmup for i in indices), concurrency,
+                    self.chat, rate, self.burstiness, self.duration_s, seed,
+                    None if self.turns is None else [self.turns[i] for i in indices],
+                    None if self.offsets_s is None else [self.offsets_s[i] for i in indices])
+
+
+def arrival_offsets(count: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Absolute send offsets (s) of an open-loop run: gamma gaps (burstiness 1 = Poisson),
+    rescaled so the last request goes out at count/rate exactly (as vLLM does)."""
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in range(count):
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+        offsets.append(t)
+    scale = (count / rate) / offsets[-1] if offsets and offsets[-1] > 0 else 1.0
+    return [o * scale for o in offsets]
+
+
+@dataclass
+class RunResult:
+    outcomes: list[Outcome]
+    loop_lag_ms: list[float]
+    cpu_s: float
+    wall_s: float
+    interrupted: bool = False
+
+
+async def lag_probe(samples: list[float], stop: asyncio.Event) -> None:
+    """How late a timer fires: the time the loop was busy or the process was not scheduled,
+    i.e. how long an arriving byte could wait before data_received timestamps it. asyncio
+    rounds epoll timeouts up to whole milliseconds, so 1 ms of oversleep is not counted."""
+    target = int(LAG_PROBE_S * 1e9)
+    while not stop.is_set():
+        start = time.perf_counter_ns()
+        await asyncio.sleep(LAG_PROBE_S)
+        samples.append(max(0.0, (time.perf_counter_ns() - start - target) / 1e6 - EPOLL_ROUNDING_MS))
+
+
+async def _watchdog(client: Client, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        await asyncio.sleep(0.25)
+        client.expire_stalled()
+
+
+async def run_plan(plan: Plan, timeout_s: float,
+                   before_measured: Callable[[], Any] | None = None, on_done: Callable[[Outcome], None] | None = None,
+                   interrupt: asyncio.Event | None = None) -> RunResult:
+    """Send the plan; returns every outcome (warm-up ones flagged). Ctrl-C (interrupt) stops
+    sending and returns what completed."""
+    client = Client(plan.requests.target, timeout_s)
+    stop = asyncio.Event()
+    interrupt = interrupt or asyncio.Event()
+    lag: list[float] = []
+    outcomes: list[Outcome] = []
+    # A full garbage collection over a heap of stored reads takes tens of ms and stalls every
+    # stream; refcounting frees what the run drops, so the collector waits until the end.
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    background = [asyncio.create_task(lag_probe(lag, stop)), asyncio.create_task(_watchdog(client, stop))]
+
+    async def one(index: int, scheduled_ns: int | None = None) -> None:
+        if plan.turns is not None:
+            return await conversation(index, scheduled_ns)
+        request, spec = plan.requests.get(index)
+        outcome = Outcome(index=index, warmup=index < plan.warmup, scheduled_ns=scheduled_ns,
+                          requested_tokens=spec.output_tokens, prompt_target=spec.prompt_tokens)
+        await client.send(outcome, request)
+        outcomes.append(outcome)
+        if on_done:
+            on_done(outcome)
+
+    async def conversation(index: int, scheduled_ns: int | None) -> None:
+        """The turns of one conversation, one after the other. Each answer is parsed at once
+        (it is part of the next prompt): a little loop time that single-turn runs do not spend."""
+        messages: list[dict[str, str]] = []
+        source = plan.requests
+        first, spec = source.get(index)
+        for turn, text in enumerate(plan.turns[index]):
+            messages.append({"role": "user", "content": text})
+            request = first if turn == 0 else request_bytes(
+                source.target, source.path, {**source.template, "max_tokens": spec.output_tokens,
+                                             "messages": messages, **source.extra},
+                f"bench-{source.run_id}-{index}-{turn}")
+            outcome = Outcome(index=index, turn=turn, warmup=index < plan.warmup,
+                              scheduled_ns=scheduled_ns if turn == 0 else None,
+                              requested_tokens=spec.output_tokens)
+            settle(await client.send(outcome, request), True)
+            outcomes.append(outcome)
+            if on_done:
+                on_done(outcome)
+            if not outcome.ok or interrupt.is_set():
+                return
+            messages.append({"role": "assistant", "content": outcome.text})
+
+    async def closed_loop(indices: list[int], deadline_ns: int | None) -> None:
+        queue = iter(indices)
+
+        async def slot() -> None:
+            for index in queue:
+                if interrupt.is_set() or (deadline_ns and time.perf_counter_ns() >= deadline_ns):
+                    return
+                await one(index)
+        await asyncio.gather(*(slot() for _ in range(min(plan.concurrency or 1, len(indices)) or 1)))
+
+    async def open_loop(indices: list[int]) -> None:
+        limit = asyncio.Semaphore(plan.concurrency) if plan.concurrency else None
+        if plan.offsets_s is not None:  # a trace: its own times (the first measured one at 0)
+            offsets = [plan.offsets_s[i] for i in indices]
+        else:
+            offsets = arrival_offsets(len(indices), plan.rate, plan.burstiness, plan.seed)
+        start = time.perf_counter_ns()
+        deadline = start + int(plan.duration_s * 1e9) if plan.duration_s else None
+        tasks = []
+
+        async def capped(index: int, scheduled: int) -> None:
+            if limit is None:
+                return await one(index, scheduled)
+            async with limit:
+                await one(index, scheduled)
+        for index, offset in zip(indices, offsets):
+            scheduled = start + int(offset * 1e9)
+            if deadline and scheduled >= deadline:
+                break
+            delay = (scheduled - time.perf_counter_ns()) / 1e9
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(interrupt.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+            if interrupt.is_set():
+                break
+            tasks.append(asyncio.create_task(capped(index, scheduled)))
+        await asyncio.gather(*tasks)
+
+    work = asyncio.create_task(_run_phases(plan, closed_loop, open_loop, before_measured))
+    waiter = asyncio.create_task(interrupt.wait())
+    try:
+        await asyncio.wait({work, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if interrupt.is_set() and not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+        elif work.done():
+            work.result()
+    finally:
+        waiter.cancel()
+        stop.set()
+        for task in background:
+            task.cancel()  # not waiting out the watchdog's and the lag probe's sleeps
+        await asyncio.gather(*background, waiter, return_exceptions=True)
+        client.close()
+        gc.enable()
+        gc.unfreeze()
+    cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
+    return RunResult(sorted((settle(o, plan.chat) for o in outcomes), key=lambda o: (o.index, o.turn)),
+                     lag, cpu_s, wall_s, interrupted=interrupt.is_set())
+
+
+async def _run_phases(plan: Plan, closed_loop, open_loop, before_measured) -> None:
+    indices = list(range(len(plan.requests)))
+    warm, measured = indices[:plan.warmup], indices[plan.warmup:]
+    if warm:
+        await closed_loop(warm, None)
+    if before_measured and not await before_measured():  # workers start measuring together
+        return
+    if plan.rate or plan.offsets_s is not None:
+        await open_loop(measured)
+    else:
+        deadline = time.perf_counter_ns() + int(plan.duration_s * 1e9) if plan.duration_s else None
+        await closed_loop(measured, deadline)
+
+
+def raise_open_file_limit(needed: int) -> None:
+    """One socket per stream: lift the soft limit on open files towards the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = needed + 256
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard) if hard != resource.RLIM_INFINITY else wanted, hard))
+
+
+def run_in_loop(plan: Plan, timeout_s: float, quiet: bool = False,
+                before_measured: Callable[[], Any] | None = None,
+                hold: signals.SignalHold | None = None) -> RunResult:
+    """asyncio.run with Ctrl-C turned into 'stop and keep what was measured'. From the end of the
+    run a further Ctrl-C or SIGTERM waits in `hold` (the caller completes and writes the result)."""
+    raise_open_file_limit(plan.concurrency or len(plan.requests))
+
+    async def body() -> RunResult:
+        interrupt = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        try:
+            loop.add_signal_handler(signal.SIGINT, interrupt.set)
+            loop.add_signal_handler(signal.SIGTERM, interrupt.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+        # A worker starts with them blocked: one that came while it started up stops it now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals.STOP_SIGNALS)
+        try:
+            return await run_plan(plan, timeout_s, before_measured,
+                                  None if quiet else _progress_printer(plan), interrupt)
+        finally:  # asyncio resets the handlers to the defaults (die) as it closes the loop:
+            # from here a signal waits until the caller's handlers are back
+            signal.pthread_sigmask(signal.SIG_BLOCK, signals.STOP_SIGNALS)
+    handlers = {sig: signal.getsignal(sig) for sig in signals.STOP_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the caller's (a worker's blocks them)
+    run = None
+    try:
+        run = asyncio.run(body())
+    finally:
+        interrupted = _handlers_back(handlers, hold, run is not None and run.interrupted)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    run.interrupted = interrupted
+    return run
+
+
+def _handlers_back(handlers: dict[int, Any], hold: signals.SignalHold | None, interrupted: bool) -> bool:
+    """Put the caller's signal handlers back, with the signals blocked, and start `hold`: from the
+    end of the run a Ctrl-C or SIGTERM is noted, not obeyed, so it cannot lose what was measured.
+    Whether the run was interrupted (a signal waiting came as it ended)."""
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    if hold is not None:
+        hold.start()
+    return interrupted or bool(set(signal.sigpending()) & set(signals.STOP_SIGNALS))
+
+
+def _progress_printer(plan: Plan) -> Callable[[Outcome], None]:
+    total = len(plan.requests) * (len(plan.turns[0]) if plan.turns else 1)
+    state = {"done": 0, "last": 0.0}
+
+    def report(outcome: Outcome) -> None:
+        state["done"] += 1
+        now = time.monotonic()
+        if now - state["last"] >= 2.0 or state["done"] == total:
+            state["last"] = now
+            printing.progress(f"bench: {state['done']}/{total} requests done")
+    return report
+
+
+def _worker(number: int, plan: Plan, timeout_s: float, barrier, queue) -> None:
+    # Ctrl-C and SIGTERM are blocked since run_workers started us: run_in_loop unblocks them once
+    # its loop handles them, so one that came while we started up stops the run at once (we send
+    # what we measured, maybe nothing) instead of killing us or printing a traceback. After the
+    # run they stay blocked: the result is sent whatever comes. The parent passes Ctrl-C on as SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    async def meet() -> bool:
+        try:
+            await asyncio.to_thread(barrier.wait)
+            return True
+        except threading.BrokenBarrierError:  # the parent was interrupted during warm-up
+            return False
+    queue.put((number, run_in_loop(plan, timeout_s, quiet=True, before_measured=meet)))
+
+
+def run_workers(plan: Plan, workers: int, timeout_s: float, hold: signals.SignalHold | None = None) -> RunResult:
+    """Split the plan over worker processes (round robin). They finish their warm-up, meet at
+    a barrier and start the measured phase together; they share CLOCK_MONOTONIC, so their
+    timestamps merge directly. A Ctrl-C or SIGTERM stops them and keeps what they measured;
+    from the end of the run a further one waits in `hold`."""
+    # A Ctrl-C or SIGTERM is noted and acted on between steps, not raised in the middle of
+    # multiprocessing (a worker left unstarted or unstopped, a semaphore leaked).
+    stops: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum)) for sig in signals.STOP_SIGNALS}
+    try:
+        shares, results = _share_out(plan, workers, timeout_s, stops)
+    finally:
+        with signals.signals_blocked(*signals.STOP_SIGNALS):
+            interrupted = _handlers_back(handlers, hold, bool(stops))
+    outcomes, lag = [], []
+    for number, result in results.items():
+        for outcome in result.outcomes:
+            outcome.index = shares[number][outcome.index]
+            outcomes.append(outcome)
+        lag += result.loop_lag_ms
+    return RunResult(sorted(outcomes, key=lambda o: (o.index, o.turn)), lag,
+                     max((r.cpu_s for r in results.values()), default=0.0),
+                     max((r.wall_s for r in results.values()), default=0.0),
+                     interrupted or any(r.interrupted for r in results.values()))
+
+
+def _share_out(plan: Plan, workers: int, timeout_s: float,
+               stops: list[int]) -> tuple[list[list[int]], dict[int, RunResult]]:
+    """Run the workers: each one's share of the request indices, and the results they sent.
+    Once `stops` has a signal, they stop and send what they measured."""
+    context = multiprocessing.get_context("spawn")
+    barrier, queue = context.Barrier(workers), context.Queue()
+    shares, processes = [], []
+    for number in range(workers):
+        mine = list(range(number, len(plan.requests), workers))
+        concurrency = None if plan.concurrency is None else \
+            max(1, plan.concurrency // workers + (number < plan.concurrency % workers))
+        sub = plan.part(mine, concurrency, None if plan.rate is None else plan.rate / workers, plan.seed + number)
+        shares.append(mine)
+        processes.append(context.Process(target=_worker, daemon=True,
+                                         args=(number, sub, timeout_s, barrier, queue)))
+    with signals.signals_blocked(*signals.STOP_SIGNALS):  # the workers inherit the mask (see _worker)
+        for process in processes:
+            process.start()
+    results: dict[int, RunResult] = {}
+    stopping = False
+    while len(results) < workers:
+        if stops and not stopping:
+            stopping = True
+            barrier.abort()
+            for process in processes:
+                if process.is_alive():
+                    process.terminate()  # SIGTERM: the worker stops and sends what it measured
+        try:
+            number, result = queue.get(timeout=0.1)
+            results[number] = result
+        except Empty:
+            gone = [p for n, p in enumerate(processes) if n not in results and not p.is_alive()]
+            if gone and queue.empty():
+                if not stops:
+                    raise ServerError(f"a client worker process exited with status {gone[0].exitcode} "
+                                      "without results; run with --workers 1 to see why")
+                if len(gone) == workers - len(results):  # interrupted: keep what the others sent
+                    break
+    for process in processes:
+        process.join()
+    return shares, results

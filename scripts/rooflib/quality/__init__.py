@@ -1,0 +1,1 @@
+"""Quality: perplexity, tool-call checks, and accepting a candidate deployment."""

@@ -1,0 +1,1 @@
+"""Rendering: the HTML and text report, and the templates of log entries."""

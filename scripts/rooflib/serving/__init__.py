@@ -1,0 +1,1 @@
+"""Serving: profiles that start a vLLM or SGLang server."""
