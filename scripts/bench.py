@@ -106,7 +106,7 @@ def human_report(result: dict[str, Any]) -> str:
         lines.append(f"{'Probe ' + probe['path'] + ':':<34}" + (f"{probe['p50_ms']:.2f} ms round trip (p50 of {probe['n']})"
                                                                  if probe.get("p50_ms") is not None else probe.get("error", "")))
     for finding in (server.get("cross_check") or {}).get("findings", []):
-        lines.append(f"client vs server: {finding}")
+        lines.append(f"client vs server: [{finding['cause'] or finding['kind']}] {finding['evidence']}")
     for name, check in result["slo"].items():
         lines.append(f"{'SLO ' + name + ':':<34}{common.fmt_number(check['measured'], 1)} <= {check['target']:g}: "
                      f"{'met' if check['met'] else 'MISSED'}")

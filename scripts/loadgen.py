@@ -1394,6 +1394,7 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
                                                       if k in ("mean", "min", "max", "n")},
                               "mismatched": len(mismatched)},
             "cached_prompt_tokens": sum(cached),
+            "one_read": len(one_read),
             "tokens_per_chunk": summarize(k for o in done for k in o.chunk_tokens),
             "first_errors": [f"#{o.index} {o.error}: {o.detail}" for o in failed[:5]],
         },
@@ -1792,7 +1793,8 @@ def execute(target: Target, cfg: dict[str, Any], hold: common.SignalHold, quiet:
         import engine_metrics
 
         delta = engine_metrics.difference(before, after, during)
-        checked = server_watch.cross_check(delta, {"ttft_ms": result["ttft_ms"], "e2e_ms": result["e2e_ms"]},
+        checked = server_watch.cross_check(delta, {"ttft_ms": result["ttft_ms"], "e2e_ms": result["e2e_ms"],
+                                                   "one_read": result["requests"]["one_read"]},
                                            result["client"]["loop_lag_ms"]["p99"], probed)
         result["server"]["cross_check"] = checked
     generated = (result["server"]["metrics"] or {}).get("generation_tokens")
