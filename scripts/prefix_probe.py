@@ -98,10 +98,9 @@ def delta(before: Counters, after: Counters) -> dict[str, Any]:
     """The counters' increase between two scrapes (None where not exported)."""
     def minus(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else a - b
+    moved = {k: v - before.cached_by_source.get(k, 0.0) for k, v in after.cached_by_source.items()}
     return {"queries": minus(after.queries, before.queries), "hits": minus(after.hits, before.hits),
-            "cached": minus(after.cached, before.cached),
-            "cached_by_source": {k: v - before.cached_by_source.get(k, 0.0)
-                                 for k, v in after.cached_by_source.items() if v - before.cached_by_source.get(k, 0.0)}}
+            "cached": minus(after.cached, before.cached), "cached_by_source": {k: v for k, v in moved.items() if v}}
 
 
 def judge(scrapes: tuple[Counters, Counters, Counters], answers: tuple[Answer, Answer]) -> dict[str, Any]:
@@ -137,6 +136,8 @@ def judge(scrapes: tuple[Counters, Counters, Counters], answers: tuple[Answer, A
     elif (cached_now == 0 or (hits_now == 0 and steps[1]["queries"])) and cacheable != 0:
         verdict = "cannot_hit"
         cause = "evicted" if engine == "vllm" else "off_or_evicted"
+        if last_scrape.kv_usage is not None:
+            evidence.append(f"KV-cache usage {last_scrape.kv_usage:.0%} after the probe")
     else:
         verdict = "unknown"
     if other:

@@ -75,7 +75,7 @@ def test_caching_off_from_lookups_never_made_without_the_switch():
 def test_looked_up_and_not_found_is_eviction():
     verdict = prefix_probe.judge(three([(TOKENS, 0), (TOKENS, 0)]), answers(0))
     assert (verdict["verdict"], verdict["cause"]) == ("cannot_hit", "evicted")
-    assert "too small" in verdict["meaning"]
+    assert "too small" in verdict["meaning"] and "KV-cache usage 0% after the probe" in verdict["evidence"]
 
 
 def test_other_traffic_leaves_the_counters_out():
