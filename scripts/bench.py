@@ -118,7 +118,8 @@ def _server_lines(result: dict[str, Any]) -> list[str]:
     if probe:
         lines.append(f"{'Probe ' + probe['path'] + ':':<34}" + (f"{probe['p50_ms']:.2f} ms round trip (p50 of {probe['n']})"
                                                                  if probe.get("p50_ms") is not None else probe.get("error", "")))
-    lines += [f"client vs server: {finding}" for finding in (server.get("cross_check") or {}).get("findings", [])]
+    lines += [f"client vs server: [{finding['cause'] or finding['kind']}] {finding['evidence']}"
+              for finding in (server.get("cross_check") or {}).get("findings", [])]
     return lines
 
 

@@ -23,6 +23,13 @@ can miss the peak, counters and histograms cannot. A quantile that falls in the 
 bucket is only known to be at most that bucket's bound: JSON leaves it null and gives the bound in
 `at_most`. SGLang support follows its documented metric names (recorded formats, not a live server).
 
+--prefix-probe asks instead whether the server's prefix cache can hit at all (rooflib/server/prefix_probe.py):
+two identical one-token completions of several KV blocks (a fresh nonce first), then the second's
+usage cached_tokens, the cache counters around each and both answer times. "Can hit" means a 0%
+live hit rate is the prompts (the cache matches from token 0 in whole blocks: a timestamp or id
+first defeats it); "cannot hit" says why (caching off, or blocks evicted). At most three scrapes
+and two completions of --timeout each.
+
 With --prometheus the window is a PromQL range (rate/increase, histogram_quantile over summed
 buckets) for the fleet and `by (instance)` for each replica, and fleet findings come first:
 replica_down, config_mismatch, imbalance, add_replica, prefix_split (rooflib/server/fleet.py). A path
@@ -39,6 +46,7 @@ Examples:
   metrics.py --prometheus http://prometheus:9090 --window 300 --match 'model_name="qwen3-8b"'
   PROMETHEUS_USER=ops PROMETHEUS_PASSWORD=... metrics.py --prometheus https://mon.example/prometheus --json
   metrics.py --url http://127.0.0.1:8000 --gpu H100 --slo-ttft-p95-ms 500 --slo-tpot-p95-ms 50
+  metrics.py --url http://127.0.0.1:8000 --prefix-probe --json
 
 Functions for other scripts live in rooflib/server/engine_metrics.py (errors: ServerError, engine_metrics.InvalidScrape):
   scrape(url, api_key=None) -> (text, unix_time)   GET <url>/metrics
@@ -65,6 +73,8 @@ model_name label), 3 server or Prometheus unreachable or answering an HTTP error
 4 the answer is not usable metrics (HTML page, empty or truncated scrape, neither vLLM nor
 SGLang, no vllm: or sglang: series in Prometheus),
 130 interrupted by Ctrl-C or SIGTERM (the window measured so far is still reported).
+With --prefix-probe: 0 the cache can hit, 1 it cannot (the report says why), 4 no evidence either
+way (no cached_tokens in usage, no prefix-cache counters); 2, 3 and 130 as above.
 """
 from __future__ import annotations
 
@@ -76,8 +86,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from rooflib.core import catalogs, cli, conf, fileio, printing, signals
-from rooflib.core.errors import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, UsageError
-from rooflib.server import engine_metrics, fleet
+from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, UsageError
+from rooflib.server import engine_metrics, fleet, prefix_probe
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "the range for --prometheus, whole seconds, default 300)")
     p.add_argument("--watch", default="", help="refresh every N seconds until Ctrl-C (JSON: one line each)")
     p.add_argument("--count", type=int, default=0, help="with --watch: stop after this many refreshes (0: never)")
+    p.add_argument("--prefix-probe", action="store_true",
+                   help="send two identical requests and report whether the prefix cache can hit (one --url; "
+                        "the model is $INFER_MODEL or the first served)")
     p.add_argument("--gpu", default="", help="GPU name from scripts/catalog/gpus.yaml, for MFU (else $GPU)")
     p.add_argument("--slo-ttft-p95-ms", default="", help="TTFT p95 target for the prefill finding "
                                                          "(else $SLO_TTFT_P95_MS)")
@@ -125,6 +138,8 @@ class Options:
     slo: engine_metrics.Targets
     timeout: float
     output: printing.Output
+    prefix_probe: bool
+    model: str | None
 
 
 def options(args: argparse.Namespace) -> Options:
@@ -151,13 +166,17 @@ def options(args: argparse.Namespace) -> Options:
     watch = cli.number("--watch", args.watch, float)
     if watch and (files or prometheus):
         raise UsageError("--watch reads live servers: use it with --url")
+    if args.prefix_probe and (files or prometheus or watch or args.window or len(urls) != 1):
+        raise UsageError("--prefix-probe sends requests to one live server: give it one --url and no "
+                         "--file, --prometheus, --watch or --window")
     return Options(
         urls=urls, api_key=api_key, files=files, prometheus=prometheus,
         prometheus_auth=fleet.credentials(settings) if prometheus else fleet.Credentials(), match=args.match,
         window=cli.number("--window", args.window, float), watch=watch, count=max(0, args.count), gpu=gpu,
         slo=engine_metrics.Targets(cli.number("SLO_TTFT_P95_MS", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float),
                     cli.number("SLO_TPOT_P95_MS", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float)),
-        timeout=args.timeout, output=args.output)
+        timeout=args.timeout, output=args.output, prefix_probe=args.prefix_probe,
+        model=settings.get("INFER_MODEL", "", None))
 
 
 def scrape_all(opts: Options) -> list[dict[str, Any]]:
@@ -248,6 +267,11 @@ def _from_files(opts: Options) -> list[dict[str, Any]]:
 
 
 def run(opts: Options) -> int:
+    if opts.prefix_probe:
+        result = prefix_probe.run(opts.urls[0], opts.api_key, opts.model, opts.timeout)
+        printed = printing.emit(result, prefix_probe.format_result(result), opts.output)
+        return printed or {"can_hit": EXIT_OK, "cannot_hit": EXIT_CHECK_FAILED}.get(
+            result["verdict"], EXIT_INVALID)
     if opts.prometheus:
         result, text = fleet_results(opts)
     elif opts.files:

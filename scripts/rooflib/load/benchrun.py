@@ -455,7 +455,8 @@ def cross_check(before: dict[str, Any], after: dict[str, Any], during: Sequence[
     from rooflib.server import engine_metrics
 
     delta = engine_metrics.difference(before, after, during)
-    return watch.cross_check(delta, {"ttft_ms": result["ttft_ms"], "e2e_ms": result["e2e_ms"]},
+    return watch.cross_check(delta, {"ttft_ms": result["ttft_ms"], "e2e_ms": result["e2e_ms"],
+                                     "one_read": result["requests"]["one_read"]},
                              result["client"]["loop_lag_ms"]["p99"], probed)
 
 
