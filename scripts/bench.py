@@ -54,7 +54,7 @@ from rooflib.core.errors import EXIT_OK
 from rooflib.load import analysis, asyncclient, benchrun
 
 
-def human_report(result: dict[str, Any]) -> str:
+def human_text(result: dict[str, Any]) -> str:
     """The console table (vLLM `bench serve` layout for easy comparison)."""
     lines = [*_summary_lines(result), f"{'':-<72}",
              f"{'ms':<16}{'p50':>9}{'p95':>9}{'p99':>9}{'mean':>9}{'min':>9}{'max':>9}{'n':>7}"]
@@ -175,7 +175,7 @@ def print_and_write(args: Any, log: str | None, result: dict[str, Any]) -> int:
     """Print the result, then write --records and --log: the exit code."""
     records = result.pop("records")
     # The result is printed first: a file that cannot be written then loses nothing.
-    printed = printing.emit(result, human_report(result), args.output)
+    printed = printing.emit(result, human_text(result), args.output)
     files = []
     if args.records:
         files.append(("--records", args.records, "".join(json.dumps(printing.json_safe(r)) + "\n" for r in records)))

@@ -39,7 +39,7 @@ from rooflib.quality import toolcalls
 from rooflib.server import model_listing
 
 
-def render_human(report: dict[str, Any], url: str) -> str:
+def human_text(report: dict[str, Any], url: str) -> str:
     lines = [f"tool-call smoke: {url}  model {report['model']}  repeats {report['repeat']}", ""]
     width = max((len(r["case"]) for r in report["cases"]), default=0)
     for r in report["cases"]:
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if baseline is not None:
             report["baseline"] = {"file": args.baseline, **toolcalls.compare_baseline(report["cases"], baseline)}
         report["verdict"], report["reasons"] = toolcalls.verdict(report)
-        printed = printing.emit(report, render_human(report, url), args.output)
+        printed = printing.emit(report, human_text(report, url), args.output)
         if report["interrupted"]:
             return printed or EXIT_INTERRUPTED
         return printed or (EXIT_CHECK_FAILED if report["verdict"] == toolcalls.FAIL else EXIT_OK)

@@ -201,7 +201,7 @@ def test_real_acceptance_run_renders_verdict_first(vllm_server, browser, capsys,
                         "--bench-n", "4", "--bench-c", "2", "--bench-in", "32", "--bench-out", "8", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["kind"] == "accept", result["reasons"]
-    html, text = render(tmp_path, capsys, "real-accept", write(tmp_path, "acceptance.json", result))
+    html, text = render(tmp_path, capsys, "real-accept", write(tmp_path, "accept.json", result))
     page = browse(browser, html)
     chart = charts(page)["accept"]
     assert chart["intervals"] == 4 and chart["rows"] == len(result["rows"])
