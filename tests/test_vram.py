@@ -777,3 +777,12 @@ def test_url_answers_from_the_servers_pool_and_states_the_models_error(capsys):
     out = capsys.readouterr().out
     assert "allocated 36,800 KV tokens (2,300 blocks, 8.98 GiB); the model estimated 38,832 (+5.5%, range " in out
     assert "inside); this answer uses the server's pool" in out
+
+
+def test_help_examples_are_one_command_per_line(capsys):
+    with pytest.raises(SystemExit):
+        vram.main(["--help"])
+    examples = capsys.readouterr().out.split("Examples:", 1)[1].split("Exit codes:", 1)[0]
+    commands = [line.strip() for line in examples.splitlines() if line.strip()]
+    assert commands and all(c.startswith(("vram.py ", "task ")) and "  " not in c and not c.endswith("\\")
+                            for c in commands), commands

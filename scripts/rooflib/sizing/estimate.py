@@ -375,7 +375,7 @@ def resolve_gpu(name: str | None, gpu_gb: float | None = None, gpu_gib: float | 
         key, entry = catalogs.find_in_catalog(catalog, name, "GPU")
     except UsageError as exc:
         known = ", ".join(sorted(catalog))
-        raise UsageError(str(exc) if "known:" in str(exc) else f"{exc} (known: {known}; or set GPU_GB or GPU_GIB)")
+        raise UsageError(f"{exc} (known: {known}; or set GPU_GB or GPU_GIB)")
     return {**entry, "id": key}
 
 
