@@ -149,7 +149,7 @@ def test_stated_number_is_what_the_tool_gives(claim, written, files, measure):
 
 
 def test_stated_fix_is_what_vram_gives():
-    """The skill's example of a model that does not fit names vram's smallest fix verbatim."""
+    """The skill's example of a model that does not fit names vram's cheapest fix verbatim."""
     answer = vram("--model", "qwen3-32b", "--gpu", "l40s", "--ctx", "32768")
     assert answer["fits"] is False
     for skill in ("roofline-perf", "roofline-perf-ru"):

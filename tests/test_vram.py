@@ -468,6 +468,12 @@ def test_real_vllm_url_sizes_the_served_model(vllm_server, capsys):
     assert result["kv_cache_tokens"] == dep["kv_cache_tokens"]
     assert result["max_concurrency"] == pytest.approx(dep["max_concurrency_at_max_model_len"], rel=0.01)
     assert result["server"]["deployment"]["max_num_seqs"] is None
+    # With a GPU named, the budget is estimated, then the server's own pool wins and the error is stated.
+    code, sized = run_json(["--url", vllm_server.url, "--gpu", "h100"], capsys)
+    check = sized["model_check"]
+    assert sized["kv_cache_tokens"] == check["server_kv_tokens"] == dep["kv_cache_tokens"]
+    assert check["server_num_gpu_blocks"] == dep["num_gpu_blocks"] == sized["num_blocks"]
+    assert check["error"] == pytest.approx(check["estimated_kv_tokens"] / dep["kv_cache_tokens"] - 1)
 
 
 def fake_vllm(root: str):
