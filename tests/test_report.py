@@ -212,7 +212,8 @@ def test_real_acceptance_run_renders_verdict_first(vllm_server, browser, capsys,
     chart = charts(page)["accept"]
     assert chart["intervals"] == 4 and chart["rows"] == len(result["rows"])
     assert page["text"].index(result["verdict"]) < page["text"].index("Candidate against base")
-    assert text.startswith(f"== Acceptance: tiny-qwen3 → tiny-qwen3: {result['verdict']}")
+    assert text.splitlines()[1].startswith(f"  accept acceptance  {result['verdict']}")
+    assert past_answers(text).startswith(f"== Acceptance: tiny-qwen3 → tiny-qwen3: {result['verdict']}")
 
 
 # ---------------------------------------------------------------- documents per the contracts
@@ -428,7 +429,7 @@ def test_two_sweeps_share_the_charts_and_open_loop_runs_make_a_curve(browser, ca
     assert [line.split()[2] for line in text.splitlines() if line.startswith("    bench runs")][:3] == ["0.5", "1", "2"]
 
 
-def test_answers_come_first_one_sentence_per_result(capsys, tmp_path):
+def test_answers_come_first_one_sentence_per_result(browser, capsys, tmp_path):
     """Each result's verdict, the figure behind it and what to do, before any chart; a roofline
     set against a sweep of another model is said to compare two models, there and in its section."""
     sweep_file = write(tmp_path, "sweep.json", sweep_doc())
@@ -446,6 +447,9 @@ def test_answers_come_first_one_sentence_per_result(capsys, tmp_path):
                "different models unless they are the same one under another name")
     assert answers[3] == f"  warning            {warning}"
     assert re.search(r"== Physics: measured against the roofline\n(  .*\n)*  warning +" + re.escape(warning), text)
+    html, _ = render(tmp_path, capsys, "answers", *files, write(tmp_path, "compare.json", compare_doc()))
+    page = browse(browser, html)
+    assert page["text"].index("Answers") < page["text"].index("knee at C = 2") < page["text"].index("Comparison")
     same = sweep_doc(model="Qwen/Qwen3-0.6B")
     assert report_html.model_mismatch(report_html.Result("roofline", "r.json", roof),
                                       [report_html.Result("sweep", "s.json", same)]) == []
