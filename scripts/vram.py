@@ -212,28 +212,41 @@ def render(r: Mapping[str, Any]) -> str:
     """The human answer: what fits first (weights, the full context, the longest context, requests
     at the typical length), the assumptions, then the budget, the KV cache, the levers, the roofline."""
     lines = _headline(r) + [f"  assumes       {text}" for text in r["assumptions"]]
+    lines += _server_lines(r) + _budget_lines(r) + _lever_lines(r)
+    if r.get("roofline"):
+        lines += physics.summary_lines(r["roofline"])
+    return "\n".join(lines)
+
+
+def _server_lines(r: Mapping[str, Any]) -> list[str]:
+    """What a server at --url allocated, and the estimate's error against it."""
     check = r.get("model_check")
     if check:
         error = f"{check['error']:+.1%}" if check["error"] is not None else "n/a"
-        lines.append(f"  server        {r['server']['url']} allocated {check['server_kv_tokens']:,} KV tokens "
-                     f"({check['server_num_gpu_blocks']:,} blocks, {_gib(check['server_kv_gib'])}); the model estimated "
-                     f"{check['estimated_kv_tokens']:,} ({error}, range {check['estimated_kv_tokens_low']:,}-"
-                     f"{check['estimated_kv_tokens_high']:,}: {'inside' if check['in_range'] else 'outside'}); "
-                     "this answer uses the server's pool")
-    elif r.get("server"):
-        server, dep = r["server"], r["server"]["deployment"]
-        said = (f"{dep['kv_cache_tokens']:,} KV tokens, {dep['max_concurrency_at_max_model_len']:.2f}x at its "
-                f"max-model-len {server['max_model_len'] or 'n/a'}") if dep.get("kv_cache_tokens") else "no cache_config_info"
-        lines.append(f"  server        {server['url']} serves {server['model']} (root {server['root']}): {said}"
-                     + (f", KV cache sized by {dep['kv_cache_sized_by']}" if dep.get("kv_cache_sized_by") else ""))
+        return [f"  server        {r['server']['url']} allocated {check['server_kv_tokens']:,} KV tokens "
+                f"({check['server_num_gpu_blocks']:,} blocks, {_gib(check['server_kv_gib'])}); the model estimated "
+                f"{check['estimated_kv_tokens']:,} ({error}, range {check['estimated_kv_tokens_low']:,}-"
+                f"{check['estimated_kv_tokens_high']:,}: {'inside' if check['in_range'] else 'outside'}); "
+                "this answer uses the server's pool"]
+    if not r.get("server"):
+        return []
+    server, dep = r["server"], r["server"]["deployment"]
+    said = (f"{dep['kv_cache_tokens']:,} KV tokens, {dep['max_concurrency_at_max_model_len']:.2f}x at its "
+            f"max-model-len {server['max_model_len'] or 'n/a'}") if dep.get("kv_cache_tokens") else "no cache_config_info"
+    return [f"  server        {server['url']} serves {server['model']} (root {server['root']}): {said}"
+            + (f", KV cache sized by {dep['kv_cache_sized_by']}" if dep.get("kv_cache_sized_by") else "")]
+
+
+def _budget_lines(r: Mapping[str, Any]) -> list[str]:
+    """The memory budget, the KV cache and what its tokens mean, the range and why, marginal."""
     weights = f"weights {_gib(r['weights_gib'])} ({r['weights_quant']}, {_gib(r['weights_total_gib'])} in all)"
     if r["kv_space_fixed"]:
-        lines.append(f"  memory    KV space fixed at {_gib(r['kv_cache_gib'])} per GPU (no profiling); {weights}")
+        lines = [f"  memory    KV space fixed at {_gib(r['kv_cache_gib'])} per GPU (no profiling); {weights}"]
     else:
-        lines.append(f"  memory    {_gib(r['gpu_memory_gib'])} x {r['gpu_util']} = {_gib(r['gpu_memory_gib'] * r['gpu_util'])}; "
-                     f"{weights}, activation {_gib(r['activation_gib'])}, non-torch {_gib(r['non_torch_gib'])}, "
-                     f"CUDA graphs {_gib(r['cudagraph_gib'])}"
-                     + (f"; {r['kv_space_offset_gib']:+.2f} GiB to match the server's pool" if r.get("model_check") else ""))
+        lines = [f"  memory    {_gib(r['gpu_memory_gib'])} x {r['gpu_util']} = {_gib(r['gpu_memory_gib'] * r['gpu_util'])}; "
+                 f"{weights}, activation {_gib(r['activation_gib'])}, non-torch {_gib(r['non_torch_gib'])}, "
+                 f"CUDA graphs {_gib(r['cudagraph_gib'])}"
+                 + (f"; {r['kv_space_offset_gib']:+.2f} GiB to match the server's pool" if r.get("model_check") else "")]
     kv_line = (f"  KV cache  {_gib(max(0.0, r['kv_cache_gib']))} -> {r['kv_cache_tokens']:,} tokens; "
                f"{r['kv_bytes_per_token']:,} bytes/token per GPU ({r['attention_layers']} attention layers, KV {r['kv_dtype']})")
     if r.get("num_blocks") is not None:
@@ -244,14 +257,19 @@ def render(r: Mapping[str, Any]) -> str:
                      f"{r['max_concurrency_low']:.2f}-{r['max_concurrency_high']:.2f}x "
                      f"(non-KV memory -{r['non_kv_less_gib']:.2f}/+{r['non_kv_more_gib']:.2f} GiB: "
                      + ", ".join(s["source"] for s in r["range_sources"]) + ")")
-        for why in r["outside_model"]:
-            lines.append(f"            not modelled, the range widens: {why}")
+        lines += [f"            not modelled, the range widens: {why}" for why in r["outside_model"]]
     if r.get("marginal"):
         lines.append(f"  marginal  {r['marginal_reason']}")
     if r.get("expert_parallel"):
         lines.append("  expert parallel: experts split over the TP ranks (same bytes per GPU)")
     if r.get("linear_state_bytes_per_request"):
         lines.append(f"            + {r['linear_state_bytes_per_request']:,} bytes of linear-attention state per request")
+    return lines
+
+
+def _lever_lines(r: Mapping[str, Any]) -> list[str]:
+    """Each lever as its vLLM flag and vram setting, with requests at once; the cheapest fix."""
+    lines = []
     if r.get("levers"):
         typical = r["typical"]["tokens"] if r.get("typical") else TYPICAL_TOKENS
         lines.append(f"  levers (each alone, from this setup; requests at once at the full context and at {typical:,} tokens):")
@@ -268,9 +286,7 @@ def render(r: Mapping[str, Any]) -> str:
                      + (f"; needs {fix['needs']}" if fix.get("needs") else ""))
     elif not r["fits"]:
         lines.append("  no single or combined lever here makes it fit: use more GPUs or a smaller model")
-    if r.get("roofline"):
-        lines += physics.summary_lines(r["roofline"])
-    return "\n".join(lines)
+    return lines
 
 
 def _headline(r: Mapping[str, Any]) -> list[str]:
@@ -293,7 +309,7 @@ def _headline(r: Mapping[str, Any]) -> list[str]:
             (f"; up to {longest:,} tokens per request do" if longest else "")
     lines = [f"{verdict}: {r['model']} on {r['gpu']} ({per}), {r['engine']}: {said}"]
     if r["kv_space_fixed"]:
-        lines.append(f"  weights       on the GPU beside a given KV space of {_gib(r['kv_cache_gib'])}")
+        lines.append(f"  weights       not budgeted: the KV space is given ({_gib(r['kv_cache_gib'])} per device)")
     else:
         lines.append(f"  weights       {'fit' if weights_fit else 'DO NOT FIT'}: {_gib(r['weights_gib'])} per GPU of a "
                      f"{_gib(budget)} budget ({r['weights_quant']})")

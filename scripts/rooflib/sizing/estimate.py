@@ -975,6 +975,9 @@ FIXED_SPREAD = 0.3 * GIB
 # CUDA-graph memory vLLM >= 0.21 subtracts is its own estimate ("Estimated CUDA graph memory:
 # X GiB total"): 0.22-0.78 GiB for dense models in public logs, ~0.4-2 GiB for MoE and hybrid ones.
 CUDAGRAPH_SPREAD = {"dense": (0.3 * GIB, 0.3 * GIB), "moe": (1.0 * GIB, 0.6 * GIB)}  # (more, less)
+# With TP or PP every rank sizes its own pool and vLLM keeps the smallest (kv_cache_utils.
+# get_kv_cache_configs): vllm#21348 (TP4) logged 1.15% fewer tokens than its rank 0's KV GiB gives.
+RANKS_KV_SHARE = 0.015
 # --enforce-eager: no graphs, no torch.compile; the eager logs of the benchmark sit up to 0.5 GiB
 # either side of the estimate (vllm PR #20665's first stage: 0.48 GiB less).
 EAGER_SPREAD = 0.5 * GIB
@@ -984,14 +987,15 @@ EAGER_SPREAD = 0.5 * GIB
 # 0.3 GiB higher peak than their text-only Gemma 2 siblings.
 MULTIMODAL_SPREAD = (1.0 * GIB, 0.3 * GIB)
 # --enable-expert-parallel: the all-to-all buffers (DeepEP's VLLM_DEEPEP_BUFFER_SIZE_MB, 1024 by
-# default, vllm/envs.py) and larger CUDA graphs (~5 GiB estimated in TP4 + EP logs, 1 assumed).
-EXPERT_PARALLEL_MORE = {"graphs": 5.0 * GIB, "eager": 1.0 * GIB}
+# default, vllm/envs.py) and, with graphs, larger CUDA graphs (~5 GiB estimated in TP4 + EP logs).
+EXPERT_PARALLEL_BUFFERS = 1.0 * GIB
+EXPERT_PARALLEL_CUDAGRAPHS = 5.0 * GIB
 # WSL2: the Windows desktop shares the card and WDDM moves memory in and out (the kvcache-lab
 # RTX 4080 log in the benchmark: 1.3 of 16 GiB in use by Windows at start-up).
 WSL_SPREAD = 1.0 * GIB
 # ROCm: the non-torch memory (hipBLASLt, RCCL, AITER workspaces) and graph memory of ROCm builds
-# are not modelled; the one ROCm log checked against this model (issue #24) held 30% of the
-# estimated KV cache, so the low end allows for that.
+# are not modelled; the one ROCm log of the held-back check in the project's issue #24 held 30% of
+# the estimated KV cache, so the low end allows for that.
 ROCM_KV_SHARE = 0.3
 
 
@@ -1016,16 +1020,21 @@ def spread_sources(inp: Inputs, b: Mapping[str, Any]) -> list[Spread]:
                   f"{kind} weights: vLLM's loaded size against the computed one"),
            Spread("fixed", FIXED_SPREAD, FIXED_SPREAD, "allocator rounding and start-up memory outside the terms")]
     if b["activation_bytes"]:
-        out.append(Spread("activation", ACTIVATION_SPREAD * b["activation_bytes"], ACTIVATION_SPREAD * b["activation_bytes"],
-                          "the profile run's peak (forward of max_num_batched_tokens, sampler rows) is first-order"))
+        spread = ACTIVATION_SPREAD * b["activation_bytes"]
+        out.append(Spread("activation", spread, spread, "the profile run's peak (forward of "
+                                                        "max_num_batched_tokens, sampler rows) is first-order"))
     non_torch = b["non_torch_bytes"]
-    if inp.tp == 1:
-        out.append(Spread("non-torch", 0.2 * GIB, min(non_torch, 0.2 * GIB), "cuBLAS and attention workspaces vary by release"))
+    if inp.tp == 1:  # 0.05 or 0.25 GiB by release (non_torch_bytes): +-0.2 GiB covers either
+        out.append(Spread("non-torch", 0.2 * GIB, min(non_torch, 0.2 * GIB),
+                          "cuBLAS and attention workspaces vary by release"))
     else:
         # Custom all-reduce is off on more than two PCIe-only GPUs (vllm/distributed/device_communicators/
         # custom_all_reduce.py), so its buffers may be absent; symmetric memory is 2.07-2.17 GiB when on.
         spread = 0.3 * GIB if non_torch > 1.0 * GIB else non_torch
         out.append(Spread("non-torch", spread, spread, "all-reduce buffers at TP > 1 depend on the interconnect"))
+    if inp.tp * inp.pp > 1:
+        out.append(Spread("ranks", RANKS_KV_SHARE * max(0.0, b["kv_space_bytes"]), 0.0,
+                          "the smallest rank's pool binds at TP or PP > 1"))
     if b["cudagraph_bytes"]:
         more, less = CUDAGRAPH_SPREAD["moe" if m.experts or m.linear_state else "dense"]
         out.append(Spread("cuda-graphs", more, less, "vLLM subtracts its own CUDA-graph estimate (>= 0.21), "
@@ -1037,9 +1046,10 @@ def spread_sources(inp: Inputs, b: Mapping[str, Any]) -> list[Spread]:
         out.append(Spread("multimodal", *MULTIMODAL_SPREAD, "the vision encoder's profile run (dummy images) and the "
                           "vision tower's exact size are not modelled", outside=True))
     if vllm and inp.expert_parallel:
-        extra = EXPERT_PARALLEL_MORE["graphs" if b["cudagraph_bytes"] else "eager"] - b["cudagraph_bytes"]
-        out.append(Spread("expert-parallel", extra, 0.0, "expert-parallel all-to-all buffers (DeepEP: 1 GiB each by "
-                          "default) and its larger CUDA graphs are not modelled", outside=True))
+        graphs = EXPERT_PARALLEL_CUDAGRAPHS - b["cudagraph_bytes"] if b["cudagraph_bytes"] else 0.0
+        out.append(Spread("expert-parallel", EXPERT_PARALLEL_BUFFERS + graphs, 0.0, "expert-parallel all-to-all "
+                          "buffers (DeepEP: 1 GiB each by default) and its larger CUDA graphs are not modelled",
+                          outside=True))
     if inp.wsl:
         out.append(Spread("wsl", WSL_SPREAD, WSL_SPREAD, "WSL2: the Windows desktop shares the GPU and WDDM pages "
                           "its memory", outside=True))
