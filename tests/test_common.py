@@ -241,3 +241,16 @@ def test_signal_hold_notes_signals_and_raises_one_on_release(capsys):
         hold.release()  # nothing held: nothing raised
         hold.start()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("bench", ["--env-file", "/nonexistent/inference.env"]),       # settings read before run_main
+    ("metrics", ["--file", "{html}"]),                               # a scrape that is not Prometheus text
+])
+def test_every_error_path_gives_the_json_document(script, argv, capsys, tmp_path):
+    import importlib
+    html = tmp_path / "page.html"
+    html.write_text("<html>not metrics</html>")
+    code = importlib.import_module(script).main([a.format(html=html) for a in argv] + ["--json"])
+    out, err = capsys.readouterr()
+    assert code != 0 and json.loads(out) == {"error": err.removeprefix("error: ").rstrip("\n"), "exit_code": code}
