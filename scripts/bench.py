@@ -96,7 +96,7 @@ def _client_lines(result: dict[str, Any]) -> list[str]:
              f"{printing.fmt_number(lag['max'])}  (limit {client['lag_threshold_ms']:.2f}, CPU {printing.fmt_number((client['cpu_util'] or 0) * 100, 0)}%)"]
     stalled = client.get("stalls") or {}
     if stalled.get("count"):
-        lines.append(f"{'Client stalls (count, total, worst):':<34}{stalled['count']}, {stalled['total_s']:.2f} s "
+        lines.append(f"{'Client stalls (n, total, worst):':<34}{stalled['count']}, {stalled['total_s']:.2f} s "
                      f"({stalled['share']:.1%} of the run), {stalled['worst_ms']:.0f} ms")
     schedule = client["schedule_delay_ms"]
     if schedule["n"]:

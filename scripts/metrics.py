@@ -319,8 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return run(options(args))
         except (engine_metrics.InvalidScrape, fleet.UnusableAnswer) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_INVALID
+            return cli.fail(str(exc), EXIT_INVALID)
 
     return cli.run_main(body)
 

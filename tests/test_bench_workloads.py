@@ -393,6 +393,20 @@ def test_compare_cli_bad_files(tmp_path, capsys):
     assert "not a bench or sweep result" in capsys.readouterr().err
 
 
+def test_compare_without_b_names_what_is_missing(tmp_path, capsys):
+    """The task passes B even when it is not set: an empty name, not a file that "does not exist"."""
+    assert compare.main([str(tmp_path / "a.json"), ""]) == 2
+    assert capsys.readouterr().err == ("error: B is not given: pass two files written by bench.py --json or "
+                                       "sweep.py --json (task compare A=base.json B=candidate.json)\n")
+
+
+def test_compare_help_describes_before_the_options(capsys):
+    with pytest.raises(SystemExit):
+        compare.main(["--help"])
+    text = capsys.readouterr().out
+    assert text.index("bootstrap confidence interval, and a plain verdict") < text.index("positional arguments")
+
+
 # ---------------------------------------------------------------------------------------------
 # Against the calibration server
 

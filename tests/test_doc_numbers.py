@@ -43,6 +43,8 @@ def roofline(*args: str) -> dict:
 
 
 QWEN_H100 = ("--model", "qwen3-32b", "--gpu", "h100", "--ctx", "32768")
+# The skill's sliding-window example: kv_cache_tokens is not divided by a request length there.
+GEMMA_4090 = ("--model", "gemma-3-27b", "--gpu", "rtx-4090", "--quant", "awq", "--ctx", "16384")
 LLAMA_ROOFLINE = ("--model", "llama-3.1-8b", "--gpu", "h100", "--batch", "1", "--prompt-tokens", "2048")
 # The skill's worked example of "users" at a typical length: a 1,024-token prompt and 256 output tokens.
 TYPICAL_REQUEST_TOKENS = 1024 + 256
@@ -70,7 +72,11 @@ CLAIMS = [
     ("Qwen3-32B on one H100 at 32768 with GPU_UTIL=0.9: max concurrency (the marginal fit flips)", "0.99", [SKILL],
      lambda: round(vram(*QWEN_H100, "--gpu-util", "0.9")["max_concurrency"], 2)),
     ("Qwen3-32B on one H100 at 32768: requests of 1,280 tokens (1,024 in, 256 out) in its KV cache", "30", [SKILL],
-     lambda: vram(*QWEN_H100)["kv_cache_tokens"] // TYPICAL_REQUEST_TOKENS),
+     lambda: int(vram(*QWEN_H100, "--typical-tokens", str(TYPICAL_REQUEST_TOKENS))["typical"]["max_concurrency"])),
+    ("Gemma-3-27B AWQ on an RTX 4090 at 16384: KV tokens (concurrency x CTX)", "27301", [SKILL],
+     lambda: vram(*GEMMA_4090)["kv_cache_tokens"]),
+    ("Gemma-3-27B AWQ on an RTX 4090 at 16384: requests of 2,048 tokens at once", "4.0", [SKILL],
+     lambda: round(vram(*GEMMA_4090)["typical"]["max_concurrency"], 1)),
     ("the typical request of that example, tokens", "1280", [SKILL], lambda: TYPICAL_REQUEST_TOKENS),
     ("vLLM 0.32 default gpu_memory_utilization", "0.92", [SKILL, FLAGS],
      lambda: vram(*QWEN_H100)["gpu_util"]),
@@ -143,7 +149,7 @@ def test_stated_number_is_what_the_tool_gives(claim, written, files, measure):
 
 
 def test_stated_fix_is_what_vram_gives():
-    """The skill's example of a model that does not fit names vram's smallest fix verbatim."""
+    """The skill's example of a model that does not fit names vram's cheapest fix verbatim."""
     answer = vram("--model", "qwen3-32b", "--gpu", "l40s", "--ctx", "32768")
     assert answer["fits"] is False
     for skill in ("roofline-perf", "roofline-perf-ru"):

@@ -25,7 +25,8 @@ def _catalog_key(name: str) -> str:
 def find_in_catalog(catalog: Mapping[str, Mapping[str, Any]], name: str, what: str) -> tuple[str, Mapping[str, Any]]:
     """Look a name up by id or alias, ignoring case and punctuation ("H100 SXM" = "h100-sxm").
 
-    An unknown name is a UsageError that suggests the closest names, or lists them all.
+    An unknown name is a UsageError that suggests the close names, or else the five closest
+    (a catalog lists dozens).
     """
     import difflib
 
@@ -37,6 +38,9 @@ def find_in_catalog(catalog: Mapping[str, Mapping[str, Any]], name: str, what: s
     if wanted in index:
         return index[wanted], catalog[index[wanted]]
     close = difflib.get_close_matches(wanted, index, n=3, cutoff=0.6)
-    hint = ("did you mean " + ", ".join(sorted({index[c] for c in close}))) if close else \
-        "known: " + ", ".join(sorted(catalog))
+    if close:
+        hint = "did you mean " + ", ".join(sorted({index[c] for c in close}))
+    else:
+        nearest = dict.fromkeys(index[c] for c in difflib.get_close_matches(wanted, index, n=20, cutoff=0.0))
+        hint = "nothing close; the nearest are " + ", ".join(list(nearest)[:5])
     raise UsageError(f"unknown {what} {name!r}: {hint}")

@@ -8,7 +8,6 @@ import datetime
 import hashlib
 import json
 import random
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -478,6 +477,5 @@ def run_with_settings(args: Any, body: Callable[[Any, conf.Settings, Target], in
         settings = conf.settings_from_args(args)
         server = Target(*conf.server_settings(args, settings))
     except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return cli.fail(str(exc), EXIT_USAGE)
     return cli.run_main(lambda: body(args, settings, server), secret=server.api_key)
