@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-probe", action="store_true",
                    help="send two identical requests and report whether the prefix cache can hit (one --url; "
                         "the model is $INFER_MODEL or the first served)")
-    p.add_argument("--gpu", default="", help="GPU name from scripts/catalog/gpus.yaml, for MFU (else $GPU)")
+    p.add_argument("--gpu", default="", help="GPU name from scripts/rooflib/catalog/gpus.yaml, for MFU (else $GPU)")
     p.add_argument("--slo-ttft-p95-ms", default="", help="TTFT p95 target for the prefill finding "
                                                          "(else $SLO_TTFT_P95_MS)")
     p.add_argument("--slo-tpot-p95-ms", default="", help="TPOT p95 target for the decode finding "

@@ -15,7 +15,7 @@ byte), bits per byte, and a re-score of the first window at the end (a warning w
 Compare mode (--compare BASE CANDIDATE, each a server URL or a saved --json run): the change in
 perplexity in %, with a 95% paired bootstrap interval over blocks of tokens, judged by its upper
 bound against the levels of --scheme (fp8 1%/2%, int8 1.5%/3%, 4bit 3%/5%: warn/fail, from
-scripts/catalog/ppl_gates.yaml). Use the same text, window and stride on both sides, with
+scripts/rooflib/catalog/ppl_gates.yaml). Use the same text, window and stride on both sides, with
 prefix caching off (--no-enable-prefix-caching; vllm#42019).
 
 Examples:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tool-call smoke test of a served model: does it call the right tool with valid arguments?
 
-Runs the cases of scripts/catalog/toolcall_cases.yaml against /v1/chat/completions at
+Runs the cases of scripts/rooflib/catalog/toolcall_cases.yaml against /v1/chat/completions at
 temperature 0, each --repeat times: a single call (plain and streamed), parallel calls, choosing
 among four tools, no call when none fits, the answer after a tool result, nested and typed
 arguments with quotes and unicode, a tool without parameters, tool_choice required / named /

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Does a model fit on a GPU, how many tokens of KV cache, how many concurrent requests: as vLLM computes it.
 
-The model is a catalog name (scripts/catalog/models.yaml, works offline), a Hugging Face repo id
+The model is a catalog name (scripts/rooflib/catalog/models.yaml, works offline), a Hugging Face repo id
 (config.json is fetched once with httpx, HF_TOKEN if set, and cached), or a local folder /
-config.json. The GPU is a catalog name (scripts/catalog/gpus.yaml) or --gpu-gb.
+config.json. The GPU is a catalog name (scripts/rooflib/catalog/gpus.yaml) or --gpu-gb.
 
 vLLM's accounting (vllm/v1/worker/gpu_worker.py, vllm/v1/core/kv_cache_utils.py): the budget is
 gpu_memory_utilization x TOTAL memory; weights, the activation peak of the profile batch

@@ -13,7 +13,7 @@ CATALOG_DIR = Path(__file__).resolve().parents[1] / "catalog"
 
 
 def load_catalog(kind: str) -> dict[str, dict[str, Any]]:
-    """An embedded catalog, scripts/catalog/<kind>.yaml: {id: {..., aliases: [...], source: ...}}."""
+    """An embedded catalog, scripts/rooflib/catalog/<kind>.yaml: {id: {..., aliases: [...], source: ...}}."""
     with open(CATALOG_DIR / f"{kind}.yaml", encoding="utf-8") as handle:
         return yaml.safe_load(handle)
 

@@ -2,9 +2,9 @@
 
 Both CLIs (vram.py, roofline.py) import this module and physics; neither imports the other.
 
-The model is a catalog name (scripts/catalog/models.yaml, works offline), a Hugging Face repo id
+The model is a catalog name (scripts/rooflib/catalog/models.yaml, works offline), a Hugging Face repo id
 (config.json is fetched once with httpx, HF_TOKEN if set, and cached), or a local folder /
-config.json. The GPU is a catalog name (scripts/catalog/gpus.yaml) or a memory size.
+config.json. The GPU is a catalog name (scripts/rooflib/catalog/gpus.yaml) or a memory size.
 
 The accounting it follows, vLLM's and SGLang's, is stated for users in vram.py's --help; each
 function below cites the engine source it reproduces.
@@ -368,7 +368,7 @@ def resolve_gpu(name: str | None, gpu_gb: float | None = None, gpu_gib: float | 
         label = f"{gpu_gib:g} GiB GPU" if gpu_gib is not None else f"{gpu_gb:g} GB GPU ({reported:.2f} GiB)"
         return {**base, "id": base.get("id", "custom"), "name": base.get("name", label), "memory_gib": reported}
     if not name:
-        raise UsageError("no GPU given: set GPU (e.g. h100, a100-80gb, l40s; see scripts/catalog/gpus.yaml), "
+        raise UsageError("no GPU given: set GPU (e.g. h100, a100-80gb, l40s; see scripts/rooflib/catalog/gpus.yaml), "
                          "GPU_GB (the marketed size, e.g. 80) or GPU_GIB (the total vLLM logs)")
     catalog = catalogs.load_catalog("gpus")
     try:
