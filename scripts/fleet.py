@@ -307,9 +307,12 @@ LEVERS = {
 
 def _finding(kind: str, cause: str, evidence: str, named: Sequence[str], per_replica: dict[str, Any],
              flags: Mapping[str, str]) -> dict[str, Any]:
+    """A fleet finding in the shape of an engine's (scripts/diagnosis.py), with the replicas it
+    names; diagnosis.with_fleet puts its levers first in the plan."""
     words = {**flags, "replicas": len(named), "more": len(named) + 1}
-    return {"bottleneck": kind, "scope": "fleet", "cause": cause, "evidence": evidence,
-            "replicas": list(named), "per_replica": per_replica,
+    return {"kind": kind, "scope": "fleet", "cause": cause, "evidence": evidence,
+            "confidence": "high: each replica's series in Prometheus", "caused_by": None, "setting": None,
+            "current": None, "current_source": None, "replicas": list(named), "per_replica": per_replica,
             "levers": [lever.format(**words) for lever in LEVERS[kind]]}
 
 

@@ -901,10 +901,19 @@ def build_sections(results: Sequence[Result], records: Sequence[dict[str, Any]] 
             s = doc.get(key) or {}
             if s.get("n"):
                 facts.append((f"{name} ms", f"p50 {fmt(s.get('p50'))}, p95 {fmt(s.get('p95'))}, p99 {fmt(s.get('p99'))}"))
-        reasons = [f"{d.get('bottleneck')}: {d.get('evidence')}" for d in doc.get("diagnosis") or []]
         sections.append(Section(f"metrics-{len(sections)}", f"Server metrics: {r.label}", facts, [],
-                                None, reasons))
+                                None, diagnosis_lines(doc.get("diagnosis"))))
     return unique_ids(sections)
+
+
+def diagnosis_lines(found: Any) -> list[str]:
+    """A metrics result's diagnosis as lines: its findings (root cause first), plan and verify
+    commands; a file of an older version holds a plain list of findings."""
+    if not isinstance(found, dict):
+        return [f"{d.get('bottleneck')}: {d.get('evidence')}" for d in found or []]
+    return ([f"{d.get('kind')}: {d.get('evidence')}" for d in found.get("findings") or []]
+            + [f"plan {i}: {lever.get('text')}" for i, lever in enumerate(found.get("plan") or [], 1)]
+            + [f"verify: {command}" for command in found.get("verify") or []])
 
 
 def unique_ids(sections: list[Section]) -> list[Section]:
