@@ -146,12 +146,16 @@ def settings(r: Mapping[str, Any], served: Served | None = None) -> dict[str, Kn
     win over the scrape's labels), else inferred from the report's figures, else unknown."""
     dep = r.get("deployment") or {}
     found: dict[str, Known] = {}
-    scraped = {"block_size": dep.get("block_size"), "gpu_memory_utilization": dep.get("gpu_memory_utilization"),
-               "kv_cache_memory_bytes": dep.get("kv_cache_memory_bytes"), "cache_dtype": dep.get("kv_cache_dtype"),
-               "prefix_caching": {"True": True, "False": False}.get(dep.get("prefix_caching") or "")}
-    for name, value in scraped.items():
+    # setting -> (its vllm:cache_config_info label, the value deployment_config read there)
+    scraped = {"block_size": ("block_size", dep.get("block_size")),
+               "gpu_memory_utilization": ("gpu_memory_utilization", dep.get("gpu_memory_utilization")),
+               "kv_cache_memory_bytes": ("kv_cache_memory_bytes", dep.get("kv_cache_memory_bytes")),
+               "cache_dtype": ("cache_dtype", dep.get("kv_cache_dtype")),
+               "prefix_caching": ("enable_prefix_caching",
+                                  {"True": True, "False": False}.get(dep.get("prefix_caching") or ""))}
+    for name, (label, value) in scraped.items():
         if value is not None:
-            found[name] = Known(value, EXPORTED, f"vllm:cache_config_info {name.replace('prefix_caching', 'enable_prefix_caching')}")
+            found[name] = Known(value, EXPORTED, f"vllm:cache_config_info {label}")
     if dep.get("max_model_len"):
         found["max_model_len"] = Known(dep["max_model_len"], EXPORTED, "vllm:cache_config_info kv_cache_size_tokens "
                                                                          "/ kv_cache_max_concurrency")
@@ -207,10 +211,11 @@ def _infer_batched(r: Mapping[str, Any]) -> Known:
     """vLLM's per-step token budget: the largest engine step (vllm:iteration_tokens_total) while
     longer prompts were prefilled in chunks fills it."""
     step, prompt = r.get("step_tokens_largest"), r.get("prompt_tokens_largest")
-    if step and prompt and prompt[0] >= step[1]:
+    longest = max(prompt[0], r.get("prompt_tokens_mean") or 0) if prompt else 0
+    if step and longest >= step[1]:
         return Known(int(step[1]), INFERRED, (
             f"the largest engine steps held {step[0]:g}-{step[1]:g} tokens (vllm:iteration_tokens_total) while "
-            f"prompts of more than {prompt[0]:g} tokens were prefilled in chunks"))
+            f"prompts of {longest:,.0f} tokens and more were prefilled in chunks"))
     if step:
         return Known(None, UNKNOWN, f"no metric exports it; the largest engine steps held {step[0]:g}-{step[1]:g} "
                                     "tokens, and no prompt was long enough to fill a step")
@@ -219,13 +224,16 @@ def _infer_batched(r: Mapping[str, Any]) -> Known:
 
 def _infer_prefix_caching(r: Mapping[str, Any]) -> Known:
     if r["prefix_cache_hit_rate"]:
-        return Known(True, INFERRED, f"prompts hit the prefix cache ({pct(r['prefix_cache_hit_rate'])} of prompt tokens)")
+        return Known(True, INFERRED,
+                     f"prompts hit the prefix cache ({pct(r['prefix_cache_hit_rate'])} of prompt tokens)")
     return Known(None, UNKNOWN, "not exported" + (" (SGLang's radix cache is on unless --disable-radix-cache)"
                                                   if r["engine"] == "sglang" else ""))
 
 
 def _said(known: Known, name: str = "") -> str:
-    """`2 (inferred: running ...)`: a setting with where it came from."""
+    """`2 (inferred: running ...)`: a setting with where it came from; `unknown (not exported)`."""
+    if known.value is None:
+        return f"unknown ({known.how})"
     return f"{_value(name, known.value)} ({known.source}: {known.how})"
 
 
@@ -267,8 +275,8 @@ def _limit(r: Mapping[str, Any], s: Mapping[str, Known]) -> tuple[str | None, st
         return "running_limit", little, ("high" if seqs.source == EXPORTED else "medium") + \
             ": Little's law over the window" + ("" if seqs.source == EXPORTED else ", the cap inferred")
     if fit is not None and seqs.value and seqs.source == EXPORTED and seqs.value < fit and (kv_max or 0) < KV_FULL:
-        return "running_limit", f"the KV cache holds {fit:.1f} requests of {footprint:,.0f} tokens, more than the cap", \
-            "high: the exported cap and cache size"
+        return "running_limit", (f"the KV cache holds {fit:.1f} requests of {footprint:,.0f} tokens, more than "
+                                 "the cap"), "high: the exported cap and cache size"
     if fit is not None and fit < VLLM_DEFAULT_MAX_NUM_SEQS[0]:
         return "kv_cache", (f"requests waited; unless the running cap (not exported) is below {fit:.0f}, "
                             "the KV cache is the limit"), \
@@ -289,13 +297,13 @@ def _kv_finding(r: Mapping[str, Any], s: Mapping[str, Known], evidence: str, con
         (flags["util"], "", s.get("gpu_memory_utilization") or Known(None, UNKNOWN, "not exported"))
     size = s.get("kv_cache_tokens")
     fit = size.value / r["tokens_per_request"] if size and r.get("tokens_per_request") else None
-    sized = f"{setting} {_said(known, name)}"
+    holds = ""
     if size:
-        sized += f" gives {size.value:,} KV tokens" + (f", {fit:.1f} requests of {r['tokens_per_request']:,.0f} tokens"
-                                                       if fit is not None else "")
+        holds = f": {size.value:,} KV tokens" + (f", {fit:.1f} requests of {r['tokens_per_request']:,.0f} tokens"
+                                                 if fit is not None else "")
     usage = f"; KV usage up to {pct(r['kv_cache_usage_max'])}" if r["kv_cache_usage_max"] else ""
-    return _finding("kv_cache", f"the KV cache is too small for the load: {sized}; {evidence}{usage}", confidence,
-                    setting=setting, known=known)
+    return _finding("kv_cache", f"{setting} is {_said(known, name)}{holds}; the KV cache is too small for the load: "
+                                f"{evidence}{usage}", confidence, setting=setting, known=known)
 
 
 def findings(r: Mapping[str, Any], s: Mapping[str, Known]) -> list[dict[str, Any]]:
@@ -351,7 +359,8 @@ def _prefix_findings(r: Mapping[str, Any], s: Mapping[str, Known], flags: Mappin
     if rate is None or rate >= PREFIX_LOW:
         return []
     queried = f" of {r['prefix_cache_queries']:,.0f} prompt tokens looked up" if r["prefix_cache_queries"] else ""
-    on = f"prefix caching on ({caching.source}: {caching.how})" if caching.value else "prefix caching not known to be off"
+    on = f"prefix caching on ({caching.source}: {caching.how})" if caching.value else \
+        "prefix caching not known to be off"
     full = r["preemptions"] or (r["kv_cache_usage_max"] or 0) >= KV_FULL
     if rate > 0 and full:
         return [_finding("prefix_evicted", (
@@ -503,11 +512,12 @@ def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
     result.append(_lever(flags["tp"], tp, tp.value * 2 if tp and tp.value else None,
                          "the weights split over twice the GPUs, freeing memory for KV on each",
                          "more KV tokens per replica at the cost of twice the GPUs"))
-    seqs = s["max_num_seqs"]
-    if r["preemptions"] and fit and demand > fit and (seqs.value is None or seqs.value > fit):
+    seqs, running = s["max_num_seqs"], max(r["running_mean"] or 0, r["running_peak"] or 0)
+    if r["preemptions"] and fit and running > fit and (seqs.value is None or seqs.value > fit):
         result.append(_lever(flags["seqs"], seqs, max(1, fit),
                              f"admit only what the KV cache holds ({fit} requests of your length)",
-                             "no preemptions; the rest waits in the queue instead (TTFT rises), when memory cannot grow"))
+                             "no preemptions; the rest waits in the queue instead (TTFT rises), when memory "
+                             "cannot grow"))
     return result
 
 
@@ -542,7 +552,8 @@ def _running_levers(f, r, s, flags) -> list[dict[str, Any]]:
                              "(vllm/config/scheduler.py)", f"a step can hold one token of each of {proposed} requests"))
     if capped:
         result.append(_lever(None, None, None, f"{in_flight:.1f} requests in flight, {fit} fit in the KV cache",
-                             "the rest runs on the new replica", action=f"add a replica or data-parallel engine ({flags['dp']})"))
+                             "the rest runs on the new replica",
+                             action=f"add a replica or data-parallel engine ({flags['dp']})"))
     return result
 
 
@@ -551,7 +562,8 @@ def _queue_levers(f, r, s, flags) -> list[dict[str, Any]]:
                    "the root cause, KV cache or cap, with its setting",
                    action="task infer:metrics WINDOW=30 while the load is on"),
             _lever(None, None, None, "the load is more than one server runs at once",
-                   "queue wait falls as the load spreads", action=f"add replicas or data-parallel engines ({flags['dp']})")]
+                   "queue wait falls as the load spreads",
+                   action=f"add replicas or data-parallel engines ({flags['dp']})")]
 
 
 def _prefix_off_levers(f, r, s, flags) -> list[dict[str, Any]]:
@@ -605,7 +617,8 @@ def _decode_levers(f, r, s, flags) -> list[dict[str, Any]]:
     return [_lever(None, None, None, "at small batch most of each step is reading weights",
                    "more tokens per step per request (speculative decoding gains fall as batch grows)",
                    action=f"speculative decoding ({flags['spec']})"),
-            _lever(None, None, None, "fewer bytes read per token", "faster decode; check accuracy with task infer:accept",
+            _lever(None, None, None, "fewer bytes read per token",
+                   "faster decode; check accuracy with task infer:accept",
                    action=f"FP8 weights ({flags['quant']} fp8)")]
 
 

@@ -278,7 +278,7 @@ def configs(prom: Prometheus, engine: str, names: set[str], match: str, seconds:
 
 # ---------------------------------------------------------------------------------------------
 # Fleet findings. `reports` are engine_metrics.report() dicts of each replica plus instance, state,
-# model and config; `flags` are the engine's flag names (engine_metrics.FLAGS).
+# model and config; `flags` are the engine's flag names (diagnosis.FLAGS).
 
 LEVERS = {
     "replica_down": [

@@ -136,7 +136,7 @@ def queued_load(fleet, monkeypatch, capsys, servers: list, seed: int) -> tuple[M
         code, report, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", str(seconds))
         assert code == 0, err
         replicas = by_instance(report)
-        if all(fleet_findings.queued(replicas[instance(s.url)], engine_metrics.QUEUE_SHARE) for s in servers):
+        if all(fleet_findings.queued(replicas[instance(s.url)], diagnosis.QUEUE_SHARE) for s in servers):
             break
     return m, report, seconds
 

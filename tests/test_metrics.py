@@ -299,7 +299,7 @@ def test_recorded_preemptions_are_named_as_a_full_kv_cache():
     assert r["deployment"]["kv_cache_memory_bytes"] == 4194304 and r["deployment"]["max_num_seqs"] is None
     kv = r["diagnosis"]["root_cause"]
     assert (kv["setting"], kv["current"], kv["current_source"]) == ("--kv-cache-memory-bytes", 4194304, "exported")
-    assert "--kv-cache-memory-bytes 4 MiB (exported" in kv["evidence"] and "2,048 KV tokens" in kv["evidence"]
+    assert "--kv-cache-memory-bytes is 4 MiB (exported" in kv["evidence"] and "2,048 KV tokens" in kv["evidence"]
     assert r["diagnosis"]["plan"][0]["text"].startswith("--kv-cache-memory-bytes: 4 MiB -> 8 MiB (current: exported)")
 
 
@@ -567,7 +567,7 @@ def test_preemptions_from_a_small_kv_cache_are_named(vllm_factory):
     assert r["deployment"]["kv_cache_memory_bytes"] == 4194304
     kv = r["diagnosis"]["root_cause"]
     assert (kv["setting"], kv["current"]) == ("--kv-cache-memory-bytes", 4194304)
-    assert "--kv-cache-memory-bytes 4 MiB (exported" in kv["evidence"] and "2,048 KV tokens" in kv["evidence"]
+    assert "--kv-cache-memory-bytes is 4 MiB (exported" in kv["evidence"] and "2,048 KV tokens" in kv["evidence"]
     assert r["diagnosis"]["plan"][0]["text"].startswith("--kv-cache-memory-bytes: 4 MiB -> ")
 
 
@@ -637,8 +637,9 @@ def test_since_start_a_small_kv_cache_is_named_with_its_setting_not_guessed_as_s
     assert r["mode"] == "since_start" and r["preemptions"] == 0
     assert kinds(r) == ["kv_cache", "queue"]
     kv = r["diagnosis"]["root_cause"]
-    assert "gives 2,048 KV tokens, 6.4 requests of 320 tokens" in kv["evidence"]
-    assert "--kv-cache-memory-bytes 4 MiB (exported" in kv["evidence"]
+    assert "4 MiB (exported: vllm:cache_config_info kv_cache_memory_bytes): 2,048 KV tokens, " \
+           "6.4 requests of 320 tokens" in kv["evidence"]
+    assert "--kv-cache-memory-bytes is 4 MiB (exported" in kv["evidence"]
     assert "unless the running cap (not exported) is below 6" in kv["evidence"] and kv["confidence"].startswith("medium")
 
 
