@@ -3,7 +3,7 @@ causes, one plan of levers checked against the deployment, and the commands that
 
 Causes and what they cause, as the findings chain them (`caused_by`):
   outside_engine    time spent outside the engine (proxy, network): TTFT and e2e gaps the engine
-                    does not see (added by the client-against-server check, not from /metrics)
+                    does not see (a client-against-server check names it; /metrics alone cannot)
   kv_cache          the KV cache is too small for the load -> preemptions -> queue -> TTFT;
                     a low prefix-cache hit rate (prefix_evicted); recomputation stalls tokens (decode)
   running_limit     the cap on running requests holds them while the KV cache has room -> queue -> TTFT
@@ -40,6 +40,7 @@ PREFIX_LONG_PROMPT = 512    # mean prompt tokens from which recomputing a shared
 STALL_RATIO = 4             # an ITL p99 this many times the mean gap: tokens wait behind prefills
 LARGE_BATCH = 64            # running requests from which a smaller batch is a decode lever
 KV_HEADROOM = 0.95          # the largest --gpu-memory-utilization a lever proposes
+KV_STEP = 0.03              # how far one lever raises it
 
 # vLLM's own defaults for --max-num-seqs, smallest first (vllm/engine/arg_utils.py,
 # _set_default_max_num_seqs_and_batched_tokens_args: 128 per GPU on CPU-class platforms, 256 or
@@ -48,17 +49,16 @@ VLLM_DEFAULT_MAX_NUM_SEQS = (128, 256, 1024)
 
 # Engine flags the findings and levers name (vLLM / SGLang, as serve.py renders the profile keys).
 FLAGS = {
-    "vllm": {"seqs": "--max-num-seqs", "batched": "--max-num-batched-tokens",
-             "memory": "--gpu-memory-utilization or --kv-cache-memory-bytes", "kv_fp8": "--kv-cache-dtype fp8",
-             "len": "--max-model-len", "tp": "--tensor-parallel-size", "dp": "--data-parallel-size",
-             "spec": "--speculative-config", "prefix": "--enable-prefix-caching", "util": "--gpu-memory-utilization",
-             "kv_bytes": "--kv-cache-memory-bytes", "kv_dtype": "--kv-cache-dtype", "quant": "--quantization"},
-    "sglang": {"seqs": "--max-running-requests", "batched": "--chunked-prefill-size",
-               "memory": "--mem-fraction-static", "kv_fp8": "--kv-cache-dtype fp8_e4m3",
-               "len": "--context-length", "tp": "--tp-size", "dp": "--dp-size",
-               "spec": "--speculative-algorithm", "prefix": "--disable-radix-cache", "util": "--mem-fraction-static",
-               "kv_bytes": "--mem-fraction-static", "kv_dtype": "--kv-cache-dtype", "quant": "--quantization"},
+    "vllm": {"seqs": "--max-num-seqs", "batched": "--max-num-batched-tokens", "tp": "--tensor-parallel-size",
+             "dp": "--data-parallel-size", "spec": "--speculative-config", "prefix": "--enable-prefix-caching",
+             "util": "--gpu-memory-utilization", "kv_bytes": "--kv-cache-memory-bytes", "kv_dtype": "--kv-cache-dtype",
+             "quant": "--quantization"},
+    "sglang": {"seqs": "--max-running-requests", "batched": "--chunked-prefill-size", "tp": "--tp-size",
+               "dp": "--dp-size", "spec": "--speculative-algorithm", "prefix": "--disable-radix-cache",
+               "util": "--mem-fraction-static", "kv_bytes": "--mem-fraction-static", "kv_dtype": "--kv-cache-dtype",
+               "quant": "--quantization"},
 }
+# The FP8 KV-cache dtype each engine names (vLLM --kv-cache-dtype fp8; SGLang fp8_e4m3).
 FP8_KV = {"vllm": "fp8", "sglang": "fp8_e4m3"}
 
 # Which finding is the root when several have no cause above them: the one whose chain holds
@@ -114,7 +114,7 @@ def _above(row: Mapping[str, Any], name: str, target: float, label: str) -> str:
     value that puts the quantile above it is said."""
     text = f"{label} {name} {quantile_text(row, name)}"
     bucket = row.get("bucket_ms", {}).get(name)
-    if bucket and bucket[0] < target and name not in row["at_most"]:
+    if bucket and bucket[0] < target:
         text += f" (about {ms(row[name])} by interpolation)"
     return f"{text} > {label} target {ms(target)}"
 
@@ -198,13 +198,16 @@ def _infer_max_num_seqs(r: Mapping[str, Any]) -> Known:
             f"running at most {plateau:g} in the {r['running_while_waiting_samples']} gauge samples where "
             f"requests waited, KV usage at most {pct(r['kv_cache_usage_max'])}"))
     if room and r["mode"] == "window" and r["running_mean"] and (r["waiting_mean"] or 0) >= 1:
+        # A request that started before the window adds all its time to the window's sums: a
+        # mean a hair above a whole number is that number.
         return Known(math.ceil(r["running_mean"] - 0.05), INFERRED, (
             f"{r['running_mean']:.1f} requests ran at a time on average while {r['waiting_mean']:.1f} waited "
             "(Little's law over the window): a queue that rarely empties keeps the running count at its cap"))
     if r["engine"] == "vllm":
         return Known(None, UNKNOWN, "no metric exports it (vLLM's /server_info does with VLLM_SERVER_DEV_MODE=1); "
                                     "vLLM defaults: " + "/".join(map(str, VLLM_DEFAULT_MAX_NUM_SEQS)) + " by platform")
-    return Known(None, UNKNOWN, "not exported (sglang:max_running_requests absent, /get_server_info not read)")
+    return Known(None, UNKNOWN, "not exported (no sglang:max_running_requests; SGLang's /get_server_info gives it "
+                                "when --max-running-requests is set)")
 
 
 def _infer_batched(r: Mapping[str, Any]) -> Known:
@@ -248,10 +251,6 @@ def _finding(kind: str, evidence: str, confidence: str, caused_by: str | None = 
 
 
 HIGH = "high: histograms and counters of finished requests"
-
-
-def _mean_prompt(r: Mapping[str, Any]) -> float | None:
-    return r.get("prompt_tokens_mean")
 
 
 def _limit(r: Mapping[str, Any], s: Mapping[str, Known]) -> tuple[str | None, str, str]:
@@ -333,20 +332,22 @@ def findings(r: Mapping[str, Any], s: Mapping[str, Known]) -> list[dict[str, Any
             f"{quantile_text(queue, 'p95')}); TTFT p95 {quantile_text(ttft, 'p95')}" + (
                 "" if limit else "; these figures cannot tell the KV cache from the running-requests cap")),
             HIGH if limit else "low: which limit holds the requests is not known", limit))
-    found += _prefix_findings(r, s, flags)
+    found += _prefix_findings(r, s, flags, limit == "kv_cache")
     prefix_root = next((f["kind"] for f in found if f["kind"].startswith("prefix_")), None)
     if not queued and _over(ttft, "p95", slo["ttft_p95_ms"]):
         found.append(_finding("prefill", (
             f"{_above(ttft, 'p95', slo['ttft_p95_ms'], 'TTFT')} with little queueing (queue {pct(share)} of e2e)"
             + (f": prefill mean {ms(r['prefill_ms']['mean'])}" if r["prefill_ms"]["mean"] is not None else "")
-            + f", prompts of {_tokens(_mean_prompt(r))} tokens on average"), HIGH, prefix_root))
+            + f", prompts of {_tokens(r['prompt_tokens_mean'])} tokens on average"), HIGH, prefix_root))
     decode = _decode_finding(r, s, flags, next((f["kind"] for f in found if f["kind"] == "prefill"), prefix_root))
     return found + ([decode] if decode else [])
 
 
-def _prefix_findings(r: Mapping[str, Any], s: Mapping[str, Known], flags: Mapping[str, str]) -> list[dict[str, Any]]:
-    """Long prompts recomputed: the cache is off, their starts differ (client), or it evicts."""
-    prompt, rate, caching = _mean_prompt(r), r["prefix_cache_hit_rate"], s["prefix_caching"]
+def _prefix_findings(r: Mapping[str, Any], s: Mapping[str, Known], flags: Mapping[str, str],
+                     kv_full: bool) -> list[dict[str, Any]]:
+    """Long prompts recomputed: the cache is off, their starts differ (client), or the full KV
+    cache (`kv_full`: its finding is made) evicts them."""
+    prompt, rate, caching = r["prompt_tokens_mean"], r["prefix_cache_hit_rate"], s["prefix_caching"]
     if not prompt or prompt < PREFIX_LONG_PROMPT:
         return []
     if caching.value is False:
@@ -361,8 +362,7 @@ def _prefix_findings(r: Mapping[str, Any], s: Mapping[str, Known], flags: Mappin
     queried = f" of {r['prefix_cache_queries']:,.0f} prompt tokens looked up" if r["prefix_cache_queries"] else ""
     on = f"prefix caching on ({caching.source}: {caching.how})" if caching.value else \
         "prefix caching not known to be off"
-    full = r["preemptions"] or (r["kv_cache_usage_max"] or 0) >= KV_FULL
-    if rate > 0 and full:
+    if rate > 0 and kv_full:
         return [_finding("prefix_evicted", (
             f"prefix-cache hit rate {pct(rate)}{queried} with {prompt:,.0f}-token prompts and {on}, while the KV "
             "cache is full: cached prefixes are evicted before the next request can use them"),
@@ -391,13 +391,14 @@ def _decode_finding(r: Mapping[str, Any], s: Mapping[str, Known], flags: Mapping
         return None
     gap_mean = itl["mean"] or tpot["mean"]
     tail = itl["p99"] if itl["p99"] is not None else itl["p95"]
-    stalls = bool(gap_mean and tail and tail >= STALL_RATIO * gap_mean and (_mean_prompt(r) or 0) >= PREFIX_LONG_PROMPT)
+    long_prompts = (r["prompt_tokens_mean"] or 0) >= PREFIX_LONG_PROMPT
+    stalls = bool(gap_mean and tail and tail >= STALL_RATIO * gap_mean and long_prompts)
     running = r["running_mean"] or r["running_peak"] or 0
     text = "; ".join(slow)
     if stalls:
         cause = prefill_cause or ("kv_cache" if r["preemptions"] else None)
         why = (f"tokens stall behind prefills: ITL p99 {quantile_text(itl, 'p99')} against a mean gap of "
-               f"{ms(gap_mean)}, prompts of {_tokens(_mean_prompt(r))} tokens")
+               f"{ms(gap_mean)}, prompts of {_tokens(r['prompt_tokens_mean'])} tokens")
         decides = " (faster prefill fixes both; ITL p50 against p99 tells stalls from a slow batch)" if cause else ""
         return _finding("decode", f"{text}: {why}{decides}", HIGH, cause,
                         None if cause or r["engine"] != "vllm" else flags["batched"],
@@ -433,11 +434,12 @@ def ordered(found: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 # The plan
 
 def _lever(setting: str | None, known: Known | None, proposed: Any, reason: str, effect: str,
-           action: str = "", name: str = "") -> dict[str, Any]:
-    """One lever; `action` is its text when no setting carries it."""
+           action: str = "", name: str = "", toward: str = "higher") -> dict[str, Any]:
+    """One lever; `action` is its text when no setting carries it, `toward` the direction it
+    names when no value can be proposed."""
     if setting:
         current = _value(name, known.value if known else None)
-        text = (f"{setting}: {current} -> {_value(name, proposed) if proposed is not None else 'higher'} "
+        text = (f"{setting}: {current} -> {_value(name, proposed) if proposed is not None else toward} "
                 f"(current: {known.source if known else UNKNOWN}): {reason}; expect {effect}")
     else:
         text = f"{action}: {reason}; expect {effect}"
@@ -471,12 +473,19 @@ def _kv_fit(r: Mapping[str, Any]) -> int | None:
 
 def levers(finding: Mapping[str, Any], r: Mapping[str, Any], s: Mapping[str, Known]) -> list[dict[str, Any]]:
     """The levers of one finding, in the order to try; none for a consequence its cause's levers fix."""
-    make = {"kv_cache": _kv_levers, "running_limit": _running_levers, "queue": _queue_levers,
+    make = {"outside_engine": _outside_levers, "kv_cache": _kv_levers, "running_limit": _running_levers,
+            "queue": _queue_levers,
             "prefix_cache_off": _prefix_off_levers, "prefix_unstable": _prefix_unstable_levers,
             "prefill": _prefill_levers, "decode": _decode_levers}
     if finding["caused_by"] or finding["kind"] not in make:
         return []
     return make[finding["kind"]](finding, r, s, FLAGS[r["engine"]])
+
+
+def _outside_levers(f, r, s, flags) -> list[dict[str, Any]]:
+    return [_lever(None, None, None, "the client saw more time than the engine: a proxy, gateway, network or "
+                   "the API server holds it", "the network's share (the probe's round trip) and the rest",
+                   action="split the gap from where the users are: task infer:bench -- --probe /health")]
 
 
 def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
@@ -498,10 +507,11 @@ def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
                              f"{factor}x the KV tokens ({holds}); preemptions stop once the requests in flight fit "
                              "(if the device has the memory: task infer:vram sizes it)", name="kv_cache_memory_bytes"))
     elif f["current"] is None or f["current"] < KV_HEADROOM:
-        result.append(_lever(f["setting"], known, KV_HEADROOM if f["current"] is not None else None,
-                             "more of the device's memory for the KV cache; the rest holds activations and graphs",
-                             f"more KV tokens ({holds}); each 0.01 is 1% of the device's memory (task infer:vram "
-                             "with GPU_UTIL sizes it)"))
+        step = round(min(f["current"] + KV_STEP, KV_HEADROOM), 2) if f["current"] is not None else None
+        result.append(_lever(f["setting"], known, step,
+                             "more of the device's memory for the KV cache, a small step: the rest holds "
+                             "activations and graphs", f"more KV tokens ({holds}); each 0.01 is 1% of the device's "
+                                                       "memory (task infer:vram with GPU_UTIL sizes it)"))
     dtype = s.get("cache_dtype")
     if not dtype or not str(dtype.value).startswith("fp8"):
         result.append(_lever(flags["kv_dtype"], dtype, FP8_KV[r["engine"]],
@@ -533,7 +543,10 @@ def _running_levers(f, r, s, flags) -> list[dict[str, Any]]:
     if capped:
         proposed = fit
     if seqs.value and seqs.value >= proposed:
-        return []
+        return [_lever(None, None, None, f"the {in_flight:.1f} requests in flight on average fit under the cap of "
+                       f"{seqs.value}: requests wait in bursts above the mean",
+                       "the peak the cap meets, and whether the bursts are the traffic's norm",
+                       action="task infer:metrics WINDOW=30 while the load peaks")]
     queue, service = r["queue_ms"]["mean"], _service_ms(r)
     rate = f"{r['requests'] / r['seconds']:.2g} req/s x {ms(r['e2e_ms']['mean'])} each, queue included" \
         if r["mode"] == "window" and r["seconds"] and r["requests"] and r["e2e_ms"]["mean"] else "the cap while busy"
@@ -570,7 +583,7 @@ def _prefix_off_levers(f, r, s, flags) -> list[dict[str, Any]]:
     on = "drop the flag" if r["engine"] == "sglang" else True
     current = Known(f["current"], f["current_source"], "")
     return [_lever(f["setting"], current, on, (
-        f"prompts of {_tokens(_mean_prompt(r))} tokens are computed in full; a shared start (system prompt, "
+        f"prompts of {_tokens(r['prompt_tokens_mean'])} tokens are computed in full; a shared start (system prompt, "
         "tools, history) is computed once and then read from the cache"),
         "prefill time and TTFT fall by the share of each prompt that is shared (unknown while the cache is off: "
         "the hit rate after the change tells it)")]
@@ -587,7 +600,7 @@ def _prefix_unstable_levers(f, r, s, flags) -> list[dict[str, Any]]:
 
 def _prefill_levers(f, r, s, flags) -> list[dict[str, Any]]:
     result = []
-    batched, prompt = s["max_num_batched_tokens"], _mean_prompt(r)
+    batched, prompt = s["max_num_batched_tokens"], r["prompt_tokens_mean"]
     if r["engine"] == "vllm" and batched.value and prompt and prompt > batched.value:
         proposed = _power_of_two(prompt)
         result.append(_lever(flags["batched"], batched, proposed,
@@ -609,7 +622,7 @@ def _decode_levers(f, r, s, flags) -> list[dict[str, Any]]:
         known = s["max_num_batched_tokens"]
         return [_lever(f["setting"], known, max(known.value // 2, 512) if known.value else None,
                        "smaller prefill chunks interrupt decoding for less time",
-                       "shorter stalls (ITL p99 down), each prompt in more steps (TTFT up)")]
+                       "shorter stalls (ITL p99 down), each prompt in more steps (TTFT up)", toward="lower")]
     if f["setting"] == flags["seqs"]:
         known, running = s["max_num_seqs"], r["running_mean"] or r["running_peak"]
         return [_lever(f["setting"], known, _power_of_two(running / 2), "a smaller batch reads the KV of fewer "
@@ -628,7 +641,7 @@ def plan(found: Sequence[Mapping[str, Any]], r: Mapping[str, Any], s: Mapping[st
     result, seen = [], set()
     for finding in found:
         for lever in levers(finding, r, s):
-            key = lever["setting"] or lever["text"].split(":")[0]
+            key = lever["setting"] or lever["text"].split(": ")[0]  # the action
             if key not in seen:
                 seen.add(key)
                 result.append(lever)
@@ -695,11 +708,11 @@ def format_diagnosis(d: Mapping[str, Any]) -> list[str]:
         return ["Diagnosis: no bottleneck found in these figures."]
     lines = []
     causes = {f["kind"]: f for f in d["findings"]}
-    for finding in d["findings"]:
+    for i, finding in enumerate(d["findings"]):
         depth, above = 0, finding["caused_by"]
         while above in causes and depth < len(causes):
             depth, above = depth + 1, causes[above]["caused_by"]
-        head = "Root cause: " if finding is d["root_cause"] else ("  " * depth + "-> " if depth else "Also: ")
+        head = "Root cause: " if i == 0 else ("  " * depth + "-> " if depth else "Also: ")
         lines.append(f"{head}[{finding['kind']}] {finding['evidence']} (confidence {finding['confidence']})")
     lines.append("Plan (one change at a time, in this order):")
     lines += [f"  {i}. {lever['text']}" for i, lever in enumerate(d["plan"], 1)]

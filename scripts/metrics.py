@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Read a vLLM or SGLang server's Prometheus metrics and name the bottleneck.
+"""Read a vLLM or SGLang server's Prometheus metrics and name the root cause of what is slow.
 
 Reads /metrics from one or more servers (--url, auto-detects vLLM or SGLang), from saved
 scrapes (--file), or asks a Prometheus server for a whole fleet (--prometheus). Reports TTFT,

@@ -262,7 +262,7 @@ def test_requests_filling_the_kv_cache_are_the_kv_limit_not_the_cap():
     assert kinds(r)[:2] == ["kv_cache", "queue"]
     assert r["diagnosis"]["root_cause"]["setting"] == "--gpu-memory-utilization"
     levers = {lever["setting"]: lever for lever in r["diagnosis"]["plan"]}
-    assert (levers["--gpu-memory-utilization"]["current"], levers["--gpu-memory-utilization"]["proposed"]) == (0.9, 0.95)
+    assert (levers["--gpu-memory-utilization"]["current"], levers["--gpu-memory-utilization"]["proposed"]) == (0.9, 0.93)
     assert levers["--kv-cache-dtype"]["proposed"] == "fp8" and "--max-num-seqs" not in levers
 
 
@@ -303,7 +303,12 @@ def test_the_largest_engine_step_shows_max_num_batched_tokens():
 def test_a_root_outside_the_engine_comes_first():
     outside = diagnosis._finding("outside_engine", "the client saw 300 ms more than the engine", "high: both sides")
     queue = diagnosis._finding("queue", "requests wait", "low")
-    assert [f["kind"] for f in diagnosis.ordered([queue, outside])] == ["outside_engine", "queue"]
+    found = diagnosis.ordered([queue, outside])
+    assert [f["kind"] for f in found] == ["outside_engine", "queue"]
+    plan = diagnosis.plan(found, {"engine": "vllm"}, {})
+    assert [lever["text"].split(": ")[0] for lever in plan] == [
+        "split the gap from where the users are", "task infer:metrics WINDOW=30 while the load is on",
+        "add replicas or data-parallel engines (--data-parallel-size)"]
 
 
 # --------------------------------------------------------------------------------------------
