@@ -62,7 +62,8 @@ def window(*, n: int = 60, seconds: float = 60.0, queue: float = 0.0, prefill: f
            itl: list[float] | None = None, tpot: float = 0.02, prompt: int = 1600, output: int = 100,
            prompt_counter: float | None = None, steps: list[float] | None = None, hits: float = 0.5,
            running: tuple[float, float] = (0, 0), waiting: tuple[float, float] = (0, 0), kv: float = 0.1,
-           preemptions: float = 0, plateau: tuple[float, ...] = (), cache_config: dict | None = None) -> dict:
+           preemptions: float = 0, plateau: tuple[float, ...] = (), cache_config: dict | None = None,
+           endpoint: str = "completion") -> dict:
     """A vLLM window of `n` requests finished in `seconds`, each queued, prefilled and decoded
     for the given seconds, with the given lengths; gauges as (last value, peak)."""
     ttft = queue + prefill
@@ -81,7 +82,7 @@ def window(*, n: int = 60, seconds: float = 60.0, queue: float = 0.0, prefill: f
     queried = prompt_counter if prompt_counter is not None else float(prompt * n)
     counters = {"prompt_tokens": queried, "generation_tokens": float(output * n), "preemptions": float(preemptions),
                 "prefix_queries": queried, "prefix_hits": queried * hits,
-                "completion_requests": float(n)}
+                f"{endpoint}_requests": float(n)}
     gauges = {"running": running, "waiting": waiting, "kv_cache_usage": (kv, kv)}
     return {"engine": "vllm", "source": "synthetic", "models": ["m"], "engines": 1, "time": seconds,
             "seconds": seconds, "start_time": 0.0, "warnings": [], "cache_config": cache_config or CACHE_CONFIG,
@@ -324,14 +325,14 @@ def task_command(line: str) -> list[str]:
 
 
 def test_verify_commands_are_real_bench_and_compare_runs():
-    r = diagnosed(stalled(), slo=engine_metrics.Targets(1500, 40))
+    r = diagnosed(stalled(endpoint="chat"), slo=engine_metrics.Targets(1500, 40))
     before, after, compare = r["diagnosis"]["verify"]
     for line in (before, after):
         argv = task_command(line)
         args = loadgen.build_parser().parse_args(argv[argv.index(str(REPO / "scripts" / "bench.py")) + 1:])
         cfg = loadgen.make_config(args, common.settings_from_args(args))
         assert (cfg["input_tokens"], cfg["output_tokens"], cfg["slo_ttft_p95_ms"]) == (1600, 100, 1500)
-    assert args.output.file == "after.json" and args.shared_prefix == "800"
+    assert args.output.file == "after.json" and args.shared_prefix == "800" and args.endpoint == "chat"
     assert task_command(compare)[-2:] == ["before.json", "after.json"]
 
 
