@@ -536,7 +536,8 @@ QUEUEING_PROMPTS = (2048, 3072)
 
 @pytest.mark.real_vllm
 def test_queue_behind_max_num_seqs_is_named(vllm_factory, tmp_path, capsys):
-    # Prefix caching off: the long prompts are computed (no prefix-cache finding about them).
+    # Prefix caching off: the long prompts are computed, which the diagnosis adds as an
+    # independent finding after the queue's root cause.
     with vllm_factory(sets=["max_num_seqs=2", "enable_prefix_caching=false"]) as server:
         for prompt_tokens in QUEUEING_PROMPTS:
             r = window_report(server.url, tmp_path, capsys,
@@ -547,10 +548,12 @@ def test_queue_behind_max_num_seqs_is_named(vllm_factory, tmp_path, capsys):
     # queued, and the time they ran (Little's law: at most 2 at a time).
     assert r["e2e_ms"]["n"] == 16 and 0 < r["running_mean"] <= 2
     assert r["queue_ms"]["mean"] > 0.2 * r["e2e_ms"]["mean"]
-    assert kinds(r) == ["running_limit", "queue"]
+    assert kinds(r) == ["running_limit", "queue", "prefix_cache_off"]
     root = r["diagnosis"]["root_cause"]
     assert (root["setting"], root["current"], root["current_source"]) == ("--max-num-seqs", 2, "inferred")
-    assert r["diagnosis"]["plan"][0]["proposed"] > 2
+    plan = r["diagnosis"]["plan"]
+    assert plan[0]["setting"] == "--max-num-seqs" and plan[0]["proposed"] > 2
+    assert plan[-1]["text"].startswith("--enable-prefix-caching: False -> True (current: exported)")
 
 
 @pytest.mark.real_vllm
