@@ -47,7 +47,8 @@ def test_install_ships_only_what_the_tasks_run(installed):
     # The list is written out so that a new script is a decision, not an accident.
     scripts = installed / "roofline-toolbox" / "scripts"
     assert sorted(p.name for p in scripts.glob("*.py")) == [
-        "accept.py", "bench.py", "common.py", "compare.py", "engine_metrics.py", "fleet.py", "loadgen.py",
+        "accept.py", "bench.py", "common.py", "compare.py", "deployment.py", "diagnosis.py", "engine_metrics.py",
+        "fleet.py", "loadgen.py",
         "metrics.py", "perplexity.py", "physics.py", "ppl.py", "profiles.py", "report.py", "roofline.py",
         "serve.py", "served.py", "server_watch.py", "setup_cpu_vllm.py", "sizing.py", "smoke_toolcall.py",
         "stats.py", "sweep.py", "tiny_model.py", "toolcalls.py", "vram.py", "workload.py"]
