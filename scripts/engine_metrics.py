@@ -665,7 +665,8 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
 def _lengths(snap: dict[str, Any], requests: int) -> dict[str, Any]:
     """Mean prompt and output tokens of the requests that finished, from their own histograms;
     without them from the token counters (vLLM counts prompt tokens when it prefills them, so
-    requests still running add to them; SGLang counts both when a request finishes)."""
+    requests still running add to them; SGLang counts both when a request finishes:
+    observe_one_finished_request in python/sglang/srt/metrics/collector.py)."""
     result = {"prompt_tokens_mean": None, "output_tokens_mean": None, "lengths_from": None}
     hists, counters = snap["histograms"], snap["counters"]
     if hists.get("prompt_len", {}).get("count"):
