@@ -70,7 +70,7 @@ def server_side(before: dict[str, Any] | None, after: dict[str, Any] | None, not
              f"{printing.fmt_number(None if report['prefix_cache_hit_rate'] is None else 100 * report['prefix_cache_hit_rate'], 1)}%",
              f"peak running {printing.fmt_number(report['running_peak'], 0)}, waiting {printing.fmt_number(report['waiting_peak'], 0)}, "
              f"KV cache max {printing.fmt_number(None if report['kv_cache_usage_max'] is None else 100 * report['kv_cache_usage_max'], 1)}%"]
-    lines += [f"{f['bottleneck']}: {f['evidence']}" for f in report["diagnosis"]]
+    lines += [f"{f['kind']}: {f['evidence']}" for f in report["diagnosis"]["findings"]]
     return {"metrics": {**figures, "lines": lines}, "metrics_note": "", "summary": lines[:2]}
 
 

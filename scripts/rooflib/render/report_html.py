@@ -888,8 +888,13 @@ def _roofline_answer(doc: dict[str, Any]) -> str:
 
 
 def _metrics_answer(doc: dict[str, Any]) -> str:
-    found = doc.get("diagnosis") or []
-    if not found:
+    found = doc.get("diagnosis")
+    if isinstance(found, dict):  # the causal diagnosis: its root cause and the plan's first lever
+        root, plan = found.get("root_cause"), found.get("plan") or []
+        if not root:
+            return "no bottleneck found in these figures"
+        return f"root cause {root.get('kind')}: {root.get('evidence')}" + (f"; first: {plan[0].get('text')}" if plan else "")
+    if not found:  # a file of an older version holds a plain list of findings
         return "no bottleneck found in these figures"
     return f"{found[0].get('bottleneck')}: {found[0].get('evidence')}; fix this first"
 
@@ -1020,8 +1025,17 @@ def metrics_section(r: Result, place: int) -> Section:
         s = doc.get(key) or {}
         if s.get("n"):
             facts.append((f"{name} ms", f"p50 {fmt(s.get('p50'))}, p95 {fmt(s.get('p95'))}, p99 {fmt(s.get('p99'))}"))
-    reasons = [f"{d.get('bottleneck')}: {d.get('evidence')}" for d in doc.get("diagnosis") or []]
-    return Section(f"metrics-{place}", f"Server metrics: {r.label}", facts, [], None, reasons)
+    return Section(f"metrics-{place}", f"Server metrics: {r.label}", facts, [], None, diagnosis_lines(doc.get("diagnosis")))
+
+
+def diagnosis_lines(found: Any) -> list[str]:
+    """A metrics result's diagnosis as lines: its findings (root cause first), plan and verify
+    commands; a file of an older version holds a plain list of findings."""
+    if not isinstance(found, dict):
+        return [f"{d.get('bottleneck')}: {d.get('evidence')}" for d in found or []]
+    return ([f"{d.get('kind')}: {d.get('evidence')}" for d in found.get("findings") or []]
+            + [f"plan {i}: {lever.get('text')}" for i, lever in enumerate(found.get("plan") or [], 1)]
+            + [f"verify: {command}" for command in found.get("verify") or []])
 
 
 def unique_ids(sections: list[Section]) -> list[Section]:
