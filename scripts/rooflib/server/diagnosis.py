@@ -194,9 +194,13 @@ def _infer_max_num_seqs(r: Mapping[str, Any]) -> Known:
     room = _kv_room(r)
     plateau = r.get("running_while_waiting")
     if room and plateau:
-        return Known(int(plateau), INFERRED, (
+        # A sample can land on a step that admitted no one (a long prefill filled the step's token
+        # budget): the cap is at least the most that ever ran, so a higher peak wins.
+        peak = max(plateau, r.get("running_peak") or 0)
+        seen = f", and at most {peak:g} at any sample" if peak > plateau else ""
+        return Known(int(peak), INFERRED, (
             f"running at most {plateau:g} in the {r['running_while_waiting_samples']} gauge samples where "
-            f"requests waited, KV usage at most {pct(r['kv_cache_usage_max'])}"))
+            f"requests waited{seen}, KV usage at most {pct(r['kv_cache_usage_max'])}"))
     if room and r["mode"] == "window" and r["running_mean"] and (r["waiting_mean"] or 0) >= 1:
         # A request that started before the window adds all its time to the window's sums: a
         # mean a hair above a whole number is that number.
