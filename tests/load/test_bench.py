@@ -26,7 +26,7 @@ from rooflib.core.errors import UsageError
 from rooflib.load import analysis, asyncclient, benchrun, http1, promptgen, request_outcome, runner, sweeps
 from rooflib.server import engine_metrics
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 # ---------------------------------------------------------------------------------------------

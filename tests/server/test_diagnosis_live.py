@@ -33,7 +33,7 @@ import pytest
 from slow_proxy import Behaviour, proxy
 from test_metrics import send_load
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 METRICS = REPO / "scripts" / "metrics.py"
 # Targets no CPU run misses: these deployments are about limits and caches, not CPU speed.
 CPU_SLO = ["--slo-ttft-p95-ms", "600000", "--slo-tpot-p95-ms", "600000"]

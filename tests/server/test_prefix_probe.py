@@ -11,7 +11,7 @@ import pytest
 from rooflib.server import prefix_probe
 from rooflib.server.prefix_probe import Answer, Counters
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "metrics"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 ON = {"enable_prefix_caching": "True", "block_size": "128"}
 OFF = {"enable_prefix_caching": "False", "block_size": "128"}
 TOKENS = 1285  # a prompt of 10 full blocks of 128 and 5 tokens: 1,280 can hit

@@ -6,7 +6,7 @@ nowhere (stdout, stderr, written files), and no hang: a run past its bound fails
 (SIGALRM raises through whatever the script is doing, a busy loop included).
 
 vram is not in the table: the only server it asks is the Hugging Face Hub (a config.json),
-which tests/test_properties.py covers as a parser.
+which tests/core/test_properties.py covers as a parser.
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def test_every_fault(script, tmp_path, monkeypatch, capsys):
 def test_running_out_of_file_descriptors_is_the_clients_fault(tmp_path):
     """bench under a limit of 64 open files with 100 streams: INVALID (exit 4) naming `ulimit -n`
     first, not the server unreachable. A busy host may stall the client too: that reason may follow
-    (tests/test_bench.py has a run with both)."""
+    (tests/load/test_bench.py has a run with both)."""
     def low_limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     # Each stream takes seconds, so the first sockets are still open when the client asks for

@@ -18,7 +18,7 @@ from rooflib.core.errors import UsageError
 from rooflib.load import analysis, comparison, http1, promptgen, request_outcome, workloads
 from rooflib.server import watch
 
-DATA = Path(__file__).resolve().parent.parent / "scripts" / "data"
+DATA = Path(__file__).resolve().parents[2] / "scripts" / "data"
 SHAREGPT, PROMPTS, TRACE = DATA / "sharegpt-sample.json", DATA / "prompts-sample.jsonl", DATA / "trace-sample.jsonl"
 
 

@@ -24,7 +24,7 @@ from rooflib.load import analysis, request_outcome, sweeps
 from rooflib.render import report_html
 from rooflib.server.engine_metrics import Targets
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts" / "report"
 HOSTILE = '<script>window.__pwned=1</script><img src="x" onerror="window.__pwned=2">tiny'
 WORKLOAD = {"input_tokens": 128, "output_tokens": 16, "endpoint": "completions"}

@@ -22,8 +22,8 @@ from rooflib.core import conf, printing
 from rooflib.load import benchrun
 from rooflib.server import deployment, diagnosis, engine_metrics
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "metrics"
-REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
+REPO = Path(__file__).resolve().parents[2]
 FINDING_KEYS = {"kind", "evidence", "confidence", "caused_by", "setting", "current", "current_source"}
 LEVER_KEYS = {"setting", "current", "current_source", "proposed", "reason", "effect", "text"}
 

@@ -21,7 +21,7 @@ import pytest
 from rooflib.core.errors import ServerError
 from rooflib.server import engine_metrics
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "metrics"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 H100 = {"name": "NVIDIA H100 SXM", "bf16_dense_tflops": 989.0, "bandwidth_tb_s": 3.35}
 
 
