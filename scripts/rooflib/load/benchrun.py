@@ -10,6 +10,7 @@ import json
 import random
 import sys
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -21,7 +22,7 @@ from rooflib.load.analysis import analyse
 from rooflib.load.asyncclient import ENDPOINTS, Target
 from rooflib.load.promptgen import WORDS, TokenCounter, build_prompts, fallback_counter, payload, server_counter
 from rooflib.load.runner import Plan, RequestSource, RunResult, run_in_loop, run_workers
-from rooflib.server import watch
+from rooflib.server import fleet, gpu_telemetry, watch
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "render" / "templates" / "bench_log_entry.md.j2"
 
@@ -74,6 +75,18 @@ def server_side(before: dict[str, Any] | None, after: dict[str, Any] | None, not
     return {"metrics": {**figures, "lines": lines}, "metrics_note": "", "summary": lines[:2]}
 
 
+def gpu_side(cfg: dict[str, Any], report: dict[str, Any], base_url: str) -> dict[str, Any]:
+    """The GPUs under the run's load, from the DCGM exporter series in cfg["prometheus"] over the
+    run's window (rooflib/server/gpu_telemetry.py); when Prometheus cannot be read, why not: the
+    run's result stands either way."""
+    instance = urllib.parse.urlsplit(base_url).netloc
+    try:
+        return gpu_telemetry.from_prometheus(cfg["prometheus"], cfg["prometheus_auth"], report["seconds"],
+                                             {instance: report}, report["engine"], timeout=cfg["timeout_s"])
+    except (ServerError, UsageError, fleet.UnusableAnswer) as exc:
+        return gpu_telemetry.unread(f"GPU telemetry not read: {exc}")
+
+
 def make_config(args: Any, settings: conf.Settings) -> dict[str, Any]:
     """Validated run settings (flag > environment > inference.env > default)."""
     n_given = settings.get("BENCH_N", args.num_requests)
@@ -109,7 +122,10 @@ def make_config(args: Any, settings: conf.Settings) -> dict[str, Any]:
         "input_dist": args.input_dist or None,
         "output_dist": args.output_dist or None,
         "log": settings.get("BENCH_LOG", args.log, None),
+        "prometheus": settings.get("PROMETHEUS", args.prometheus, "") or None,
     }
+    # Basic auth for --prometheus, kept out of the result's config (it is never printed).
+    cfg["prometheus_auth"] = fleet.credentials(settings) if cfg["prometheus"] else fleet.Credentials()
     if cfg["probe"] and not cfg["probe"].startswith("/"):
         raise UsageError(f"--probe takes a path such as /health or /v1/models, got {cfg['probe']!r}")
     if cfg["shared_prefix"] > cfg["input_tokens"]:
@@ -183,6 +199,9 @@ def build_parser():
     p.add_argument("--workers", default="", help="client processes sharing the load, when one core cannot keep up (default 1)")
     p.add_argument("--timeline-interval", default="", help="seconds between /metrics scrapes during the run (default 2; 0: none, "
                    "as each scrape costs the server a moment)")
+    p.add_argument("--prometheus", default="", help="Prometheus base URL (else $PROMETHEUS): after the run, read the "
+                   "GPUs' DCGM exporter series over the run's window (basic auth from $PROMETHEUS_USER and "
+                   "$PROMETHEUS_PASSWORD)")
     p.add_argument("--probe", default="", help="time a trivial GET (e.g. /health) to split client-vs-engine gaps into network and server")
     p.add_argument("--seed", default="", help="seed for prompts and arrivals (default 0)")
     p.add_argument("--extra-body", default="", help="JSON object merged into every request body")
@@ -319,7 +338,7 @@ def execute(target: Target, cfg: dict[str, Any], hold: signals.SignalHold, quiet
         offsets = [o - offsets[cfg["warmup"]] for o in offsets]
     plan = Plan(source, cfg["warmup"], cfg["concurrency"], chat, cfg["rate"], cfg["burstiness"],
                 cfg["duration_s"], cfg["seed"], turns, offsets)
-    config = {**{k: v for k, v in cfg.items() if k not in ("extra_body", "num_requests_given")},
+    config = {**{k: v for k, v in cfg.items() if k not in ("extra_body", "num_requests_given", "prometheus_auth")},
               "num_requests": load.count - cfg["warmup"], "load": describe_load(cfg, load.count - cfg["warmup"]),
               "url": target.base_url, "model": target.model, "prompt_tokenizer": prompt_source, "run_id": run_id,
               "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -364,6 +383,8 @@ def execute(target: Target, cfg: dict[str, Any], hold: signals.SignalHold, quiet
         checked = watch.cross_check(delta, {"ttft_ms": result["ttft_ms"], "e2e_ms": result["e2e_ms"]},
                                            result["client"]["loop_lag_ms"]["p99"], probed)
         result["server"]["cross_check"] = checked
+        if cfg["prometheus"]:
+            result["server"]["gpu_telemetry"] = gpu_side(cfg, engine_metrics.report(delta), target.base_url)
     generated = (result["server"]["metrics"] or {}).get("generation_tokens")
     if generated is not None and generated != all_tokens:
         result["warnings"].append(
