@@ -116,13 +116,16 @@ def check_run(script: str, fault: str, code: int, out: str, err: str, tmp: Path)
     assert "Traceback" not in err, err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) <= 1, errors
-    if code in (2,) or (code == 3 and not out.strip()):
+    result = json.loads(out) if out.strip() else None  # valid JSON (no NaN), whatever the server sent
+    failed = result is not None and set(result) == {"error", "exit_code"}
+    if code in (2,) or (code == 3 and (result is None or failed)):
         assert errors, f"exit {code} without an error line: {err[-300:]}"
+    if failed:  # --json: the error is also the one document on stdout
+        assert result == {"error": errors[0].removeprefix("error: "), "exit_code": code}
     written = "".join(p.read_text(errors="replace") for p in tmp.iterdir() if p.is_file())
     for text in (out, err, written):
         assert KEY not in text
-    if out.strip():
-        result = json.loads(out)  # valid JSON (no NaN), whatever the server sent
+    if result is not None and not failed:
         if script == "bench":  # a printed result always has its records and log entry
             lines = (tmp / "records.jsonl").read_text().splitlines()
             assert len(lines) == result["requests"]["sent"] and all(json.loads(line) for line in lines)

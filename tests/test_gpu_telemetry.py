@@ -23,7 +23,7 @@ from test_fleet import ask, instance
 from test_metrics import QUEUEING_PROMPTS, send_load
 from vllm_server import ServerUnavailable
 
-from rooflib.server import engine_metrics, fleet, gpu_telemetry
+from rooflib.server import diagnosis, engine_metrics, fleet, gpu_telemetry
 from rooflib.server.gpu_telemetry import Gpu, Joined, Target
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -150,7 +150,7 @@ class TestRealGpuTelemetry:
                                                                  prompt_tokens, 16, seed=31))
             report, doc = telemetry(setup, monkeypatch, capsys, seconds)
             replica = report["replicas"][0]
-            if fleet.queued(replica, engine_metrics.QUEUE_SHARE):
+            if fleet.queued(replica, diagnosis.QUEUE_SHARE):
                 break
         finding = named(doc, "gpu_idle_queue")
         assert finding["replica"] == instance(server.url) and finding["gpus"] == [GPU0]
@@ -269,7 +269,6 @@ def joined(figures: dict, gpus: tuple[Gpu, ...] = (gpu(),)) -> Joined:
     return Joined("node-1:8000", "host", gpus, {g.id: figures for g in gpus})
 
 
-FLAGS = engine_metrics.FLAGS["vllm"]
 
 
 def test_the_join_takes_the_pod_first_then_the_host():
@@ -293,17 +292,17 @@ def test_the_gpus_user_is_read_from_exported_labels_when_prometheus_kept_its_own
 def test_a_queue_on_an_idle_gpu_and_a_queue_behind_a_full_kv_cache_name_different_settings():
     idle = {"sm_active": {"mean": 0.1}, "dram_active": {"mean": 0.05}}
     queued = saved_window("vllm-0.32-queue-before.txt", "vllm-0.32-queue-after.txt")
-    [finding] = gpu_telemetry.findings(queued, joined(idle), FLAGS)
+    [finding] = gpu_telemetry.findings(queued, joined(idle))
     assert (finding["kind"], finding["setting"], finding["current_source"]) == ("gpu_idle_queue", "--max-num-seqs",
                                                                                 "unknown")
     preempted = saved_window("vllm-0.32-preempt-before.txt", "vllm-0.32-preempt-after.txt")
-    [finding] = gpu_telemetry.findings(preempted, joined(idle), FLAGS)
-    assert finding["setting"] == FLAGS["memory"] and finding["current"] == 0.92
+    [finding] = gpu_telemetry.findings(preempted, joined(idle))
+    assert finding["setting"] == "--gpu-memory-utilization" and finding["current"] == 0.92
     assert "the KV cache is full (preemptions 5" in finding["evidence"]
     # a busy GPU under the same queue is not the scheduler's doing
-    assert gpu_telemetry.findings(queued, joined({"sm_active": {"mean": 0.9}}), FLAGS) == []
+    assert gpu_telemetry.findings(queued, joined({"sm_active": {"mean": 0.9}})) == []
     # without SM activity, GPU_UTIL stands in, and the confidence says so
-    [finding] = gpu_telemetry.findings(queued, joined({"util": {"mean": 0.3}}), FLAGS)
+    [finding] = gpu_telemetry.findings(queued, joined({"util": {"mean": 0.3}}))
     assert finding["confidence"].startswith("medium: GPU_UTIL")
 
 
@@ -312,34 +311,34 @@ def test_another_process_is_what_the_framebuffer_holds_beyond_the_engines_share(
     r = {**r, "deployment": {**r["deployment"], "kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.5}}
     figures = {"fb_used_mib": {"mean": 60000, "max": 60000}, "fb_free_mib": {"mean": 20995},
                "fb_reserved_mib": {"mean": 564}}
-    [finding] = gpu_telemetry.findings(r, joined(figures), FLAGS)
+    [finding] = gpu_telemetry.findings(r, joined(figures))
     assert (finding["setting"], finding["current"]) == ("--gpu-memory-utilization", 0.5)
     assert finding["figures"]["other_mib"] == pytest.approx(60000 - 0.5 * 81559)
     assert "about 18.8 GiB belong to another process" in finding["evidence"]
     # within the engine's share: nothing
     figures.update(fb_used_mib={"mean": 40000, "max": 40000}, fb_free_mib={"mean": 40995})
-    assert gpu_telemetry.findings(r, joined(figures), FLAGS) == []
+    assert gpu_telemetry.findings(r, joined(figures)) == []
 
 
 def test_a_clock_at_the_power_limit_without_the_reasons_is_a_low_confidence_inference():
     figures = {"power_w": {"mean": 698, "max": 699}, "power_limit_w": {"mean": 700}, "sm_clock_mhz": {"mean": 1500}}
     r = saved_window("vllm-0.32-idle.txt", "vllm-0.32-idle.txt")
-    [finding] = gpu_telemetry.findings(r, joined(figures), FLAGS)
+    [finding] = gpu_telemetry.findings(r, joined(figures))
     assert finding["kind"] == "gpu_throttled" and finding["confidence"].startswith("low")
     assert "power cap (inferred: power at its limit)" in finding["evidence"]
     # with the reasons exported and clear, power at the limit alone is no finding
     figures["clock_reasons"] = {"4": 0.0, "8": 0.0, "32": 0.0, "64": 0.0, "128": 0.0}
-    assert gpu_telemetry.findings(r, joined(figures), FLAGS) == []
+    assert gpu_telemetry.findings(r, joined(figures)) == []
 
 
 def test_every_lever_has_the_causal_diagnosis_keys():
     queued = saved_window("vllm-0.32-queue-before.txt", "vllm-0.32-queue-after.txt")
-    found = gpu_telemetry.findings(queued, joined({"sm_active": {"mean": 0.1}, "xid": {"max": 48}}), FLAGS)
+    found = gpu_telemetry.findings(queued, joined({"sm_active": {"mean": 0.1}, "xid": {"max": 48}}))
     assert [f["kind"] for f in found] == ["gpu_xid", "gpu_idle_queue"]
     contract = {"kind", "evidence", "confidence", "caused_by", "setting", "current", "current_source"}
     for finding in found:
         assert contract <= set(finding)
-        for lever in gpu_telemetry.levers(finding, FLAGS):
+        for lever in gpu_telemetry.levers(finding, "vllm"):
             assert set(lever) == {"setting", "current", "current_source", "proposed", "reason", "effect", "text"}
 
 
@@ -351,7 +350,7 @@ def test_a_prometheus_without_exporter_series_gives_the_plain_note():
         return httpx.Response(200, json={"status": "success", "data": {"resultType": "vector", "result": []}})
     with fleet.Prometheus("http://prom:9090", transport=httpx.MockTransport(answer)) as prom:
         names, found = gpu_telemetry.read(prom, 60, ["r1:8000"])
-    doc = gpu_telemetry.summary({"r1:8000": {}}, names, found, FLAGS, prom.url, 60.0)
+    doc = gpu_telemetry.summary({"r1:8000": {}}, names, found, "vllm", prom.url, 60.0)
     assert asked == ['count by (__name__) ({__name__=~"DCGM_FI_.+"})']
     assert doc["exported"] is False and doc["note"] == gpu_telemetry.NO_TELEMETRY
     assert gpu_telemetry.format_lines(doc) == ["GPU telemetry (DCGM exporter through Prometheus):",

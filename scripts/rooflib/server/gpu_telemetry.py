@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 
 from rooflib.core import catalogs
 from rooflib.core.errors import UsageError
-from rooflib.server import engine_metrics, fleet
+from rooflib.server import diagnosis, engine_metrics, fleet
 
 # concept -> (the exporter's metric names, first held wins; how the window reads it)
 #   ratio    a gauge 0..1, averaged and its peak taken
@@ -249,7 +249,7 @@ def read(prom: fleet.Prometheus, seconds: float, instances: Sequence[str], match
 
 # ---------------------------------------------------------------------------------------------
 # Findings (pure): `r` is the replica's engine_metrics.report (with `config`, the fleet's cache
-# settings, where Prometheus gave them); `flags` the engine's flag names (engine_metrics.FLAGS).
+# settings, where Prometheus gave them); flag names are the diagnosis' (diagnosis.FLAGS).
 
 def _finding(kind: str, joined: Joined, gpus: Sequence[Gpu], evidence: str, confidence: str,
              figures: Mapping[str, Any], setting: str | None = None, current: Any = None,
@@ -313,13 +313,13 @@ def catalog_gpu(model: str) -> Mapping[str, Any] | None:
         return None
 
 
-def findings(r: Mapping[str, Any], joined: Joined, flags: Mapping[str, str]) -> list[dict[str, Any]]:
+def findings(r: Mapping[str, Any], joined: Joined) -> list[dict[str, Any]]:
     """The GPU findings of one replica, hardware first: XID, throttling, another process's memory,
     then what the load does on the GPU: memory-bound decode, or a queue on an idle GPU."""
     if not joined.gpus:
         return []
     return [*_xid(joined), *_throttled(joined), *_other_process(r, joined),
-            *_memory_bound(r, joined), *_idle_queue(r, joined, flags)]
+            *_memory_bound(r, joined), *_idle_queue(r, joined)]
 
 
 def _xid(joined: Joined) -> list[dict[str, Any]]:
@@ -436,27 +436,27 @@ def _memory_bound(r: Mapping[str, Any], joined: Joined) -> list[dict[str, Any]]:
                      else "medium: DRAM activity without the tensor pipes' (not exported)", figures)]
 
 
-def _idle_queue(r: Mapping[str, Any], joined: Joined, flags: Mapping[str, str]) -> list[dict[str, Any]]:
-    if not fleet.queued(r, engine_metrics.QUEUE_SHARE):
+def _idle_queue(r: Mapping[str, Any], joined: Joined) -> list[dict[str, Any]]:
+    if not fleet.queued(r, diagnosis.QUEUE_SHARE):
         return []
     sm, measure = busy(joined)
     dram = _mean_over(joined, "dram_active")
     if sm is None or sm >= SM_IDLE or (dram is not None and dram >= DRAM_BUSY):
         return []
-    load = fleet.load_figures(r)
+    load, flags = fleet.load_figures(r), diagnosis.FLAGS[r["engine"]]
     figures = {"sm_busy": sm, "measure": measure, "dram_active": dram, **load}
     waits = (f"requests wait (queue {_pct(load['queue_share'])} of e2e, waiting up to {load['waiting_peak'] or 0:g}, "
              f"running up to {load['running_peak'] or 0:g}) while the GPU is mostly idle: {measure} {_pct(sm)}, "
              f"DRAM active {_pct(dram)} on {len(joined.gpus)} GPU(s)")
     confidence = ("high: DCGM's profiling counters and the engine's queue histograms" if measure == "SM active"
                   else f"medium: {measure} stands in for SM activity (not exported)")
-    if r.get("preemptions") or (r.get("kv_cache_usage_max") or 0) >= engine_metrics.KV_FULL:
+    if r.get("preemptions") or (r.get("kv_cache_usage_max") or 0) >= diagnosis.KV_FULL:
         util = deployment(r).get("gpu_memory_utilization")
         return [_finding("gpu_idle_queue", joined, joined.gpus,
                          f"{waits}; the KV cache is full (preemptions {r.get('preemptions') or 0:g}, usage up to "
                          f"{_pct(r.get('kv_cache_usage_max'))}): memory for the KV cache, not compute, limits "
                          "the batch",
-                         confidence, figures, flags["memory"], util, "exported" if util is not None else "unknown")]
+                         confidence, figures, flags["util"], util, "exported" if util is not None else "unknown")]
     cap = (r.get("config") or {}).get("sglang:max_running_requests")
     return [_finding("gpu_idle_queue", joined, joined.gpus,
                      f"{waits}: the scheduler's cap on running requests ({flags['seqs']}) or its token budget per "
@@ -478,8 +478,10 @@ def _lever(setting: str | None, current: Any, source: str | None, proposed: Any,
             "proposed": proposed, "reason": reason, "effect": effect, "text": text}
 
 
-def levers(finding: Mapping[str, Any], flags: Mapping[str, str]) -> list[dict[str, Any]]:
-    """What to change for one GPU finding, first lever first."""
+def levers(finding: Mapping[str, Any], engine: str) -> list[dict[str, Any]]:
+    """What to change for one GPU finding of an `engine` (vllm, sglang), first lever first."""
+    flags = diagnosis.FLAGS[engine]
+    kv_fp8 = f"{flags['kv_dtype']} {diagnosis.FP8_KV[engine]}"
     kind, setting, current, source = (finding["kind"], finding["setting"], finding["current"],
                                       finding["current_source"])
     if kind == "gpu_xid":
@@ -508,17 +510,17 @@ def levers(finding: Mapping[str, Any], flags: Mapping[str, str]) -> list[dict[st
         return [_lever(None, None, None, None, "each decode step reads the weights and the batch's KV cache",
                        "fewer bytes per token: faster tokens and more throughput; check accuracy with "
                        "task infer:accept",
-                       f"FP8 weights (--quantization fp8) and {flags['kv_fp8']}"),
+                       f"FP8 weights ({flags['quant']} fp8) and {kv_fp8}"),
                 _lever(None, None, None, None, "one read of the weights serves every request in the step",
                        "more tokens per second per GPU where the KV cache has room; each token no faster",
                        "a larger decode batch (more requests running per step)"),
                 _lever(None, None, None, None, "the weights split over more GPUs' memory bandwidth",
                        "fewer bytes per GPU per step: faster tokens", f"tensor parallel ({flags['tp']})")]
-    if kind == "gpu_idle_queue" and setting == flags["memory"]:
+    if kind == "gpu_idle_queue" and setting == flags["util"]:
         return [_lever(setting, current, source, "higher", "the KV cache, not the GPU, limits the batch",
                        "more requests running at once on a GPU that has room"),
                 _lever(None, None, None, None, "the KV cache holds twice the tokens",
-                       "more requests running at once", flags["kv_fp8"])]
+                       "more requests running at once", kv_fp8)]
     return [_lever(setting, current, source, "higher", "the GPU has room for a larger batch",
                    "queue time down and throughput up; each token a little slower"),
             _lever(flags["batched"], None, "unknown", "higher", "a larger step budget admits the waiting prefills",
@@ -548,17 +550,17 @@ def gpu_json(gpu: Gpu, figures: Mapping[str, Mapping[str, float]]) -> dict[str, 
 
 
 def summary(reports: Mapping[str, Mapping[str, Any]], names: set[str], joined: Sequence[Joined],
-            flags: Mapping[str, str], source: str, seconds: float) -> dict[str, Any]:
+            engine: str, source: str, seconds: float) -> dict[str, Any]:
     """The `gpu_telemetry` document: per replica its GPUs and figures, the fields not exported,
     the GPU findings and their levers. `reports` maps each replica's instance to its report."""
     if not names:
         return {**unread(NO_TELEMETRY), "source": source, "window_s": seconds}
-    found = [f for j in joined for f in findings(reports[j.instance], j, flags)]
+    found = [f for j in joined for f in findings(reports[j.instance], j)]
     replicas = [{"instance": j.instance, "joined_by": j.by, "shared_with": list(j.shared_with),
                  "gpus": [gpu_json(g, j.figures.get(g.id, {})) for g in j.gpus],
                  "note": _replica_note(j, reports[j.instance])} for j in joined]
     return {"source": source, "window_s": seconds, "exported": True, "note": None, "absent": absent_fields(names),
-            "replicas": replicas, "findings": found, "plan": [lever for f in found for lever in levers(f, flags)]}
+            "replicas": replicas, "findings": found, "plan": [lever for f in found for lever in levers(f, engine)]}
 
 
 def _replica_note(joined: Joined, r: Mapping[str, Any]) -> str | None:
@@ -570,7 +572,7 @@ def _replica_note(joined: Joined, r: Mapping[str, Any]) -> str | None:
         return (f"joined by host: {', '.join(joined.shared_with)} run on the same host, and the GPUs are not "
                 "told apart (the exporter's Kubernetes pod mapping tells them apart)")
     sm, _ = busy(joined)
-    if sm is not None and sm < SM_IDLE and not fleet.queued(r, engine_metrics.QUEUE_SHARE):
+    if sm is not None and sm < SM_IDLE and not fleet.queued(r, diagnosis.QUEUE_SHARE):
         return "the GPU is mostly idle and nothing waits: the load (client concurrency or rate) does not fill it"
     return None
 
@@ -581,7 +583,7 @@ def from_prometheus(url: str, auth: fleet.Credentials, seconds: float, reports: 
     last `seconds`: the `gpu_telemetry` document."""
     with fleet.Prometheus(url, auth, timeout) as prom:
         names, joined = read(prom, seconds, list(reports), match)
-    return summary(reports, names, joined, engine_metrics.FLAGS[engine], prom.url, float(fleet.range_seconds(seconds)))
+    return summary(reports, names, joined, engine, prom.url, float(fleet.range_seconds(seconds)))
 
 
 def format_lines(doc: Mapping[str, Any]) -> list[str]:
