@@ -246,7 +246,7 @@ class TestRealGpuTelemetry:
         assert gpu["figures"]["dram_active"]["mean"] == pytest.approx(0.86)
         assert "gpu_memory_bound" in kinds(doc)
         assert "prometheus_auth" not in result["config"] and prom.password not in out.out
-        text = bench.human_report(result)
+        text = bench.human_text(result)
         assert "GPU telemetry (DCGM exporter through Prometheus):" in text and "[gpu_memory_bound]" in text
 
 
