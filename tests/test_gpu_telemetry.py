@@ -65,8 +65,8 @@ def _unavailable(reason: str):
 
 @pytest.fixture(scope="module")
 def setup(vllm_factory, tmp_path_factory):
-    """A real vLLM (max_num_seqs 2) labelled as pod vllm-0, the exporter (serving nothing yet),
-    and a real Prometheus scraping both, the exporter with honor_labels as the skill's recipe."""
+    """A real vLLM (max_num_seqs 2) labelled as pod vllm-0, the exporter (serving nothing until a
+    test asks), and a real Prometheus scraping both, the exporter with honor_labels as the recipe."""
     with ExitStack() as stack:
         server = stack.enter_context(vllm_factory(sets=["max_num_seqs=2", "enable_prefix_caching=false"]))
         exporter = stack.enter_context(running_exporter(GPUS))
@@ -95,11 +95,12 @@ def scraped_after(prom, since: float) -> float:
         time.sleep(0.2 * SCRAPE_S)
 
 
-def window_after(setup, values: dict, load=lambda: None) -> int:
+def window_after(setup, values: dict, load=lambda: None, serving: bool = True) -> int:
     """Set GPU 0's values, wait for Prometheus to scrape them, run `load`, and return a --window
     (whole seconds) that opens after that scrape and ends now: it holds the new values only, and
     the load whole (the window opens 1 to 2 s after the scrape; the load starts 3 s after it, with
-    a flat sample of the engine's counters between)."""
+    a flat sample of the engine's counters between). Not `serving`: the exporter's page is empty."""
+    setup["exporter"].serving = serving
     setup["exporter"].set(0, **values)
     changed = scraped_after(setup["prometheus"], time.time())
     time.sleep(max(0.0, changed + 3 * SCRAPE_S - time.time()))
@@ -133,7 +134,7 @@ class TestRealGpuTelemetry:
     another process's memory, an XID, the profiling fields not exported, bench's run."""
 
     def test_without_exporter_series_it_says_there_is_no_gpu_telemetry(self, setup, monkeypatch, capsys):
-        seconds = window_after(setup, IDLE)
+        seconds = window_after(setup, IDLE, serving=False)
         report, doc = telemetry(setup, monkeypatch, capsys, seconds)
         assert doc["exported"] is False and doc["note"].startswith("no GPU telemetry: Prometheus holds no DCGM")
         assert doc["findings"] == [] and doc["replicas"] == []
@@ -141,7 +142,6 @@ class TestRealGpuTelemetry:
         monkeypatch.setenv("PROMETHEUS_PASSWORD", setup["prometheus"].password)
         assert metrics.main(["--prometheus", setup["prometheus"].url, "--window", str(seconds)]) == 0
         assert "GPU telemetry (DCGM exporter through Prometheus):\n  no GPU telemetry:" in capsys.readouterr().out
-        setup["exporter"].serving = True
 
     def test_a_queue_on_an_idle_gpu_is_a_scheduler_limit(self, setup, monkeypatch, capsys):
         server = setup["server"]
@@ -229,18 +229,21 @@ class TestRealGpuTelemetry:
 
     def test_bench_reads_the_gpus_under_its_own_load(self, setup, monkeypatch, capsys):
         server, prom = setup["server"], setup["prometheus"]
+        setup["exporter"].serving = True
         setup["exporter"].set(0, **DRAM_BOUND)
         scraped_after(prom, time.time())
         monkeypatch.setenv("PROMETHEUS_USER", prom.user)
         monkeypatch.setenv("PROMETHEUS_PASSWORD", prom.password)
-        code = bench.main(["--url", server.url, "-n", "6", "-c", "2", "--input-tokens", "64", "--output-tokens",
-                           "48", "--extra-body", server.plain_words_body(), "--prometheus", prom.url, "--json"])
+        # A run of several seconds: its window must hold a few of the exporter's 1 s scrapes.
+        code = bench.main(["--url", server.url, "-n", "16", "-c", "2", "--input-tokens", "64", "--output-tokens",
+                           "128", "--extra-body", server.plain_words_body(), "--prometheus", prom.url, "--json"])
         out = capsys.readouterr()
         result = json.loads(out.out)
         # 4: the busy machine's client lag made the run INVALID; the server's side still stands
         assert code in (0, 4), result["verdict_reasons"]
-        assert result["requests"]["completed"] == 6
+        assert result["requests"]["completed"] == 16
         doc = result["server"]["gpu_telemetry"]
+        assert doc["window_s"] >= 3, "the run was too short to read the GPUs over it"
         gpu = doc["replicas"][0]["gpus"][0]
         assert doc["replicas"][0]["joined_by"] == "pod" and gpu["uuid"] == GPU0
         assert gpu["figures"]["dram_active"]["mean"] == pytest.approx(0.86)
@@ -355,3 +358,11 @@ def test_a_prometheus_without_exporter_series_gives_the_plain_note():
     assert doc["exported"] is False and doc["note"] == gpu_telemetry.NO_TELEMETRY
     assert gpu_telemetry.format_lines(doc) == ["GPU telemetry (DCGM exporter through Prometheus):",
                                                f"  {gpu_telemetry.NO_TELEMETRY}"]
+
+
+def test_a_window_without_samples_of_a_held_field_says_so():
+    names = {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_DRAM_ACTIVE"}
+    queued = saved_window("vllm-0.32-queue-before.txt", "vllm-0.32-queue-after.txt")
+    doc = gpu_telemetry.summary({"node-1:8000": queued}, names, [joined({"util": {"mean": 0.9}})], "vllm",
+                                "http://prom:9090", 2.0)
+    assert doc["replicas"][0]["note"].startswith("no sample of dram_active in the 2 s window")

@@ -556,18 +556,23 @@ def summary(reports: Mapping[str, Mapping[str, Any]], names: set[str], joined: S
     if not names:
         return {**unread(NO_TELEMETRY), "source": source, "window_s": seconds}
     found = [f for j in joined for f in findings(reports[j.instance], j)]
+    held = {concept for concept, (metrics, _) in FIELDS.items() if any(m in names for m in metrics)}
     replicas = [{"instance": j.instance, "joined_by": j.by, "shared_with": list(j.shared_with),
                  "gpus": [gpu_json(g, j.figures.get(g.id, {})) for g in j.gpus],
-                 "note": _replica_note(j, reports[j.instance])} for j in joined]
+                 "note": _replica_note(j, reports[j.instance], held, seconds)} for j in joined]
     return {"source": source, "window_s": seconds, "exported": True, "note": None, "absent": absent_fields(names),
             "replicas": replicas, "findings": found, "plan": [lever for f in found for lever in levers(f, engine)]}
 
 
-def _replica_note(joined: Joined, r: Mapping[str, Any]) -> str | None:
+def _replica_note(joined: Joined, r: Mapping[str, Any], held: set[str], seconds: float) -> str | None:
     """What a replica's GPU figures cannot say, or what they say without a finding."""
     if not joined.gpus:
         return (f"no GPU telemetry for {joined.instance}: no DCGM series from its pod or its host "
                 f"({host_of(joined.instance)})")
+    unsampled = sorted(held - {concept for figures in joined.figures.values() for concept in figures})
+    if unsampled:
+        return (f"no sample of {', '.join(unsampled)} in the {seconds:g} s window: the window is shorter than "
+                "the exporter's scrape interval, or its scrapes failed; measure over a longer window")
     if joined.shared_with:
         return (f"joined by host: {', '.join(joined.shared_with)} run on the same host, and the GPUs are not "
                 "told apart (the exporter's Kubernetes pod mapping tells them apart)")
