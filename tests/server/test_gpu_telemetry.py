@@ -27,7 +27,7 @@ from rooflib.server import diagnosis, engine_metrics, fleet, gpu_telemetry
 from rooflib.server.gpu_telemetry import Gpu, Joined, Target
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "metrics"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 SCRAPE_S = 1
 MIN_WINDOW_S = 6
 POD = {"pod": "vllm-0", "namespace": "llm"}
