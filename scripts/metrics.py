@@ -275,6 +275,7 @@ def fleet_results(opts: Options) -> tuple[dict[str, Any], str]:
     total["gpu_telemetry"] = gpu_telemetry.from_prometheus(
         opts.prometheus, opts.prometheus_auth, snap["seconds"], {r["instance"]: r for r in replicas}, snap["engine"],
         opts.match, opts.timeout)
+    total["diagnosis"] = gpu_telemetry.in_chain(total["gpu_telemetry"], total["diagnosis"], snap["engine"])
     text = engine_metrics.format_report(total) + "\nPer replica:\n" + "\n".join(engine_metrics.format_replica_line(r) for r in replicas)
     return total, text + "\n" + "\n".join(gpu_telemetry.format_lines(total["gpu_telemetry"]))
 

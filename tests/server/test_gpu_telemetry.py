@@ -366,3 +366,42 @@ def test_a_window_without_samples_of_a_held_field_says_so():
     doc = gpu_telemetry.summary({"node-1:8000": queued}, names, [joined({"util": {"mean": 0.9}})], "vllm",
                                 "http://prom:9090", 2.0)
     assert doc["replicas"][0]["note"].startswith("no sample of dram_active in the 2 s window")
+
+
+def _finding(kind: str, setting: str | None = None, caused_by: str | None = None, **figures) -> dict:
+    return {"kind": kind, "evidence": f"{kind} evidence", "confidence": "high", "caused_by": caused_by,
+            "setting": setting, "current": None, "current_source": None, "figures": figures}
+
+
+def _engine(*found: dict) -> dict:
+    return {"root_cause": found[0] if found else None, "findings": list(found),
+            "plan": [{"setting": "--gpu-memory-utilization", "text": "raise it"}], "verify": ["task infer:bench"]}
+
+
+@pytest.mark.parametrize("gpu_kind, engine_kinds, root, under", [
+    # Another process's memory is why the KV cache is small: it leads, the KV finding sits under it.
+    ("gpu_memory_other_process", ["kv_cache", "queue"], "gpu_memory_other_process", {"kv_cache": "gpu_memory_other_process"}),
+    # An XID leads whatever the engine says.
+    ("gpu_xid", ["running_limit", "queue"], "gpu_xid", {"running_limit": None}),
+    # An idle GPU under a queue explains the running limit; the engine's root stays the root.
+    ("gpu_idle_queue", ["running_limit", "queue"], "running_limit", {"gpu_idle_queue": "running_limit"}),
+    # A throttled clock is the cause of slow tokens only when slow tokens are the engine's root.
+    ("gpu_throttled", ["decode"], "gpu_throttled", {"decode": "gpu_throttled"}),
+    ("gpu_throttled", ["running_limit", "decode"], "running_limit", {"decode": None, "gpu_throttled": None}),
+])
+def test_gpu_findings_take_their_place_in_the_causal_chain(gpu_kind, engine_kinds, root, under):
+    engine = _engine(*[_finding(kind) for kind in engine_kinds])
+    gpu = {"findings": [_finding(gpu_kind, reasons=["power"])]}
+    placed = gpu_telemetry.in_chain(gpu, engine, "vllm")
+    assert placed["root_cause"]["kind"] == root
+    by_kind = {f["kind"]: f for f in placed["findings"]}
+    assert {kind: by_kind[kind]["caused_by"] for kind in under} == under
+    assert placed["verify"] == ["task infer:bench"]
+    if root == gpu_kind:  # the GPU root's own lever comes first
+        assert placed["plan"][0]["text"] == gpu_telemetry.levers(by_kind[gpu_kind], "vllm")[0]["text"]
+
+
+def test_without_gpu_findings_the_engine_diagnosis_stands():
+    engine = _engine(_finding("kv_cache"))
+    assert gpu_telemetry.in_chain({"findings": []}, engine, "vllm") == engine
+    assert gpu_telemetry.in_chain(None, engine, "vllm") == engine

@@ -527,6 +527,45 @@ def levers(finding: Mapping[str, Any], engine: str) -> list[dict[str, Any]]:
                    "queue time down; ITL spikier while prompts prefill")]
 
 
+# Where each GPU finding sits in the chain: the engine finding it causes (it becomes the root when
+# that finding is), "root" (it leads whatever the engine says: the hardware comes first), or the
+# engine finding it explains (it sits under that one).
+GPU_CAUSES = {"gpu_memory_other_process": ("kv_cache",), "gpu_throttled": ("decode", "prefill")}
+GPU_EXPLAINS = {"gpu_idle_queue": ("running_limit", "queue"), "gpu_memory_bound": ("decode",)}
+
+
+def in_chain(gpu: Mapping[str, Any] | None, engine: Mapping[str, Any], engine_name: str) -> dict[str, Any]:
+    """The GPU findings placed in the engine's causal chain: an XID leads; another process's memory
+    causes a full KV cache, a throttled clock slow steps (each leads when what it causes is the
+    engine's root); an idle GPU under a queue and a DRAM-bound decode explain the engine finding
+    they sit under. A GPU root's levers lead the plan; a later lever for a setting the plan has
+    is dropped."""
+    gpu_found = [dict(f) for f in (gpu or {}).get("findings") or []]
+    if not gpu_found:
+        return dict(engine)
+    found = [dict(f) for f in engine["findings"]]
+    kinds = {f["kind"] for f in found}
+    leads = []
+    for f in gpu_found:
+        caused = [kind for kind in GPU_CAUSES.get(f["kind"], ()) if kind in kinds]
+        explained = [kind for kind in GPU_EXPLAINS.get(f["kind"], ()) if kind in kinds]
+        f["caused_by"] = explained[0] if explained else None
+        if f["kind"] == "gpu_xid" or (caused and found[0]["kind"] in caused):
+            leads.append(f)
+            for other in found:
+                if other["kind"] in caused and not other["caused_by"]:
+                    other["caused_by"] = f["kind"]
+    rest = [f for f in gpu_found if f not in leads]
+    ordered_found = leads + found + rest
+    settings_planned = {lever["setting"] for lever in engine["plan"] if lever["setting"]}
+    gpu_plan = {f["kind"]: levers(f, engine_name) for f in gpu_found}
+    first = [lever for f in leads for lever in gpu_plan[f["kind"]]]
+    later = [lever for f in rest for lever in gpu_plan[f["kind"]]]
+    plan_ = first + list(engine["plan"]) + [lever for lever in later if lever["setting"] not in settings_planned]
+    root = ordered_found[0]
+    return {"root_cause": root, "findings": ordered_found, "plan": plan_, "verify": list(engine["verify"])}
+
+
 # ---------------------------------------------------------------------------------------------
 # The report
 
