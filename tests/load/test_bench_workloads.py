@@ -386,6 +386,26 @@ def test_compare_refuses_different_workloads_and_says_what_differs():
                         ("a", "b"), ("A", "B"))
 
 
+def test_compare_lets_the_setting_under_test_differ_and_says_so(tmp_path, capsys):
+    """A prefix-cache A/B: unique prompts against prompts that share 500 tokens (issue #22)."""
+    rng = random.Random(9)
+    unique = _run_doc([rng.gauss(100, 10) for _ in range(200)], shared_prefix=0)
+    shared = _run_doc([rng.gauss(60, 10) for _ in range(200)], shared_prefix=500)
+    with pytest.raises(UsageError, match=r"shared_prefix: 0 vs 500: .*\(--variable shared_prefix\)"):
+        comparison.compare(unique, shared, ("a", "b"), ("A", "B"))
+    doc = comparison.compare(unique, shared, ("a", "b"), ("A", "B"), variables=["shared_prefix"])
+    assert doc["variables"] == {"shared_prefix": {"a": 0, "b": 500}} and doc["verdict"] == "better"
+    with pytest.raises(UsageError, match="--variable shared is not a workload setting: use one of concurrency, "):
+        comparison.compare(unique, shared, ("a", "b"), ("A", "B"), variables=["shared"])
+    same = comparison.compare(unique, unique, ("a", "b"), ("A", "B"), variables=["concurrency"])
+    assert same["warnings"] == ["--variable concurrency is 8 in both runs: nothing varies but the server"]
+    paths = [tmp_path / "unique.json", tmp_path / "shared.json"]
+    for path, run in zip(paths, (unique, shared)):
+        path.write_text(json.dumps(run))
+    assert compare.main([str(paths[0]), str(paths[1]), "--variable", "shared_prefix"]) == 0
+    assert capsys.readouterr().out.endswith("Verdict: B (shared_prefix 500) is better than A (shared_prefix 0)\n")
+
+
 def test_compare_cli_bad_files(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"verdict": "PASS"}')

@@ -224,8 +224,10 @@ def test_prefix_caching_off_is_the_root_of_slow_prefill_and_token_stalls():
     assert lever["text"].startswith("--enable-prefix-caching: False -> True (current: exported)")
     # no "lower --max-num-seqs" for slow tokens with 2 running
     assert "--max-num-seqs" not in [lever["setting"] for lever in r["diagnosis"]["plan"]]
-    after = r["diagnosis"]["verify"][1]
-    assert "--shared-prefix 800" in after and "--shared-prefix" not in r["diagnosis"]["verify"][0]
+    # The change is the server's flag: the same workload before and after, one that shares a prefix.
+    before, after, compare = r["diagnosis"]["verify"]
+    assert "--shared-prefix 800" in before and "--shared-prefix 800" in after
+    assert compare == "task infer:compare A=before.json B=after.json"
 
 
 def test_caching_on_with_no_hit_is_the_clients_prompts_not_a_switch():
@@ -234,6 +236,10 @@ def test_caching_on_with_no_hit_is_the_clients_prompts_not_a_switch():
     unstable = r["diagnosis"]["root_cause"]
     assert unstable["setting"] is None and "first 16-token block" in unstable["evidence"]
     assert r["diagnosis"]["plan"][0]["text"].startswith("make the prompts' start stable (client side)")
+    # The change is the client's prompts: only the second bench shares a prefix, and compare is told.
+    before, after, compare = r["diagnosis"]["verify"]
+    assert "--shared-prefix" not in before and "--shared-prefix 800" in after
+    assert task_command(compare)[-4:] == ["before.json", "after.json", "--variable", "shared_prefix"]
 
 
 def test_exported_cap_with_room_in_the_kv_cache_is_the_running_limit():

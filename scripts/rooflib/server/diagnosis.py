@@ -680,8 +680,11 @@ def plan(found: Sequence[Mapping[str, Any]], r: Mapping[str, Any], s: Mapping[st
 def verify(r: Mapping[str, Any], url: str | None, root: Mapping[str, Any] | None) -> list[str]:
     """The bench that replays the traffic's shape (lengths of the finished requests, their
     endpoint, the concurrency Little's law gives) before and after the change, and the compare
-    that judges them. A prefix root runs the second bench with half of each prompt shared: what a
-    stable start gives (an assumption the user replaces with the system prompt's length)."""
+    that judges them. Half of each prompt shared stands for the traffic's shared start (an
+    assumption the user replaces with the system prompt's length): with caching off the change is
+    the server's flag, so both benches share it (the same workload, one the cache can serve);
+    with unstable prompts the change is the client's, so only the second does, and compare names
+    shared_prefix as the variable under test."""
     variables = [f"INFER_URL={url}"] if url else []
     if r.get("prompt_tokens_mean"):
         variables.append(f"BENCH_IN={max(1, round(r['prompt_tokens_mean']))}")
@@ -694,14 +697,16 @@ def verify(r: Mapping[str, Any], url: str | None, root: Mapping[str, Any] | None
         variables += [f"BENCH_C={concurrency}", f"BENCH_N={max(32, 4 * concurrency)}"]
     if r["slo_source"] == "given":
         variables += [f"SLO_TTFT_P95_MS={r['slo']['ttft_p95_ms']:g}", f"SLO_TPOT_P95_MS={r['slo']['tpot_p95_ms']:g}"]
-    args = ["--endpoint chat"] if r.get("endpoint") == "chat" else []
-    after = list(args)
-    if root and root["kind"] in ("prefix_cache_off", "prefix_unstable") and r.get("prompt_tokens_mean"):
-        after.append(f"--shared-prefix {int(r['prompt_tokens_mean'] // 2)}")
+    before = ["--endpoint chat"] if r.get("endpoint") == "chat" else []
+    after, compare = list(before), "task infer:compare A=before.json B=after.json"
+    shared = [f"--shared-prefix {int(r['prompt_tokens_mean'] // 2)}"] if r.get("prompt_tokens_mean") else []
+    if shared and root and root["kind"] == "prefix_cache_off":
+        before, after = before + shared, after + shared
+    elif shared and root and root["kind"] == "prefix_unstable":
+        after, compare = after + shared, f"{compare} -- --variable shared_prefix"
     bench = " ".join(["task infer:bench", *variables, "--"])
-    return [f"{bench} {' '.join([*args, '--json-out before.json'])}",
-            f"{bench} {' '.join([*after, '--json-out after.json'])}",
-            "task infer:compare A=before.json B=after.json"]
+    return [f"{bench} {' '.join([*before, '--json-out before.json'])}",
+            f"{bench} {' '.join([*after, '--json-out after.json'])}", compare]
 
 
 # ---------------------------------------------------------------------------------------------
