@@ -20,7 +20,7 @@ from vllm_server import task_exe
 
 from rooflib.core import conf, printing
 from rooflib.load import benchrun
-from rooflib.server import deployment, diagnosis, engine_metrics
+from rooflib.server import deployment, diagnosis, engine_metrics, watch
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 REPO = Path(__file__).resolve().parents[2]
@@ -342,6 +342,23 @@ def test_a_root_outside_the_engine_comes_first():
     assert [lever["text"].split(": ")[0] for lever in plan] == [
         "split the gap from where the users are", "task infer:metrics WINDOW=30 while the load is on",
         "add replicas or data-parallel engines (--data-parallel-size)"]
+
+
+def test_time_outside_the_engine_leads_the_diagnosis_of_a_bench_run():
+    """bench's cross-check: every request 300 ms later at the client than in the engine, all of
+    it in a trivial request's round trip. The client waits for it whatever the engine does."""
+    snap = window(hits=0.0)
+    late = {key: {"p50": ms, "p95": ms, "p99": ms, "mean": ms, "n": 60} for key, ms in (("ttft_ms", 400.0),
+                                                                                         ("e2e_ms", 2400.0))}
+    checked = watch.cross_check(snap, {**late, "one_read": 0}, 0.1, {"path": "/health", "p50_ms": 300.0})
+    d = diagnosis.with_outside(checked["findings"], diagnosed(snap)["diagnosis"])
+    assert [(f["kind"], f.get("cause")) for f in d["findings"]] == [
+        ("outside_engine", "fixed_latency"), ("outside_engine", "network"), ("prefix_unstable", None)]
+    assert d["root_cause"]["size_ms"] == pytest.approx(300) and "remedy" not in d["root_cause"]
+    assert d["plan"][0]["text"].startswith("find the hop that adds it: the network and gateway findings split it: "
+                                           "about 300 ms of each request outside the engine (fixed_latency)")
+    assert d["plan"][-1]["text"].startswith("make the prompts' start stable (client side)")
+    assert diagnosis.with_outside([], diagnosed(snap)["diagnosis"])["root_cause"]["kind"] == "prefix_unstable"
 
 
 # --------------------------------------------------------------------------------------------

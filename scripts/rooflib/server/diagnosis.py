@@ -732,6 +732,21 @@ def with_fleet(fleet_findings: Sequence[Mapping[str, Any]], engine: Mapping[str,
             "verify": list(engine["verify"])}
 
 
+def with_outside(outside: Sequence[Mapping[str, Any]], engine: Mapping[str, Any]) -> dict[str, Any]:
+    """The time the client saw outside the engine (bench's cross-check, rooflib/server/watch.py)
+    before the engine's findings: every request waits for it whatever the engine does, so the
+    first is the root (with its `cause` and `size_ms`), and each one's remedy leads the plan."""
+    found = [f for f in outside if f["kind"] == "outside_engine"]
+    if not found:
+        return dict(engine)
+    own = [{k: v for k, v in f.items() if k != "remedy"} for f in found]
+    first = [_lever(None, None, None, f"about {f['size_ms'] or 0:.0f} ms of each request outside the engine "
+                    f"({f['cause']})", f"the client's TTFT and e2e up to {f['size_ms'] or 0:.0f} ms nearer the engine's",
+                    action=f["remedy"]) for f in found]
+    return {"root_cause": own[0], "findings": own + list(engine["findings"]), "plan": first + list(engine["plan"]),
+            "verify": list(engine["verify"])}
+
+
 def format_diagnosis(d: Mapping[str, Any]) -> list[str]:
     """The human form: the root cause first (its kind, setting and current value), what it
     causes indented under it, the other findings, one numbered plan, the verify commands."""
