@@ -127,6 +127,7 @@ def setup_of(args: Any, settings: conf.Settings, cfg: dict[str, Any], profile_na
     runs = cli.number("--budget-runs (TUNE_RUNS)", settings.get("TUNE_RUNS", args.budget_runs), int, 1, 10_000)
     minutes = cli.number("--budget-minutes (TUNE_MINUTES)", settings.get("TUNE_MINUTES", args.budget_minutes), float)
     port = cli.number("--port", args.port, int, 1, 65535) or profiles.free_port()
+    profiles.check_port_free(profile.get("host", "127.0.0.1"), port)  # before the first line of progress
     out = Path(settings.get("TUNE_OUT", args.out) or time.strftime("tune-%Y%m%d-%H%M%S"))
     return tuning.Setup(profile=profile, source=profile_name, port=port, bench=cfg, slo=slo_of(cfg),
                         budget=tuning.Budget(runs if runs or minutes else DEFAULT_RUNS, minutes), out=out,

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import json
 import random
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from fault_server import fault_server
+from vllm_server import REPO
 
 from rooflib.core import stats
 from rooflib.load import comparison
@@ -229,3 +234,103 @@ def test_the_diff_names_only_what_changed():
     diff = tuning.profile_diff(cpu_profile(max_num_seqs=1), cpu_profile(max_num_seqs=8))
     assert [line for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("---", "+++")] == \
         ["-max_num_seqs: 1", "+max_num_seqs: 8"]
+
+
+def tune_document() -> dict:
+    """A tune document as tune.json holds it: a baseline, a kept change, a trade-off, a failed start."""
+    def figure(measured, change=None, ci=None):
+        return {"ttft_p95_ms": {"measured": measured, "target": 1000.0, "met": measured <= 1000, "change_pct": change,
+                                "ci95_pct": ci}}
+    rows = [tuning.trial_row(0, None, "baseline", "misses TTFT p95 4000.0 ms > 1000 ms", figures=figure(4000.0)),
+            tuning.trial_row(1, levers.Change("max_num_seqs", "--max-num-seqs", 1, 8, "lever"), trials.KEPT,
+                             "TTFT p95 -75.0% (95% CI -80.0% .. -70.0%)", figures=figure(1000.0, -75.0, [-80.0, -70.0])),
+            tuning.trial_row(2, levers.Change("max_num_seqs", "--max-num-seqs", 8, 16, "lever"), trials.TRADE_OFF,
+                             "TTFT p95 -20.0%, but TPOT p95 80 ms > target 50 ms", figures=figure(800.0, -20.0, [-30.0, -10.0])),
+            tuning.trial_row(3, levers.Change("max_num_seqs", "--max-num-seqs", 8, 11, "lever"), trials.NO_START,
+                             "the server exited with status 1 while starting")]
+    return {"kind": "tune", "schema_version": 1, "mode": "tune", "started_at": "2025-01-01T00:00:00+00:00",
+            "profile": {"source": "cpu-tiny", "engine": "vllm", "model": "m"}, "workload": None,
+            "load": "closed loop, 16 in flight, 16 requests", "slo": {"ttft_p95_ms": 1000.0},
+            "budget": {"runs": 6, "minutes": None}, "trials": rows,
+            "changes": [{"setting": "max_num_seqs", "from": 1, "to": 8}], "winning_profile": cpu_profile(max_num_seqs=8),
+            "diff": tuning.profile_diff(cpu_profile(max_num_seqs=1), cpu_profile(max_num_seqs=8)), "slo_holds": True,
+            "stopped": {"reason": "slo_met", "text": "the SLO holds"}, "passed_over": ["--kv-cache-dtype ... (not tried)"],
+            "runs": 4, "wall_s": 200.0, "engine_start_s": 30.0, "interrupted": False, "out": "tune-out"}
+
+
+def test_the_report_draws_every_trial_on_one_chart_with_its_decision():
+    result = report_html.parse_result(json.dumps(tune_document()), "tune.json")
+    sections = report_html.build_sections([result], None)
+    assert [s.title for s in sections] == ["Tune: one change at a time"] and sections[0].verdict == "SLO holds"
+    chart = sections[0].charts[0]
+    assert [m["cls"] for m in chart.svg["marks"]] == ["better", "mixed", "worse"]
+    assert chart.svg["marks"][2]["x"] is None  # a failed start has no figure
+    text = report_html.render_text(sections)
+    assert "max_num_seqs  1 → 8" in text and "trade-off" in text and "did not start" in text
+    assert "<svg" in report_html.render_html(sections, [result], "now")
+
+
+def test_the_console_table_names_each_change_its_interval_and_the_decision():
+    import tune as tune_cli
+
+    text = tune_cli.human(tune_document())
+    assert "max_num_seqs 1 -> 8" in text and "1000.0 (-75% [-80, -70])" in text and "kept" in text
+    assert "Kept: max_num_seqs 1 -> 8" in text and "+max_num_seqs: 8" in text
+    assert "Stopped: the SLO holds" in text and "Not tried: --kv-cache-dtype" in text
+
+
+def test_the_log_entry_lists_the_trials_and_what_was_kept():
+    from rooflib.core import printing
+
+    entry = printing.render_log_entry(tune_document(), tuning.TEMPLATE)
+    assert entry.startswith("## 2025-01-01T00:00:00+00:00 · tune cpu-tiny · SLO holds")
+    assert "| 1 | max_num_seqs | 1 | 8 | kept | TTFT p95 -75.0% (95% CI -80.0% .. -70.0%) |" in entry
+    assert "- Kept: max_num_seqs 1 -> 8" in entry and "- not tried: --kv-cache-dtype" in entry
+
+
+# --------------------------------------------------------------------------------------------
+# The command line's one-line errors, before any engine starts
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "tune.py"), *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def one_error_line(done: subprocess.CompletedProcess) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--profile", "cpu-tiny"], "tune needs an SLO to judge changes by"),
+    (["--profile", "cpu-tiny", "--url", "http://127.0.0.1:9", "--slo-ttft-p95-ms", "100"],
+     "give --profile (tune starts and restarts it) or --url (measured only), not both"),
+    (["--profile", "no-such-profile", "--slo-ttft-p95-ms", "100"], "unknown profile 'no-such-profile'"),
+    (["--profile", "cpu-tiny", "--set", "max_num_seqs=0", "--slo-ttft-p95-ms", "100"],
+     "profile key max_num_seqs must be a positive integer"),
+    (["--profile", "cpu-tiny", "--slo-ttft-p95-ms", "100", "--budget-runs", "0"], "--budget-runs (TUNE_RUNS) must be"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 2 and message in one_error_line(done)
+
+
+def test_a_port_in_use_is_one_line_and_no_engine_starts(tmp_path):
+    # A catalog model and a fixed KV space: the vram model needs no download, and nothing is served.
+    profile = tmp_path / "p.yaml"
+    profile.write_text("engine: vllm\nmodel: Qwen/Qwen3-32B\nenv: {VLLM_CPU_KVCACHE_SPACE: '1'}\n"
+                       "python: /nonexistent/python\n")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = run_cli("--profile", str(profile), "--port", str(port), "--slo-ttft-p95-ms", "100",
+                       "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert done.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in one_error_line(done)
+
+
+def test_like_a_server_whose_window_holds_no_request_is_one_line(tmp_path):
+    with fault_server() as url:  # the same recorded scrape each time: nothing finished in between
+        done = run_cli("--profile", "cpu-tiny", "--like", url, "--like-window", "1", "--slo-ttft-p95-ms", "100",
+                       cwd=tmp_path)
+    assert done.returncode == 2 and "no request finished in the window" in done.stderr.splitlines()[-1]

@@ -174,6 +174,7 @@ class Progress:
         return time.monotonic() - self.began
 
     def trial_s(self) -> float:
+        """What one more trial costs: the first engine start's time and a mean run."""
         return self.start_s + (sum(self.bench_s) / len(self.bench_s) if self.bench_s else 0.0)
 
     def __call__(self, message: str) -> None:
@@ -192,140 +193,159 @@ def trial_row(n: int, change: levers.Change | None, decision: str, why: str, **f
             "engine_log": None, "vram": None, "note": None, **facts}
 
 
-def tune(setup: Setup, say: Callable[[str], None] = printing.progress) -> dict[str, Any]:
-    """Run the loop; the tune document (see scripts/tune.py). A profile that does not start or an
-    engine that dies during the baseline is a ServerError; Ctrl-C ends the loop with what is done."""
-    show = Progress(setup.budget, say)
-    slo, api_key = setup.slo, profile_api_key(setup.profile)
-    rows: list[dict[str, Any]] = []
-    passed_over: list[str] = []
-    incumbent, best, best_file = dict(setup.profile), None, BASELINE + ".json"
-    stopped, interrupted = ("", ""), False
-    engine: Engine | None = None
+@dataclass(frozen=True)
+class Measured:
+    """The configuration every trial is judged against: its profile, its run and that run's file."""
+    profile: Mapping[str, Any]
+    run: Mapping[str, Any]
+    file: str
 
-    def begin(profile: Mapping[str, Any], name: str, n: int) -> Engine:
-        nonlocal engine
-        show(f"{name}: starting the engine")
-        engine = start_engine(profile, setup.port, setup.out / f"engine-{n}.log", setup.startup_timeout_s)
-        show.start_s = show.start_s or engine.start_s  # the first start prices every restart in the ETA
-        return engine
 
-    def bench(name: str) -> dict[str, Any]:
-        show(f"{name}: engine up in {engine.start_s:.0f} s; bench ({setup.bench['num_requests']} requests, "
-             f"{setup.bench['warmup']} warm-up)")
+class Runner:
+    """The engine tune runs now (one at a time), its runs, and the progress line."""
+
+    def __init__(self, setup: Setup, say: Callable[[str], None]):
+        self.setup, self.show = setup, Progress(setup.budget, say)
+        self.api_key = profile_api_key(setup.profile)
+        self.engine: Engine | None = None
+
+    def start(self, profile: Mapping[str, Any], name: str, n: int) -> Engine:
+        self.show(f"{name}: starting the engine")
+        self.engine = start_engine(profile, self.setup.port, self.setup.out / f"engine-{n}.log",
+                                   self.setup.startup_timeout_s)
+        self.show.start_s = self.show.start_s or self.engine.start_s  # the first start prices each restart
+        return self.engine
+
+    def bench(self, name: str) -> dict[str, Any]:
+        cfg = self.setup.bench
+        self.show(f"{name}: engine up in {self.engine.start_s:.0f} s; bench ({cfg['num_requests']} requests, "
+                  f"{cfg['warmup']} warm-up)")
         began = time.monotonic()
-        result = bench_once(engine.url, api_key, setup.bench, setup.out / f"{name}.json")
-        show.runs += 1
-        show.bench_s.append(time.monotonic() - began)
+        result = bench_once(self.engine.url, self.api_key, cfg, self.setup.out / f"{name}.json")
+        self.show.runs += 1
+        self.show.bench_s.append(time.monotonic() - began)
         return result
 
-    def stop() -> None:
-        nonlocal engine
-        if engine is not None:
-            came = stop_engine(engine)
-            engine = None
+    def stop(self) -> None:
+        """Stop the engine; a Ctrl-C that came meanwhile is obeyed now."""
+        if self.engine is not None:
+            came, self.engine = stop_engine(self.engine), None
             if came:
                 raise KeyboardInterrupt
 
+    def close(self) -> None:
+        if self.engine is not None:
+            stop_engine(self.engine)
+            self.engine = None
+
+    def baseline(self) -> Measured:
+        engine = self.start(self.setup.profile, BASELINE, 0)
+        run = self.bench(BASELINE)
+        if engine.proc.poll() is not None:
+            raise ServerError(f"the engine exited with status {engine.proc.returncode} during the baseline run: "
+                              f"{log_tail(engine)} (log {engine.log})")
+        return Measured(self.setup.profile, run, f"{BASELINE}.json")
+
+    def trial(self, n: int, change: levers.Change, best: Measured, target: str) -> tuple[dict[str, Any], Measured]:
+        """One change tried against `best`: its row, and what the next trial is judged against."""
+        slo, name = self.setup.slo, f"trial-{n}"
+        candidate = change.applied(best.profile)
+        check = levers.start_check(candidate, self.setup.sizing)
+        if check.fits is False and not check.marginal:
+            self.show(f"{name}: {change.describe()} not run: the vram model says it will not start")
+            return trial_row(n, change, trials.NOT_RUN, f"the vram model says it will not start: {check.text}",
+                             vram=check.text), best
+        anyway = (f"the vram model says it will not start, but its verdict is marginal ({check.text}): tried, "
+                  "as a failed start costs one restart") if check.fits is False else None
+        if anyway:
+            self.show(f"{name}: {anyway}")
+        facts: dict[str, Any] = {"vram": check.text, "note": anyway, "engine_log": f"engine-{n}.log"}
+        self.stop()
+        try:
+            engine = self.start(candidate, name, n)
+        except ServerError as exc:
+            self.show(f"{name}: {change.describe()}: the engine did not start")
+            return trial_row(n, change, trials.NO_START, str(exc), **facts), best
+        facts["engine_start_s"] = engine.start_s
+        try:
+            result = self.bench(name)
+        except (ServerError, UsageError) as exc:  # the engine died, or the workload no longer fits it
+            died = engine.proc.poll() is not None
+            self.stop()
+            return trial_row(n, change, trials.CRASHED if died else trials.NO_START,
+                             f"the run could not be made: {exc}", **facts), best
+        facts.update(run=f"{name}.json", bench_s=self.show.bench_s[-1], figures=trials.figures(None, result, slo))
+        if result["interrupted"]:
+            return trial_row(n, change, trials.INTERRUPTED, "interrupted during the run: not judged", **facts), best
+        if engine.proc.poll() is not None:
+            self.show(f"{name}: {change.describe()}: the engine crashed")
+            self.stop()
+            return trial_row(n, change, trials.CRASHED, f"the engine exited with status {engine.proc.returncode} "
+                                                        f"during the run: {log_tail(engine)}", **facts), best
+        doc = compared(best.run, result, (best.file, f"{name}.json"))
+        verdict = trials.judge(doc, best.run, result, slo, target)
+        facts["figures"] = trials.figures(doc, result, slo)
+        self.show(f"{name}: {change.describe()}: {verdict.decision}: {verdict.why}")
+        row = trial_row(n, change, verdict.decision, verdict.why, **facts)
+        return row, Measured(candidate, result, f"{name}.json") if verdict.decision == trials.KEPT else best
+
+
+def tune(setup: Setup, say: Callable[[str], None] = printing.progress) -> dict[str, Any]:
+    """Run the loop; the tune document (see scripts/tune.py). A profile that does not start or an
+    engine that dies during the baseline is a ServerError; Ctrl-C ends the loop with what is done."""
+    runner = Runner(setup, say)
+    rows: list[dict[str, Any]] = []
+    passed_over: list[str] = []
+    best: Measured | None = None
+    stopped = ("", "")
     try:
-        first = begin(incumbent, BASELINE, 0)
-        best = bench(BASELINE)
-        if first.proc.poll() is not None:
-            raise ServerError(f"the engine exited with status {first.proc.returncode} during the baseline run: "
-                              f"{log_tail(first)} (log {first.log})")
-        rows.append(trial_row(0, None, BASELINE, baseline_words(best, slo), run=best_file,
-                              figures=trials.figures(None, best, slo), engine_start_s=first.start_s,
-                              bench_s=show.bench_s[-1], engine_log=first.log.name))
-        if best["interrupted"]:
+        best = runner.baseline()
+        rows.append(trial_row(0, None, BASELINE, baseline_words(best.run, setup.slo), run=best.file,
+                              figures=trials.figures(None, best.run, setup.slo),
+                              engine_start_s=runner.show.start_s, bench_s=runner.show.bench_s[-1],
+                              engine_log="engine-0.log"))
+        if best.run["interrupted"]:
             raise KeyboardInterrupt
-        done: list[str] = []
-        search: levers.Change | None = None
+        done: list[str] = []  # settings searched to the end
+        search: levers.Change | None = None  # the lever being searched: its value before, and the first proposed
         tried: list[trials.Tried] = []
         while True:
-            target = trials.worst(best, slo)
+            target = trials.worst(best.run, setup.slo)
             if target is None:
                 kept = any(r["decision"] == trials.KEPT for r in rows)
                 stopped = ("slo_met", "the SLO holds" + ("" if kept else " already: nothing to change"))
                 break
             change = None
-            while change is None:  # the next value of the setting searched, else the next lever
+            while change is None:  # the next value of the setting searched, else the next lever's first
                 value = trials.next_value(search.key, search.current, search.proposed, tried) if search else None
-                if value is not None and value != incumbent.get(search.key):
-                    change = levers.Change(search.key, search.flag, incumbent.get(search.key, search.current),
+                if value is not None and value != best.profile.get(search.key):
+                    change = levers.Change(search.key, search.flag, best.profile.get(search.key, search.current),
                                            value, search.reason)
                     break
                 if search is not None:
                     done.append(search.key)
-                choice = levers.first_change(diagnosis_of(best), incumbent, done)
+                choice = levers.first_change(diagnosis_of(best.run), best.profile, done)
                 passed_over += [line for line in choice.passed_over if line not in passed_over]
                 if choice.change is None:
                     break
                 search, tried = choice.change, []
             if change is None:
-                stopped = ("no_lever", no_lever_words(best, slo, target))
+                stopped = ("no_lever", no_lever_words(best.run, target))
                 break
-            spent = setup.budget.spent(show.runs, show.elapsed(), show.trial_s())
+            spent = setup.budget.spent(runner.show.runs, runner.show.elapsed(), runner.show.trial_s())
             if spent:
                 stopped = ("budget", spent)
                 break
-            n, name = len(rows), f"trial-{len(rows)}"
-            candidate = change.applied(incumbent)
-            check = levers.start_check(candidate, setup.sizing)
-            if check.fits is False and not check.marginal:
-                rows.append(trial_row(n, change, trials.NOT_RUN, f"the vram model says it will not start: "
-                                                                  f"{check.text}", vram=check.text))
-                tried.append(trials.Tried(change.proposed, trials.NO_START))
-                show(f"{name}: {change.describe()} not run: the vram model says it will not start")
-                continue
-            anyway = (f"the vram model says it will not start, but its verdict is marginal ({check.text}): tried, "
-                      "as a failed start costs one restart") if check.fits is False else None
-            if anyway:
-                show(f"{name}: {anyway}")
-            facts = {"vram": check.text, "note": anyway, "engine_log": f"engine-{n}.log"}
-            stop()
-            try:
-                started = begin(candidate, name, n)
-            except ServerError as exc:
-                rows.append(trial_row(n, change, trials.NO_START, str(exc), **facts))
-                tried.append(trials.Tried(change.proposed, trials.NO_START))
-                show(f"{name}: {change.describe()}: the engine did not start")
-                continue
-            facts["engine_start_s"] = started.start_s
-            try:
-                result = bench(name)
-            except (ServerError, UsageError) as exc:  # the engine died, or the workload no longer fits it
-                rows.append(trial_row(n, change, trials.CRASHED if started.proc.poll() is not None else trials.NO_START,
-                                      f"the run could not be made: {exc}", **facts))
-                tried.append(trials.Tried(change.proposed, rows[-1]["decision"]))
-                stop()
-                continue
-            facts.update(run=f"{name}.json", bench_s=show.bench_s[-1])
-            if result["interrupted"]:
-                rows.append(trial_row(n, change, trials.INTERRUPTED, "interrupted during the run: not judged",
-                                      figures=trials.figures(None, result, slo), **facts))
+            row, best = runner.trial(len(rows), change, best, target)
+            rows.append(row)
+            if row["decision"] == trials.INTERRUPTED:
                 raise KeyboardInterrupt
-            if started.proc.poll() is not None:
-                rows.append(trial_row(n, change, trials.CRASHED,
-                                      f"the engine exited with status {started.proc.returncode} during the run: "
-                                      f"{log_tail(started)}", figures=trials.figures(None, result, slo), **facts))
-                tried.append(trials.Tried(change.proposed, trials.CRASHED))
-                show(f"{name}: {change.describe()}: the engine crashed")
-                stop()
-                continue
-            doc = compared(best, result, (best_file, f"{name}.json"))
-            verdict = trials.judge(doc, best, result, slo, target)
-            rows.append(trial_row(n, change, verdict.decision, verdict.why,
-                                  figures=trials.figures(doc, result, slo), **facts))
-            tried.append(trials.Tried(change.proposed, verdict.decision))
-            show(f"{name}: {change.describe()}: {verdict.decision}: {verdict.why}")
-            if verdict.decision == trials.KEPT:
-                incumbent, best, best_file = candidate, result, f"{name}.json"
+            tried.append(trials.Tried(change.proposed, row["decision"]))
     except KeyboardInterrupt:
-        interrupted, stopped = True, ("interrupted", "interrupted: the trials done are kept")
+        stopped = ("interrupted", "interrupted: the trials done are kept")
     finally:
-        if engine is not None:
-            stop_engine(engine)
-    return document(setup, rows, incumbent, best, stopped, interrupted, passed_over, show)
+        runner.close()
+    return document(setup, rows, best, stopped, passed_over, runner.show)
 
 
 def profile_api_key(profile: Mapping[str, Any]) -> str | None:
@@ -343,7 +363,7 @@ def baseline_words(run: Mapping[str, Any], slo: trials.Slo) -> str:
                                  f"{slo.targets()[n]:g} ms" for n in missing)
 
 
-def no_lever_words(run: Mapping[str, Any], slo: trials.Slo, target: str) -> str:
+def no_lever_words(run: Mapping[str, Any], target: str) -> str:
     d = diagnosis_of(run)
     root = (d or {}).get("root_cause")
     why = f"the diagnosis names {root['kind']} ({root['evidence']})" if root else \
@@ -352,23 +372,22 @@ def no_lever_words(run: Mapping[str, Any], slo: trials.Slo, target: str) -> str:
             "what no setting of this profile fixes needs the proposals below (hardware, precision, the client)")
 
 
-def document(setup: Setup, rows: list[dict[str, Any]], winner: Mapping[str, Any], best: Mapping[str, Any] | None,
-             stopped: tuple[str, str], interrupted: bool, passed_over: list[str], show: Progress) -> dict[str, Any]:
-    start = dict(setup.profile)
+def document(setup: Setup, rows: list[dict[str, Any]], best: Measured | None, stopped: tuple[str, str],
+             passed_over: list[str], show: Progress) -> dict[str, Any]:
+    start, winner, run = dict(setup.profile), dict(best.profile if best else setup.profile), best.run if best else None
     changes = [{"setting": key, "from": start.get(key), "to": winner[key]}
                for key in winner if start.get(key) != winner[key]]
     return {
         "kind": "tune", "schema_version": SCHEMA_VERSION, "mode": "tune",
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "profile": {"source": setup.source, "engine": start["engine"], "model": start["model"]},
-        "workload": (best or {}).get("workload"), "load": ((best or {}).get("config") or {}).get("load"),
+        "workload": (run or {}).get("workload"), "load": ((run or {}).get("config") or {}).get("load"),
         "slo": setup.slo.targets(), "budget": {"runs": setup.budget.runs, "minutes": setup.budget.minutes},
-        "trials": rows, "changes": changes, "winning_profile": dict(winner),
-        "diff": profile_diff(start, dict(winner)),
-        "slo_holds": best is not None and not trials.missed(best, setup.slo),
+        "trials": rows, "changes": changes, "winning_profile": winner, "diff": profile_diff(start, winner),
+        "slo_holds": run is not None and not trials.missed(run, setup.slo),
         "stopped": {"reason": stopped[0], "text": stopped[1]}, "passed_over": passed_over,
         "runs": show.runs, "wall_s": show.elapsed(), "engine_start_s": show.start_s or None,
-        "interrupted": interrupted, "out": str(setup.out),
+        "interrupted": stopped[0] == "interrupted", "out": str(setup.out),
     }
 
 
