@@ -10,14 +10,20 @@ with prefix caching off.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import random
+import re
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import tune_vs_grid
+import vllm_server
 from fault_server import fault_server
 from vllm_server import REPO
 
@@ -334,3 +340,144 @@ def test_like_a_server_whose_window_holds_no_request_is_one_line(tmp_path):
         done = run_cli("--profile", "cpu-tiny", "--like", url, "--like-window", "1", "--slo-ttft-p95-ms", "100",
                        cwd=tmp_path)
     assert done.returncode == 2 and "no request finished in the window" in done.stderr.splitlines()[-1]
+
+
+# --------------------------------------------------------------------------------------------
+# The real CPU vLLM: from a profile with one setting made wrong on purpose (the cases of
+# benchmarks/tune_vs_grid.py, which `task bench:tune` runs against a grid), tune finds and keeps
+# the fix within 6 bench runs; with nothing wrong it keeps nothing; interrupts, a crash and a
+# profile that cannot start leave no engine behind.
+
+def process_groups() -> set[int]:
+    """The process group of every process on the machine (/proc/PID/stat, the field after the state)."""
+    groups = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit():
+                groups.add(int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]))
+        except (OSError, IndexError, ValueError):
+            continue
+    return groups
+
+
+def assert_no_engine_left(port: int, out: Path) -> None:
+    """Nothing listens on the port, and no process is left of any engine tune started: each ran in
+    its own process group, led by the API server whose pid its log names."""
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, f"something still listens on {port}"
+    leaders = {int(pid) for log in out.glob("engine-*.log")
+               for pid in re.findall(r"Started server process \[(\d+)\]", log.read_text(errors="replace"))}
+    assert not leaders & process_groups(), "a process of an engine tune started outlived it"
+
+
+def tune_command(case: tune_vs_grid.Case, out: Path, port: int, *extra: str) -> list[str]:
+    return [sys.executable, str(REPO / "scripts" / "tune.py"), "--profile", "cpu-tiny", "--port", str(port),
+            "--json", "--out", str(out), "--budget-runs", str(case.runs),
+            *[arg for item in case.sets for arg in ("--set", item)], *case.load, *tune_vs_grid.COMMON, *extra]
+
+
+def tuned(case: tune_vs_grid.Case, tmp_path: Path, *extra: str) -> tuple[int, dict]:
+    vllm_server.setup()
+    port = profiles.free_port()
+    done = subprocess.run(tune_command(case, tmp_path / "out", port, *extra), stdout=subprocess.PIPE, text=True,
+                          timeout=1800)
+    assert_no_engine_left(port, tmp_path / "out")
+    return done.returncode, json.loads(done.stdout)
+
+
+def kept(doc: dict) -> dict:
+    return {c["setting"]: (c["from"], c["to"]) for c in doc["changes"]}
+
+
+@pytest.mark.real_vllm
+def test_a_running_limit_far_too_low_is_raised_and_kept(tmp_path):
+    code, doc = tuned(tune_vs_grid.CASES["running_limit"], tmp_path)
+    assert code == 0 and doc["slo_holds"] and doc["runs"] <= 6
+    assert doc["trials"][0]["figures"]["ttft_p95_ms"]["met"] is False
+    assert list(kept(doc)) == ["max_num_seqs"] and kept(doc)["max_num_seqs"][1] >= 8
+    assert (tmp_path / "out" / "profile.yaml").read_text().count("max_num_seqs: ") == 1
+    assert "+max_num_seqs: " in (tmp_path / "out" / "profile.diff").read_text()
+
+
+@pytest.mark.real_vllm
+def test_a_kv_cache_far_too_small_is_grown_and_kept(tmp_path):
+    code, doc = tuned(tune_vs_grid.CASES["kv_cache"], tmp_path)
+    assert code == 0 and doc["slo_holds"] and doc["runs"] <= 6
+    assert "kv_cache_memory_bytes" in kept(doc) and kept(doc)["kv_cache_memory_bytes"][1] >= 8 * MIB
+
+
+@pytest.mark.real_vllm
+def test_prefix_caching_off_under_a_shared_prefix_is_turned_on_and_kept(tmp_path):
+    code, doc = tuned(tune_vs_grid.CASES["prefix_cache_off"], tmp_path)
+    assert code == 0 and doc["slo_holds"] and doc["runs"] <= 6
+    assert kept(doc) == {"enable_prefix_caching": (False, True)}
+
+
+@pytest.mark.real_vllm
+def test_with_nothing_wrong_nothing_is_kept_and_it_says_the_slo_holds(tmp_path):
+    healthy = tune_vs_grid.Case((), ("-n", "8", "-c", "4", "--input-tokens", "256", "--output-tokens", "16",
+                                     "--slo-ttft-p95-ms", "60000"), "")
+    code, doc = tuned(healthy, tmp_path)
+    assert code == 0 and doc["runs"] == 1 and doc["changes"] == []
+    assert doc["stopped"] == {"reason": "slo_met", "text": "the SLO holds already: nothing to change"}
+    assert [row["decision"] for row in doc["trials"]] == ["baseline"]
+
+
+def started_trial(proc: subprocess.Popen, name: str) -> list[str]:
+    """Read tune's progress until the run of trial `name` begins: the lines so far."""
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if f"{name}: engine up" in line:
+            return lines
+    raise AssertionError("tune ended before " + name + ": " + "".join(lines[-5:]))
+
+
+@pytest.mark.real_vllm
+def test_ctrl_c_mid_trial_keeps_the_finished_trials_and_stops_the_engine(tmp_path):
+    vllm_server.setup()
+    port, out = profiles.free_port(), tmp_path / "out"
+    proc = subprocess.Popen(tune_command(tune_vs_grid.CASES["running_limit"], out, port), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    started_trial(proc, "trial-1")
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 130
+    doc = json.loads(stdout)
+    assert doc["interrupted"] and doc["stopped"]["reason"] == "interrupted"
+    assert [row["decision"] for row in doc["trials"]] == ["baseline", "interrupted"]
+    assert json.loads((out / "tune.json").read_text())["trials"] == doc["trials"]
+    assert json.loads((out / "baseline.json").read_text())["kind"] == "bench"
+    assert_no_engine_left(port, out)
+
+
+@pytest.mark.real_vllm
+def test_an_engine_that_crashes_mid_trial_is_a_trial_result_and_leaves_nothing_running(tmp_path):
+    vllm_server.setup()
+    port, out = profiles.free_port(), tmp_path / "out"
+    case = dataclasses.replace(tune_vs_grid.CASES["running_limit"], runs=2)
+    proc = subprocess.Popen(tune_command(case, out, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started_trial(proc, "trial-1")
+    # The API server's pid, as uvicorn logs it; killed as the kernel's OOM killer would.
+    pid = int(re.search(r"Started server process \[(\d+)\]", (out / "engine-1.log").read_text())[1])
+    os.kill(pid, signal.SIGKILL)
+    stdout, _ = proc.communicate(timeout=600)
+    doc = json.loads(stdout)
+    assert proc.returncode == 1 and not doc["interrupted"]
+    assert [row["decision"] for row in doc["trials"]] == ["baseline", "engine crashed"]
+    assert doc["changes"] == [] and doc["stopped"]["reason"] == "budget"
+    assert_no_engine_left(port, out)
+
+
+@pytest.mark.real_vllm
+def test_a_profile_that_cannot_start_is_one_line(tmp_path):
+    vllm_server.setup()
+    port = profiles.free_port()
+    done = subprocess.run(tune_command(tune_vs_grid.CASES["running_limit"], tmp_path / "out", port,
+                                       "--set", 'extra_args=["--no-such-flag"]'),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 3
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: the server exited with status") and "engine-0.log" in error
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    assert_no_engine_left(port, tmp_path / "out")

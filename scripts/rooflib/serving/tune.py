@@ -221,8 +221,8 @@ class Runner:
         self.show(f"{name}: engine up in {self.engine.start_s:.0f} s; bench ({cfg['num_requests']} requests, "
                   f"{cfg['warmup']} warm-up)")
         began = time.monotonic()
+        self.show.runs += 1  # a run the engine crashed in counts against the budget too
         result = bench_once(self.engine.url, self.api_key, cfg, self.setup.out / f"{name}.json")
-        self.show.runs += 1
         self.show.bench_s.append(time.monotonic() - began)
         return result
 
@@ -263,17 +263,15 @@ class Runner:
         self.stop()
         try:
             engine = self.start(candidate, name, n)
-        except ServerError as exc:
-            self.show(f"{name}: {change.describe()}: the engine did not start")
-            return trial_row(n, change, trials.NO_START, str(exc), **facts), best
-        facts["engine_start_s"] = engine.start_s
-        try:
+            facts["engine_start_s"] = engine.start_s
             result = self.bench(name)
-        except (ServerError, UsageError) as exc:  # the engine died, or the workload no longer fits it
-            died = engine.proc.poll() is not None
+        except KeyboardInterrupt:
+            return trial_row(n, change, trials.INTERRUPTED, "interrupted: not judged", **facts), best
+        except (ServerError, UsageError) as exc:  # it did not start, died, or the workload no longer fits it
+            died = self.engine is not None and self.engine.proc.poll() is not None
+            self.show(f"{name}: {change.describe()}: " + ("the engine crashed" if died else "it did not start or run"))
             self.stop()
-            return trial_row(n, change, trials.CRASHED if died else trials.NO_START,
-                             f"the run could not be made: {exc}", **facts), best
+            return trial_row(n, change, trials.CRASHED if died else trials.NO_START, str(exc), **facts), best
         facts.update(run=f"{name}.json", bench_s=self.show.bench_s[-1], figures=trials.figures(None, result, slo))
         if result["interrupted"]:
             return trial_row(n, change, trials.INTERRUPTED, "interrupted during the run: not judged", **facts), best
