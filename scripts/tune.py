@@ -159,10 +159,15 @@ def human(doc: dict[str, Any]) -> str:
     if doc["mode"] == "measure_only":
         lines.append(f"Measured only: {doc['url']} was not started by tune, so it is never restarted.")
         proposal = doc["proposal"]
-        lines.append("Proposed change: " + (f"{proposal['setting']} {levers.shown(proposal['setting'], proposal['from'])}"
-                                            f" -> {levers.shown(proposal['setting'], proposal['to'])}: {proposal['reason']}"
-                                            if proposal else "none the diagnosis names as a server setting"))
-        lines += ["Verify it (the same bench before and after, then compare):"] + [f"  {c}" for c in doc["verify"]]
+        if doc["slo_holds"]:
+            lines.append("The SLO holds: nothing to change.")
+        else:
+            lines.append("Proposed change: " + (
+                f"{proposal['setting']} {levers.shown(proposal['setting'], proposal['from'])} -> "
+                f"{levers.shown(proposal['setting'], proposal['to'])}: {proposal['reason']}"
+                if proposal else "none that a server setting makes: see the diagnosis (task infer:metrics)"))
+        if doc["verify"]:
+            lines += ["Verify it (the same bench before and after, then compare):"] + [f"  {c}" for c in doc["verify"]]
     else:
         lines.append(f"Stopped: {doc['stopped']['text']}")
         lines.append(f"Runs: {doc['runs']} in {tuning.clock(doc['wall_s'])} (engine start {tuning.clock(doc['engine_start_s'])})")
