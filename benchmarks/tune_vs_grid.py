@@ -35,7 +35,7 @@ from typing import Any, Sequence
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from rooflib.core import cli, printing  # noqa: E402
+from rooflib.core import cli, conf, printing  # noqa: E402
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK, ServerError, UsageError  # noqa: E402
 from rooflib.load import benchrun  # noqa: E402
 from rooflib.serving import profiles, trials  # noqa: E402
@@ -111,7 +111,7 @@ def reached(run: dict[str, Any], slo: trials.Slo, tuned: dict[str, Any]) -> bool
 def run_grid(case: Case, tuned: dict[str, Any], out: Path) -> dict[str, Any]:
     profile = start_profile(case)
     args = benchrun.build_parser().parse_args([*case.load, *COMMON])
-    cfg = benchrun.make_config(args, {})
+    cfg = benchrun.make_config(args, conf.settings_from_args(args))  # as tune.py reads them
     slo = trials.Slo(cfg["slo_ttft_p95_ms"], cfg["slo_tpot_p95_ms"])
     points = [dict(zip(GRID, values)) for values in itertools.product(*GRID.values())]
     began, runs, hit = time.monotonic(), 0, None
