@@ -58,8 +58,8 @@ class Case:
 # the engine, is the bottleneck for long outputs (tests/test_metrics.py, QUEUEING_PROMPTS).
 CASES = {
     "running_limit": Case(("max_num_seqs=1", "enable_prefix_caching=false"),
-                          ("-n", "16", "-c", "16", "--input-tokens", "512", "--output-tokens", "16",
-                           "--slo-ttft-p95-ms", "3000"), "max_num_seqs"),
+                          ("-n", "16", "-c", "16", "--input-tokens", "256", "--output-tokens", "64",
+                           "--slo-ttft-p95-ms", "2000"), "max_num_seqs"),
     "kv_cache": Case(("env={}", "max_model_len=1024", f"kv_cache_memory_bytes={4 * MIB}",
                       "enable_prefix_caching=false"),
                      ("-n", "16", "-c", "16", "--input-tokens", "512", "--output-tokens", "64",

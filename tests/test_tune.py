@@ -428,7 +428,7 @@ def started_trial(proc: subprocess.Popen, name: str) -> list[str]:
     lines = []
     for line in proc.stderr:
         lines.append(line)
-        if f"{name}: engine up" in line:
+        if f"{name}: engine up and warm" in line:
             return lines
     raise AssertionError("tune ended before " + name + ": " + "".join(lines[-5:]))
 
