@@ -118,7 +118,7 @@ def start_engine(profile: Mapping[str, Any], port: int, log: Path, timeout_s: fl
 def stop_engine(engine: Engine) -> bool:
     """Stop the engine as Ctrl-C would (then kill what is left of its process group, a crashed
     engine's workers too); Ctrl-C and SIGTERM wait meanwhile. True when one came."""
-    with signals.SignalHold("tune: stopping the engine") as hold:
+    with signals.SignalHold("tune") as hold:
         hold.start()
         profiles.stop(engine.proc, grace_s=STOP_GRACE_S)
         with contextlib.suppress(ProcessLookupError, PermissionError):
