@@ -35,11 +35,12 @@ logprobs), 3 a server unreachable or failing, 5 the report is printed but --log 
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from rooflib.core import catalogs, cli, conf, fileio, printing
 from rooflib.core.errors import (
@@ -102,93 +103,127 @@ def build_parser():
 @cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return cli.run_main(lambda: run(args))
 
-    def body() -> int:
-        # Settings are read here, inside run_main: a bad inference.env is one line, exit 2.
-        settings = conf.settings_from_args(args)
-        api_key = conf.api_key(settings)
-        log = settings.get("BENCH_LOG", args.log)
-        if log:
-            fileio.check_writable(log, "--log (BENCH_LOG)")
-        sources = {role: settings.get(role.upper(), getattr(args, role)) for role in ("base", "candidate")}
-        missing = [role.upper() for role, source in sources.items() if not source]
-        if missing:
-            raise UsageError(f"{' and '.join(missing)} not given: pass BASE=<url|profile> CANDIDATE=<url|profile>")
-        scheme = args.scheme
-        levels = perplexity.gate(scheme or "fp8", args.warn_pct, args.fail_pct)  # bad levels fail before any run
-        catalog = catalogs.load_catalog("toolcall_cases")
-        cases_dir = settings.get("TOOLCALL_CASES", args.cases_dir)
-        toolcall_catalog = toolcalls.with_user_cases(catalog, cases_dir) if cases_dir else (catalog, [])
-        path, text = perplexity.resolve_text(args)
-        for source in sources.values():
-            # A profile is read now: a missing one fails before the base is measured, and the
-            # keys it carries are registered (a failed start quotes the engine's log).
-            if not is_url(source):
-                profiles.load_profile(profiles.find_profile(source))
-        sides = {role: {"role": role, "source": source, "url": None, "model": None,
-                        "wanted_model": getattr(args, f"{role}_model") or None}
-                 for role, source in sources.items()}
-        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        interrupted, failure = False, None
-        window, stride = args.window, args.stride
-        with tempfile.TemporaryDirectory(prefix="roofline-accept-") as log_dir:
-            try:
-                for side in sides.values():
-                    with deployment(side["source"], Path(log_dir), args.start_timeout) as url:
-                        measure_side(side, url, api_key, args, text, window, stride, toolcall_catalog)
-                    # The candidate is scored with the base's windows, so the two pair token by token.
-                    window, stride = side["ppl"]["window"], side["ppl"]["stride"]
-            except KeyboardInterrupt:
-                interrupted = True
-            except ServerError as exc:  # a server down or crashing: report what was measured
-                failure = f"{side['role']} ({side['source']}): {exc}"
-        base, cand = sides["base"], sides["candidate"]
-        if scheme:
-            scheme_used = {"scheme": levels["scheme"], "inferred": False, "why": "given (--scheme)"}
-        else:
-            inferred, why = infer_scheme(cand)
-            levels = perplexity.gate(inferred, args.warn_pct, args.fail_pct)
-            scheme_used = {"scheme": levels["scheme"], "inferred": True, "why": why}
-        printing.progress(f"accept: {levels['name']} levels, {scheme_used['why']}")
-        ppl_result = None
-        if base.get("ppl") and cand.get("ppl"):
-            ppl_result = perplexity.compare(base["ppl"], cand["ppl"], levels, 64)
-        verdict, reasons, notes = judge(base, cand, ppl_result, interrupted)
-        notes.insert(0, f"perplexity levels: {levels['name']} (warn +{levels['warn_pct']}%, fail +{levels['fail_pct']}%)"
-                        f"{': inferred, ' if scheme_used['inferred'] else ', '}{scheme_used['why']}")
-        user_cases = toolcall_catalog[1]
-        if user_cases:
-            notes.append(f"your tool-call cases from {cases_dir}: {', '.join(user_cases)}")
-        if failure:
-            verdict, reasons = "FAIL", [f"server failed: {failure}"] + reasons
-        result = {
-            "kind": "accept", "schema_version": 1,
-            "started_at": started, "verdict": verdict, "reasons": reasons, "notes": notes,
-            "interrupted": interrupted, "ppl_change": ppl_result, "scheme": scheme_used,
-            "config": {"text": path, "text_bytes": len(text.encode("utf-8")), "api": args.api, "levels": levels,
-                       "window": (base.get("ppl") or {}).get("window"), "stride": (base.get("ppl") or {}).get("stride"),
-                       "smoke_repeat": args.repeat, "skip_smoke": args.skip_smoke, "skip_bench": args.skip_bench,
-                       "cases_dir": cases_dir or None, "user_cases": user_cases,
-                       "bench_args": bench_args(args)},
-            "base": summary(base), "candidate": summary(cand),
-        }
-        result["rows"] = result_rows(base, cand, ppl_result)
-        entry = printing.render_log_entry(result, TEMPLATE)
-        # The result is printed first: a log that cannot be written then loses nothing.
-        printed = printing.emit(result | {"log_entry": entry}, entry, args.output)
-        if log:
-            if fileio.write_outputs([("--log", log, fileio.log_with_entry(log, entry))]):
-                return EXIT_OUTPUT
-            printing.progress(f"accept: log entry appended to {log}")
-        if printed:
-            return printed
-        if interrupted:
-            return EXIT_INTERRUPTED
-        if failure:
-            return EXIT_SERVER
-        return EXIT_CHECK_FAILED if verdict == "FAIL" else EXIT_OK
 
-    return cli.run_main(body)
+def run(args: argparse.Namespace) -> int:
+    # Settings are read here, inside run_main: a bad inference.env is one line, exit 2.
+    settings = conf.settings_from_args(args)
+    api_key = conf.api_key(settings)
+    log = settings.get("BENCH_LOG", args.log)
+    if log:
+        fileio.check_writable(log, "--log (BENCH_LOG)")
+    sources = read_sources(args, settings)
+    levels = perplexity.gate(args.scheme or "fp8", args.warn_pct, args.fail_pct)  # bad levels fail before any run
+    catalog = catalogs.load_catalog("toolcall_cases")
+    cases_dir = settings.get("TOOLCALL_CASES", args.cases_dir)
+    toolcall_catalog = toolcalls.with_user_cases(catalog, cases_dir) if cases_dir else (catalog, [])
+    path, text = perplexity.resolve_text(args)
+    read_profiles(sources)
+    sides = {role: {"role": role, "source": source, "url": None, "model": None,
+                    "wanted_model": getattr(args, f"{role}_model") or None}
+             for role, source in sources.items()}
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    interrupted, failure = measure_sides(sides, args, api_key, text, toolcall_catalog)
+    base, cand = sides["base"], sides["candidate"]
+    levels, scheme_used = levels_used(args, levels, cand)
+    printing.progress(f"accept: {levels['name']} levels, {scheme_used['why']}")
+    ppl_result, verdict, reasons, notes = judged(base, cand, levels, scheme_used, interrupted, failure)
+    user_cases = toolcall_catalog[1]
+    if user_cases:
+        notes.append(f"your tool-call cases from {cases_dir}: {', '.join(user_cases)}")
+    result = {
+        "kind": "accept", "schema_version": 1,
+        "started_at": started, "verdict": verdict, "reasons": reasons, "notes": notes,
+        "interrupted": interrupted, "ppl_change": ppl_result, "scheme": scheme_used,
+        "config": {"text": path, "text_bytes": len(text.encode("utf-8")), "api": args.api, "levels": levels,
+                   "window": (base.get("ppl") or {}).get("window"), "stride": (base.get("ppl") or {}).get("stride"),
+                   "smoke_repeat": args.repeat, "skip_smoke": args.skip_smoke, "skip_bench": args.skip_bench,
+                   "cases_dir": cases_dir or None, "user_cases": user_cases,
+                   "bench_args": bench_args(args)},
+        "base": summary(base), "candidate": summary(cand),
+    }
+    result["rows"] = result_rows(base, cand, ppl_result)
+    return print_and_log(result, log, args.output, failure)
+
+
+def read_sources(args: argparse.Namespace, settings: conf.Settings) -> dict[str, str]:
+    """BASE and CANDIDATE: each a URL or a serve profile."""
+    sources = {role: settings.get(role.upper(), getattr(args, role)) for role in ("base", "candidate")}
+    missing = [role.upper() for role, source in sources.items() if not source]
+    if missing:
+        raise UsageError(f"{' and '.join(missing)} not given: pass BASE=<url|profile> CANDIDATE=<url|profile>")
+    return sources
+
+
+def read_profiles(sources: dict[str, str]) -> None:
+    """A profile is read now: a missing one fails before the base is measured, and the keys it
+    carries are registered (a failed start quotes the engine's log)."""
+    for source in sources.values():
+        if not is_url(source):
+            profiles.load_profile(profiles.find_profile(source))
+
+
+def measure_sides(sides: dict[str, dict[str, Any]], args: argparse.Namespace, api_key: str | None, text: str,
+                  toolcall_catalog: tuple[dict[str, Any], list[str]]) -> tuple[bool, str | None]:
+    """Measure the base, then the candidate, each deployed for its turn: (interrupted, the server
+    failure that stopped them, if one did)."""
+    window, stride = args.window, args.stride
+    with tempfile.TemporaryDirectory(prefix="roofline-accept-") as log_dir:
+        try:
+            for side in sides.values():
+                with deployment(side["source"], Path(log_dir), args.start_timeout) as url:
+                    measure_side(side, url, api_key, args, text, window, stride, toolcall_catalog)
+                # The candidate is scored with the base's windows, so the two pair token by token.
+                window, stride = side["ppl"]["window"], side["ppl"]["stride"]
+        except KeyboardInterrupt:
+            return True, None
+        except ServerError as exc:  # a server down or crashing: report what was measured
+            return False, f"{side['role']} ({side['source']}): {exc}"
+    return False, None
+
+
+def levels_used(args: argparse.Namespace, levels: dict[str, Any],
+                cand: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The perplexity levels to judge by, and which scheme they are and why: --scheme's, else
+    the candidate's quantization's."""
+    if args.scheme:
+        return levels, {"scheme": levels["scheme"], "inferred": False, "why": "given (--scheme)"}
+    inferred, why = infer_scheme(cand)
+    levels = perplexity.gate(inferred, args.warn_pct, args.fail_pct)
+    return levels, {"scheme": levels["scheme"], "inferred": True, "why": why}
+
+
+def judged(base: dict[str, Any], cand: dict[str, Any], levels: dict[str, Any], scheme_used: dict[str, Any],
+           interrupted: bool, failure: str | None) -> tuple[dict[str, Any] | None, str, list[str], list[str]]:
+    """The perplexity change, the verdict, its reasons and the notes (the levels used first)."""
+    ppl_result = None
+    if base.get("ppl") and cand.get("ppl"):
+        ppl_result = perplexity.compare(base["ppl"], cand["ppl"], levels, 64)
+    verdict, reasons, notes = judge(base, cand, ppl_result, interrupted)
+    notes.insert(0, f"perplexity levels: {levels['name']} (warn +{levels['warn_pct']}%, fail +{levels['fail_pct']}%)"
+                    f"{': inferred, ' if scheme_used['inferred'] else ', '}{scheme_used['why']}")
+    if failure:
+        verdict, reasons = "FAIL", [f"server failed: {failure}"] + reasons
+    return ppl_result, verdict, reasons, notes
+
+
+def print_and_log(result: dict[str, Any], log: str | None, output: printing.Output, failure: str | None) -> int:
+    """Print the log entry (or the JSON document), append it to the log: the exit code."""
+    entry = printing.render_log_entry(result, TEMPLATE)
+    # The result is printed first: a log that cannot be written then loses nothing.
+    printed = printing.emit(result | {"log_entry": entry}, entry, output)
+    if log:
+        if fileio.write_outputs([("--log", log, fileio.log_with_entry(log, entry))]):
+            return EXIT_OUTPUT
+        printing.progress(f"accept: log entry appended to {log}")
+    if printed:
+        return printed
+    if result["interrupted"]:
+        return EXIT_INTERRUPTED
+    if failure:
+        return EXIT_SERVER
+    return EXIT_CHECK_FAILED if result["verdict"] == "FAIL" else EXIT_OK
 
 
 if __name__ == "__main__":

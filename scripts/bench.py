@@ -56,19 +56,7 @@ from rooflib.load import analysis, asyncclient, benchrun
 
 def human_report(result: dict[str, Any]) -> str:
     """The console table (vLLM `bench serve` layout for easy comparison)."""
-    cfg, req, thr, client = result["config"], result["requests"], result["throughput"], result["client"]
-    lines = [f"{' Roofline bench ':=^72}",
-             f"{'Server / model:':<34}{cfg['url']} / {cfg['model']}",
-             f"{'Load:':<34}{cfg['load']}",
-             f"{'Workload:':<34}{workload_line(cfg)} ({cfg['endpoint']}, prompts by {cfg['prompt_tokenizer']})",
-             f"{'Requests completed / failed:':<34}{req['completed']} / {req['failed']}"
-             + (f"  ({', '.join(f'{k} {v}' for k, v in req['errors'].items())})" if req["errors"] else ""),
-             f"{'Duration (s):':<34}{printing.fmt_number(thr['duration_s'])}",
-             f"{'Request throughput (req/s):':<34}{printing.fmt_number(thr['req_s'])}",
-             f"{'Output token throughput (tok/s):':<34}{printing.fmt_number(thr['output_tok_s'])}",
-             f"{'Total token throughput (tok/s):':<34}{printing.fmt_number(thr['total_tok_s'])}",
-             f"{'Output tokens (total, short):':<34}{req['output_tokens']['total']}, {req['output_tokens']['short']}",
-             f"{'':-<72}",
+    lines = [*_summary_lines(result), f"{'':-<72}",
              f"{'ms':<16}{'p50':>9}{'p95':>9}{'p99':>9}{'mean':>9}{'min':>9}{'max':>9}{'n':>7}"]
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL (chunk)"),
                        ("itl_token_ms", "ITL (token)"), ("e2e_ms", "E2E")):
@@ -80,9 +68,32 @@ def human_report(result: dict[str, Any]) -> str:
                            ("answer_tokens", "answer tok")):
             lines.append(_row(label, reasoning[key]))
     lines.append(f"{'':-<72}")
+    lines += _client_lines(result) + _server_lines(result) + _verdict_lines(result)
+    return "\n".join(lines)
+
+
+def _summary_lines(result: dict[str, Any]) -> list[str]:
+    """What ran against what, and how much got through."""
+    cfg, req, thr = result["config"], result["requests"], result["throughput"]
+    return [f"{' Roofline bench ':=^72}",
+            f"{'Server / model:':<34}{cfg['url']} / {cfg['model']}",
+            f"{'Load:':<34}{cfg['load']}",
+            f"{'Workload:':<34}{workload_line(cfg)} ({cfg['endpoint']}, prompts by {cfg['prompt_tokenizer']})",
+            f"{'Requests completed / failed:':<34}{req['completed']} / {req['failed']}"
+            + (f"  ({', '.join(f'{k} {v}' for k, v in req['errors'].items())})" if req["errors"] else ""),
+            f"{'Duration (s):':<34}{printing.fmt_number(thr['duration_s'])}",
+            f"{'Request throughput (req/s):':<34}{printing.fmt_number(thr['req_s'])}",
+            f"{'Output token throughput (tok/s):':<34}{printing.fmt_number(thr['output_tok_s'])}",
+            f"{'Total token throughput (tok/s):':<34}{printing.fmt_number(thr['total_tok_s'])}",
+            f"{'Output tokens (total, short):':<34}{req['output_tokens']['total']}, {req['output_tokens']['short']}"]
+
+
+def _client_lines(result: dict[str, Any]) -> list[str]:
+    """The client's own delays, and how long the first request waited."""
+    client = result["client"]
     lag = client["loop_lag_ms"]
-    lines.append(f"{'Client loop lag p50/p99/max (ms):':<34}{printing.fmt_number(lag['p50'])} / {printing.fmt_number(lag['p99'])} / "
-                 f"{printing.fmt_number(lag['max'])}  (limit {client['lag_threshold_ms']:.2f}, CPU {printing.fmt_number((client['cpu_util'] or 0) * 100, 0)}%)")
+    lines = [f"{'Client loop lag p50/p99/max (ms):':<34}{printing.fmt_number(lag['p50'])} / {printing.fmt_number(lag['p99'])} / "
+             f"{printing.fmt_number(lag['max'])}  (limit {client['lag_threshold_ms']:.2f}, CPU {printing.fmt_number((client['cpu_util'] or 0) * 100, 0)}%)"]
     stalled = client.get("stalls") or {}
     if stalled.get("count"):
         lines.append(f"{'Client stalls (count, total, worst):':<34}{stalled['count']}, {stalled['total_s']:.2f} s "
@@ -93,9 +104,13 @@ def human_report(result: dict[str, Any]) -> str:
                      f"{printing.fmt_number(schedule['max'])}  (actual - intended send time)")
     if result.get("startup_s") is not None:
         lines.append(f"{'First request after (s):':<34}{result['startup_s']:.2f}")
+    return lines
+
+
+def _server_lines(result: dict[str, Any]) -> list[str]:
+    """What the server's metrics, its timeline and the probe said."""
     server = result.get("server") or {}
-    for line in server.get("summary", []):
-        lines.append(f"{'Server:':<34}{line}")
+    lines = [f"{'Server:':<34}{line}" for line in server.get("summary", [])]
     timeline = result.get("timeline")
     if timeline and timeline["samples"]:
         lines.append(f"{'Server timeline:':<34}{timeline_line(timeline)}")
@@ -103,20 +118,21 @@ def human_report(result: dict[str, Any]) -> str:
     if probe:
         lines.append(f"{'Probe ' + probe['path'] + ':':<34}" + (f"{probe['p50_ms']:.2f} ms round trip (p50 of {probe['n']})"
                                                                  if probe.get("p50_ms") is not None else probe.get("error", "")))
-    for finding in (server.get("cross_check") or {}).get("findings", []):
-        lines.append(f"client vs server: {finding}")
-    for name, check in result["slo"].items():
-        lines.append(f"{'SLO ' + name + ':':<34}{printing.fmt_number(check['measured'], 1)} <= {check['target']:g}: "
-                     f"{'met' if check['met'] else 'MISSED'}")
-    for warning in result["warnings"]:
-        lines.append(f"warning: {warning}")
-    for error in req["first_errors"]:
-        lines.append(f"error: {error}")
+    lines += [f"client vs server: {finding}" for finding in (server.get("cross_check") or {}).get("findings", [])]
+    return lines
+
+
+def _verdict_lines(result: dict[str, Any]) -> list[str]:
+    """The SLO checks, warnings, first errors and the verdict."""
+    lines = [f"{'SLO ' + name + ':':<34}{printing.fmt_number(check['measured'], 1)} <= {check['target']:g}: "
+             f"{'met' if check['met'] else 'MISSED'}" for name, check in result["slo"].items()]
+    lines += [f"warning: {warning}" for warning in result["warnings"]]
+    lines += [f"error: {error}" for error in result["requests"]["first_errors"]]
     lines.append(f"{'Verdict:':<34}{result['verdict']}" +
                  (f" ({'; '.join(result['verdict_reasons'])})" if result["verdict_reasons"] else ""))
     if result["interrupted"]:
         lines.append("interrupted: partial results")
-    return "\n".join(lines)
+    return lines
 
 
 def _row(label: str, s: dict[str, Any]) -> str:
@@ -144,17 +160,17 @@ def timeline_line(timeline: dict[str, Any]) -> str:
 
 
 def run(args: Any, settings: conf.Settings, server: asyncclient.Target) -> int:
-    cfg = benchrun.make_config(args, settings)
-    for what, path in (("--records", args.records), ("--log (BENCH_LOG)", cfg["log"])):
+    options = benchrun.make_options(args, settings)
+    for what, path in (("--records", args.records), ("--log (BENCH_LOG)", options.log)):
         if path:
             fileio.check_writable(path, what)
-    target = asyncclient.find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
+    target = asyncclient.find_target(server, settings.get("INFER_MODEL", args.model) or None, options.timeout_s)
     with signals.SignalHold("bench") as hold:  # from the end of the load: signals held until the result is written
-        result = benchrun.execute(target, cfg, hold)
-        return print_and_write(args, cfg, result)
+        result = benchrun.execute(target, options, hold)
+        return print_and_write(args, options.log, result)
 
 
-def print_and_write(args: Any, cfg: dict[str, Any], result: dict[str, Any]) -> int:
+def print_and_write(args: Any, log: str | None, result: dict[str, Any]) -> int:
     """Print the result, then write --records and --log: the exit code."""
     records = result.pop("records")
     # The result is printed first: a file that cannot be written then loses nothing.
@@ -162,11 +178,11 @@ def print_and_write(args: Any, cfg: dict[str, Any], result: dict[str, Any]) -> i
     files = []
     if args.records:
         files.append(("--records", args.records, "".join(json.dumps(printing.json_safe(r)) + "\n" for r in records)))
-    if cfg["log"]:
-        files.append(("--log", cfg["log"], fileio.log_with_entry(cfg["log"], printing.render_log_entry(result, benchrun.TEMPLATE))))
+    if log:
+        files.append(("--log", log, fileio.log_with_entry(log, printing.render_log_entry(result, benchrun.TEMPLATE))))
     written = fileio.write_outputs(files)
-    if cfg["log"] and written == EXIT_OK:
-        printing.progress(f"bench: log entry appended to {cfg['log']}")
+    if log and written == EXIT_OK:
+        printing.progress(f"bench: log entry appended to {log}")
     return printed or written or analysis.exit_code(result)
 
 

@@ -24,7 +24,6 @@ done are printed, logged and written to --json-out).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any, Sequence
 
@@ -59,39 +58,39 @@ def human(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def point_args(args: argparse.Namespace, concurrency: int, per_point: str | None) -> argparse.Namespace:
-    """bench's arguments for one point: its concurrency, and -n (BENCH_N) per point, by default
+def point_options(options: benchrun.BenchOptions, concurrency: int) -> benchrun.BenchOptions:
+    """bench's options for one point: its concurrency, and -n (BENCH_N) per point, by default
     4 x C (at least 16), so that each point runs several waves."""
-    return argparse.Namespace(**{**vars(args), "concurrency": str(concurrency),
-                                 "num_requests": str(per_point or max(16, 4 * concurrency))})
+    per_point = options.num_requests if options.num_requests_given else max(16, 4 * concurrency)
+    return options.at_concurrency(concurrency, per_point)
 
 
 def run(args: Any, settings: conf.Settings, server: asyncclient.Target) -> int:
     if args.concurrency:
         raise UsageError("sweep sets the concurrency itself: use --sweep-c (SWEEP_C), not -c")
     levels = parse_levels(settings.get("SWEEP_C", args.sweep_c, DEFAULT_SWEEP))
-    per_point = settings.get("BENCH_N", args.num_requests, None)
-    configs = [benchrun.make_config(point_args(args, c, per_point), settings) for c in levels]  # all checked first
-    cfg = configs[0]  # the point being run; the SLO, lengths and log are every point's
-    if cfg["log"]:
-        fileio.check_writable(cfg["log"], "--log (BENCH_LOG)")
+    asked = benchrun.read_options(args, settings)
+    planned = [point_options(asked, c) for c in levels]  # all checked first
+    options = planned[0]  # the point being run; the SLO, lengths and log are every point's
+    if options.log:
+        fileio.check_writable(options.log, "--log (BENCH_LOG)")
     points, interrupted, log_error, target = [], False, None, None
     # A Ctrl-C or SIGTERM between two points (a workload being built) ends the sweep with the points
     # done; during a load it stops the load; from the end of a load it waits in `hold` until that
     # point is recorded (benchrun.execute), and then ends the sweep.
     with signals.SignalHold("sweep") as hold:
         try:
-            target = asyncclient.find_target(server, settings.get("INFER_MODEL", args.model) or None, cfg["timeout_s"])
-            for cfg in configs:
-                printing.progress(f"sweep: C = {cfg['concurrency']}")
-                result = benchrun.execute(target, cfg, hold)
+            target = asyncclient.find_target(server, settings.get("INFER_MODEL", args.model) or None, options.timeout_s)
+            for options in planned:
+                printing.progress(f"sweep: C = {options.concurrency}")
+                result = benchrun.execute(target, options, hold)
                 result.pop("records")
-                points.append(point_summary(cfg["concurrency"], result))
-                if cfg["log"] and not log_error:
+                points.append(point_summary(options.concurrency, result))
+                if options.log and not log_error:
                     try:  # each point's entry at once (atomically): an interrupted sweep keeps the points done
-                        fileio.append_log(cfg["log"], printing.render_log_entry(result, benchrun.TEMPLATE))
+                        fileio.append_log(options.log, printing.render_log_entry(result, benchrun.TEMPLATE))
                     except OSError as exc:
-                        log_error = (f"the result is printed above, but --log {cfg['log']} was not written: "
+                        log_error = (f"the result is printed above, but --log {options.log} was not written: "
                                      f"{exc.strerror or exc}")
                 if result["interrupted"]:
                     interrupted = True
@@ -100,13 +99,15 @@ def run(args: Any, settings: conf.Settings, server: asyncclient.Target) -> int:
         except KeyboardInterrupt:  # between two points, or held until a point was recorded
             interrupted = True
             hold.start()
-        has_slo = bool(points) and (cfg["slo_ttft_p95_ms"] is not None or cfg["slo_tpot_p95_ms"] is not None)
+        slo = options.slo
+        has_slo = bool(points) and (slo.ttft_p95_ms is not None or slo.tpot_p95_ms is not None)
         found = knee(points, has_slo)
         report = {"kind": "sweep", "schema_version": 1,
                   "points": points, "knee": found, "knee_caveat": knee_caveat(points, found), "slo_set": has_slo,
-                  "slo": {"ttft_p95_ms": cfg["slo_ttft_p95_ms"], "tpot_p95_ms": cfg["slo_tpot_p95_ms"]},
+                  "slo": {"ttft_p95_ms": slo.ttft_p95_ms, "tpot_p95_ms": slo.tpot_p95_ms},
                   "levels": levels, "interrupted": interrupted,
-                  "config": {k: cfg[k] for k in ("input_tokens", "output_tokens", "endpoint", "warmup")}
+                  "config": {"input_tokens": options.input_tokens, "output_tokens": options.output_tokens,
+                             "endpoint": options.endpoint, "warmup": options.warmup}
                   | {"url": target.base_url if target else None, "model": target.model if target else None}}
         printed = printing.emit(report, human(report), args.output)
     if log_error:

@@ -3,6 +3,7 @@ against the calibration server, and the real CPU vLLM (token counts and latencie
 server's own metrics)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -252,10 +253,40 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("BENCH_IN", "33")
     (tmp_path / "inference.env").write_text("BENCH_C=3\n")
     args = benchrun.build_parser().parse_args([])
-    cfg = benchrun.make_config(args, conf.settings_from_args(args))
-    assert (cfg["num_requests"], cfg["input_tokens"], cfg["concurrency"], cfg["warmup"]) == (7, 33, 3, 3)
+    options = benchrun.make_options(args, conf.settings_from_args(args))
+    assert (options.num_requests, options.input_tokens, options.concurrency, options.warmup) == (7, 33, 3, 3)
     args = benchrun.build_parser().parse_args(["-n", "5"])
-    assert benchrun.make_config(args, conf.settings_from_args(args))["num_requests"] == 5
+    assert benchrun.make_options(args, conf.settings_from_args(args)).num_requests == 5
+
+
+def _options(argv: list[str], monkeypatch, tmp_path) -> benchrun.BenchOptions:
+    monkeypatch.chdir(tmp_path)
+    for name in ("BENCH_N", "BENCH_C", "BENCH_IN", "BENCH_OUT", "SLO_TTFT_P95_MS", "SLO_TPOT_P95_MS", "BENCH_LOG"):
+        monkeypatch.delenv(name, raising=False)
+    args = benchrun.build_parser().parse_args(argv)
+    return benchrun.read_options(args, conf.settings_from_args(args))
+
+
+def test_options_are_recorded_as_the_config_saved_results_carry(monkeypatch, tmp_path):
+    options = _options(["--slo-tpot-p95-ms", "50", "--extra-body", '{"top_k": 1}'], monkeypatch, tmp_path)
+    assert options.slo == engine_metrics.Targets(None, 50.0) and options.extra_body == {"top_k": 1}
+    recorded = options.recorded()
+    # Every setting is recorded but those that only steer the run: a new one must reach `config`.
+    steering = {"num_requests_given", "warmup_given", "extra_body", "slo"}
+    assert set(recorded) == {f.name for f in dataclasses.fields(options)} - steering | {"slo_ttft_p95_ms", "slo_tpot_p95_ms"}
+    assert (recorded["slo_ttft_p95_ms"], recorded["slo_tpot_p95_ms"], recorded["concurrency"], recorded["warmup"]) \
+        == (None, 50.0, 8, 8)
+
+
+def test_a_sweep_point_takes_its_concurrency_and_requests(monkeypatch, tmp_path):
+    asked = _options(["--workers", "4"], monkeypatch, tmp_path)
+    point = sweep.point_options(asked, 16)
+    assert (point.concurrency, point.num_requests, point.num_requests_given, point.warmup) == (16, 64, True, 16)
+    assert sweep.point_options(asked, 4).num_requests == 16 and asked.concurrency == 8  # asked stays as it was
+    with pytest.raises(UsageError, match="--workers 4 exceeds the concurrency 2"):
+        sweep.point_options(asked, 2)
+    given = _options(["-n", "5", "--warmup", "1"], monkeypatch, tmp_path)
+    assert (sweep.point_options(given, 16).num_requests, sweep.point_options(given, 16).warmup) == (5, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,23 +299,23 @@ def _done(index: int, ttft_ms: float, tpot_ms: float, tokens: int = 4, warmup: b
                          prompt_tokens=8, finish_reason="length", done_ns=times[-1])
 
 
-def _config(**slo) -> dict:
-    return {"output_tokens": 4, "input_tokens": 8, "concurrency": 2, **slo}
+def _config() -> dict:
+    return {"output_tokens": 4, "input_tokens": 8, "concurrency": 2}
 
 
 def test_verdicts_and_exit_codes():
     outcomes = [_done(0, 500, 50, warmup=True)] + [_done(i, 100 + i, 10) for i in range(1, 21)]
-    passed = analysis.analyse(outcomes, _config(slo_ttft_p95_ms=200, slo_tpot_p95_ms=20), [0.01], 1, 2)
+    passed = analysis.analyse(outcomes, _config(), [0.01], 1, 2, slo=engine_metrics.Targets(200, 20))
     assert passed["verdict"] == "PASS" and analysis.exit_code(passed) == 0
     assert passed["requests"]["warmup"] == 1 and passed["ttft_ms"]["n"] == 20
     assert passed["ttft_ms"]["max"] == pytest.approx(120)  # the warm-up's 500 ms is not counted
-    failed = analysis.analyse(outcomes, _config(slo_tpot_p95_ms=5), [0.01], 1, 2)
+    failed = analysis.analyse(outcomes, _config(), [0.01], 1, 2, slo=engine_metrics.Targets(tpot_p95_ms=5))
     assert failed["verdict"] == "FAIL" and analysis.exit_code(failed) == 1
     assert "tpot_p95_ms 10.0 ms > 5 ms" in failed["verdict_reasons"][0]
-    lagged = analysis.analyse(outcomes, _config(slo_tpot_p95_ms=20), [0.01] * 50 + [30.0] * 5, 1, 2)
+    lagged = analysis.analyse(outcomes, _config(), [0.01] * 50 + [30.0] * 5, 1, 2, slo=engine_metrics.Targets(tpot_p95_ms=20))
     assert lagged["verdict"] == "INVALID" and analysis.exit_code(lagged) == 4
     assert not lagged["client"]["valid"]
-    rare = analysis.analyse(outcomes, _config(slo_tpot_p95_ms=20), [0.01] * 97 + [30.0] * 3, 1, 20)
+    rare = analysis.analyse(outcomes, _config(), [0.01] * 97 + [30.0] * 3, 1, 20, slo=engine_metrics.Targets(tpot_p95_ms=20))
     assert rare["verdict"] == "PASS" and any("p99 figures may include client delay" in w for w in rare["warnings"])
     errored = analysis.analyse([request_outcome.Outcome(1, error="unreachable")], _config(), [], 1, 2)
     assert errored["verdict"] == "ERROR" and analysis.exit_code(errored) == 3
@@ -303,7 +334,7 @@ def test_out_of_file_descriptors_comes_first_when_the_client_also_stalled():
 
 def test_a_failed_request_fails_the_verdict():
     outcomes = [_done(i, 100, 10) for i in range(10)] + [request_outcome.Outcome(10, error="http_5xx", detail="HTTP 500")]
-    result = analysis.analyse(outcomes, _config(slo_ttft_p95_ms=1000), [0.01], 1, 2)
+    result = analysis.analyse(outcomes, _config(), [0.01], 1, 2, slo=engine_metrics.Targets(ttft_p95_ms=1000))
     assert result["verdict"] == "FAIL" and result["requests"]["errors"] == {"http_5xx": 1}
     assert "1 of 11 requests failed" in result["verdict_reasons"][0]
 

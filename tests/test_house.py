@@ -4,7 +4,8 @@ scripts/ holds only command lines (what a Taskfile runs, and what those run by p
 is the package scripts/rooflib. Layers: command line -> domain packages (load, server, sizing,
 quality, serving, render) -> core. A command line never imports another one; the library never
 imports a command line; core imports nothing of the project outside core; nothing imports in a
-circle; nothing under scripts/ edits sys.path; no file names a path of a development machine.
+circle; nothing under scripts/ edits sys.path; no file names a path of a development machine; no
+function is longer than 60 lines; no closure in the load layer changes its enclosing function's state.
 """
 from __future__ import annotations
 
@@ -141,3 +142,62 @@ def test_task_test_keeps_a_file_in_one_worker():
     assert result.returncode == 0 and len(passed) > 2, result.stdout[-2000:]
     assert {line.split()[0] for line in passed} in ({"[gw0]"}, {"[gw1]"}), passed
     assert all(line.rstrip().endswith("@tests/test_common.py") for line in passed), passed
+
+
+LONGEST_FUNCTION = 60  # lines, decorators not counted
+LONG_FOR_NOW = {("rooflib/server/engine_metrics.py", "report")}  # rewritten on the diagnosis branch
+
+
+def functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_no_function_is_longer_than_sixty_lines():
+    offenders = []
+    for path in sorted(SCRIPTS.rglob("*.py")):
+        name = path.relative_to(SCRIPTS).as_posix()
+        for function in functions(ast.parse(path.read_text(encoding="utf-8"))):
+            lines = function.end_lineno - function.lineno + 1
+            if lines > LONGEST_FUNCTION and (name, function.name) not in LONG_FOR_NOW:
+                offenders.append(f"{name}:{function.lineno} {function.name} ({lines} lines)")
+    assert not offenders, "split into well-named functions: " + ", ".join(offenders)
+
+
+MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "add", "discard", "update", "setdefault"}
+
+
+def bound_names(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The names a function binds: its parameters and what it (or a function inside it) assigns."""
+    arguments = function.args
+    names = {a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                             *filter(None, [arguments.vararg, arguments.kwarg])]}
+    return names | {node.id for node in ast.walk(function) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
+
+
+def enclosing_state(outer: ast.FunctionDef | ast.AsyncFunctionDef, inner: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """What `inner`, defined in `outer`, changes of `outer`'s variables: a `nonlocal`, an item or
+    attribute assigned, or a list, dict or set changed in place."""
+    outers = bound_names(outer) - bound_names(inner)
+    found = [f"nonlocal {', '.join(node.names)}" for node in ast.walk(inner) if isinstance(node, ast.Nonlocal)]
+    for node in ast.walk(inner):
+        if isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+            base = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            base = node.func.value
+        else:
+            continue
+        if isinstance(base, ast.Name) and base.id in outers:
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_no_nested_function_in_the_load_layer_holds_run_state():
+    """A closure that changes its enclosing function's variables hides a run's state: a small
+    class, or plain functions taking the state, say what it is (issue #21)."""
+    offenders = []
+    for path in sorted((PACKAGE / "load").rglob("*.py")):
+        for outer in functions(ast.parse(path.read_text(encoding="utf-8"))):
+            for inner in functions(outer):
+                if inner is not outer:
+                    offenders += [f"{path.name}: {outer.name}.{inner.name}: {what}" for what in enclosing_state(outer, inner)]
+    assert not offenders, offenders

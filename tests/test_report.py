@@ -22,6 +22,7 @@ from conftest import IN_CI
 
 from rooflib.load import analysis, request_outcome, sweeps
 from rooflib.render import report_html
+from rooflib.server.engine_metrics import Targets
 
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts" / "report"
@@ -108,7 +109,7 @@ def bench_run(requests: int, model: str = "tiny-qwen3", concurrency: int = 4, fa
     config = {**WORKLOAD, "num_requests": requests, "concurrency": concurrency, "rate": None,
               "slo_ttft_p95_ms": 200.0, "slo_tpot_p95_ms": 20.0, "model": model, "url": "http://127.0.0.1:8000",
               "load": f"closed loop, {concurrency} in flight, {requests} requests"}
-    doc = analysis.analyse(outcomes, config, list(lag_ms), 1, 2)
+    doc = analysis.analyse(outcomes, config, list(lag_ms), 1, 2, slo=Targets(200.0, 20.0))
     doc["workload"] = {"workload": "synthetic", "concurrency": concurrency, **WORKLOAD}  # as benchrun.execute adds it
     doc["server"] = {"info": {"model": model, "engine_version": "0.32.0", "owned_by": "vllm"}}
     if samples:

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_SERVER
 from rooflib.core.stats import summarize
 from rooflib.load.request_outcome import ERROR_KINDS, Outcome
+from rooflib.server.engine_metrics import Targets
 
 SCHEMA_VERSION = 1
 
@@ -78,10 +79,10 @@ def client_validity(lag: dict[str, Any], ttft: dict[str, Any], tpot: dict[str, A
     return not reasons, threshold, reasons
 
 
-def slo_check(ttft_p95: float | None, tpot_p95: float | None, slo_ttft: float | None,
-              slo_tpot: float | None) -> dict[str, Any]:
+def slo_check(ttft_p95: float | None, tpot_p95: float | None, slo: Targets) -> dict[str, Any]:
+    """Each target set, against what was measured."""
     checks = {}
-    for name, target, value in (("ttft_p95_ms", slo_ttft, ttft_p95), ("tpot_p95_ms", slo_tpot, tpot_p95)):
+    for name, target, value in (("ttft_p95_ms", slo.ttft_p95_ms, ttft_p95), ("tpot_p95_ms", slo.tpot_p95_ms, tpot_p95)):
         if target is not None:
             checks[name] = {"target": target, "measured": value,
                             "met": value is not None and value <= target}
@@ -89,24 +90,51 @@ def slo_check(ttft_p95: float | None, tpot_p95: float | None, slo_ttft: float | 
 
 
 def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequence[float],
-            cpu_s: float, wall_s: float, interrupted: bool = False) -> dict[str, Any]:
-    """The run's result document (--json), from per-request outcomes."""
+            cpu_s: float, wall_s: float, interrupted: bool = False, slo: Targets | None = None) -> dict[str, Any]:
+    """The run's result document (--json), from per-request outcomes: `config` is the run's
+    settings as the document records them, `slo` the targets it is judged against (None: none)."""
+    slo = slo or Targets()
     measured = [o for o in outcomes if not o.warmup]
     done = [o for o in measured if o.ok]
     failed = [o for o in measured if not o.ok]
-    errors = {kind: sum(o.error == kind for o in failed) for kind in ERROR_KINDS}
-    errors = {k: v for k, v in errors.items() if v}
+    errors = error_counts(failed)
     ttft = summarize(o.ttft_ms for o in done)
     tpot = summarize(o.tpot_ms for o in done if o.tpot_ms is not None)
-    out_tokens = config["output_tokens"]
-    short = [o for o in done if (o.completion_tokens or 0) < (o.requested_tokens or out_tokens)]
-    requested_total = sum(o.requested_tokens or out_tokens for o in done)
-    prompt_lens = [o.prompt_tokens for o in done if o.prompt_tokens is not None]
-    duration_s = 0.0
-    if done:
-        duration_s = (max(o.token_times[-1] for o in done) - min(o.sent_ns for o in done)) / 1e9
-    total_out = sum(o.completion_tokens or 0 for o in done)
-    total_in = sum(prompt_lens)
+    client = client_section(measured, config, lag_ms, cpu_s, wall_s, ttft, tpot, errors)
+    checks = slo_check(ttft["p95"], tpot["p95"], slo)
+    verdict, reasons = judge(measured, done, failed, errors, client["valid"], checks)
+    return {
+        "kind": "bench",
+        "schema_version": SCHEMA_VERSION,
+        "verdict": verdict,
+        "verdict_reasons": client["invalid_reasons"] + reasons if verdict == "INVALID" else reasons,
+        "slo": checks,
+        "ttft_ms": ttft,
+        "tpot_ms": tpot,
+        "reasoning": reasoning_summary(done),
+        "itl_ms": summarize(g for o in done for g in o.chunk_gaps_ms()),
+        "itl_token_ms": summarize(g for o in done for g in o.token_gaps_ms()),
+        "e2e_ms": summarize(o.e2e_ms for o in done),
+        "throughput": throughput(done, slo),
+        "requests": requests_section(outcomes, measured, done, failed, errors, config),
+        "config": config,
+        "client": client,
+        "warnings": request_warnings(done, config) + client_warnings(client, ttft) + reading_warnings(done, ttft),
+        "interrupted": interrupted,
+        "definitions": DEFINITIONS,
+        "samples": samples(done),
+    }
+
+
+def error_counts(failed: Sequence[Outcome]) -> dict[str, int]:
+    """Failed requests by kind of error, the kinds that occurred, in ERROR_KINDS order."""
+    errors = {kind: sum(o.error == kind for o in failed) for kind in ERROR_KINDS}
+    return {k: v for k, v in errors.items() if v}
+
+
+def client_section(measured: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequence[float], cpu_s: float,
+                   wall_s: float, ttft: dict[str, Any], tpot: dict[str, Any], errors: dict[str, int]) -> dict[str, Any]:
+    """The client's own figures (loop lag, schedule delay, stalls, CPU) and whether they leave the run valid."""
     lag = summarize(lag_ms)
     schedule = summarize((o.sent_ns - o.scheduled_ns) / 1e6 for o in measured
                          if o.scheduled_ns is not None and not config.get("concurrency"))
@@ -114,18 +142,115 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
     # Worker processes each probe their own loop: their stalls add up over workers x wall time.
     probed_s = wall_s * config.get("workers", 1)
     valid, threshold, invalid_reasons = client_validity(lag, ttft, tpot, schedule, cpu_util, lag_ms, probed_s)
-    stalled = stalls(lag_ms, threshold, probed_s)
     if errors.get("client_fd_limit"):
         valid = False
         # First: it makes the run invalid whatever else the client did (a busy host may also have
         # stalled it), and no other remedy helps before it.
         invalid_reasons.insert(0, f"the client ran out of file descriptors for {errors['client_fd_limit']} requests: "
                                   "raise the limit (ulimit -n 65536) and run again; the server is not at fault")
-    slo = slo_check(ttft["p95"], tpot["p95"], config.get("slo_ttft_p95_ms"), config.get("slo_tpot_p95_ms"))
-    good = [o for o in done if all(
-        (name != "ttft_p95_ms" or o.ttft_ms <= c["target"]) and
-        (name != "tpot_p95_ms" or o.tpot_ms is None or o.tpot_ms <= c["target"]) for name, c in slo.items())]
+    return {"valid": valid, "invalid_reasons": invalid_reasons, "loop_lag_ms": lag,
+            "lag_threshold_ms": threshold, "schedule_delay_ms": schedule,
+            "stalls": stalls(lag_ms, threshold, probed_s),
+            "cpu_util": cpu_util,
+            "transport": "raw asyncio HTTP/1.1, keep-alive, TCP_NODELAY"}
+
+
+def judge(measured: Sequence[Outcome], done: Sequence[Outcome], failed: Sequence[Outcome],
+          errors: dict[str, int], client_valid: bool, checks: dict[str, Any]) -> tuple[str, list[str]]:
+    """The verdict and its reasons (failures, missed targets); an INVALID run adds the client's."""
+    reasons = []
+    if failed:
+        reasons.append(f"{len(failed)} of {len(measured)} requests failed ({', '.join(f'{k} {v}' for k, v in errors.items())})")
+    reasons += [f"{name} {c['measured']:.1f} ms > {c['target']:g} ms" if c["measured"] is not None
+                else f"{name}: nothing measured" for name, c in checks.items() if not c["met"]]
+    # Failed requests are facts whatever the client's lag; SLO figures are not when it lagged.
+    if errors.get("client_fd_limit"):
+        verdict = "INVALID"
+    elif measured and not done:
+        verdict = "ERROR"
+    elif failed:
+        verdict = "FAIL"
+    elif not client_valid:
+        verdict = "INVALID"
+    elif reasons:
+        verdict = "FAIL"
+    else:
+        verdict = "PASS" if checks else "NO SLO"
+    return verdict, reasons
+
+
+def meets_slo(outcome: Outcome, slo: Targets) -> bool:
+    """Whether one request alone kept within the targets (goodput counts those)."""
+    return ((slo.ttft_p95_ms is None or outcome.ttft_ms <= slo.ttft_p95_ms) and
+            (slo.tpot_p95_ms is None or outcome.tpot_ms is None or outcome.tpot_ms <= slo.tpot_p95_ms))
+
+
+def throughput(done: Sequence[Outcome], slo: Targets) -> dict[str, Any]:
+    """Rates over the span from the first request sent to the last token received."""
+    duration_s = 0.0
+    if done:
+        duration_s = (max(o.token_times[-1] for o in done) - min(o.sent_ns for o in done)) / 1e9
+    total_out = sum(o.completion_tokens or 0 for o in done)
+    total_in = sum(o.prompt_tokens for o in done if o.prompt_tokens is not None)
+    slo_set = slo.ttft_p95_ms is not None or slo.tpot_p95_ms is not None
+    return {
+        "req_s": len(done) / duration_s if duration_s else None,
+        "output_tok_s": total_out / duration_s if duration_s else None,
+        "total_tok_s": (total_in + total_out) / duration_s if duration_s else None,
+        "input_tok_s": total_in / duration_s if duration_s else None,
+        "duration_s": duration_s,
+        "effective_concurrency": sum(o.e2e_ms for o in done) / 1e3 / duration_s if duration_s else None,
+        "goodput_req_s": sum(meets_slo(o, slo) for o in done) / duration_s if duration_s and slo_set else None,
+    }
+
+
+def short_outputs(done: Sequence[Outcome], out_tokens: int) -> list[Outcome]:
+    """Requests that returned fewer tokens than they asked for (ignore_eos not honoured)."""
+    return [o for o in done if (o.completion_tokens or 0) < (o.requested_tokens or out_tokens)]
+
+
+def prompt_mismatches(done: Sequence[Outcome]) -> list[int]:
+    """Tokens off, by the server's usage, for each prompt not the length it was built to."""
+    return [o.prompt_tokens - o.prompt_target for o in done
+            if o.prompt_target is not None and o.prompt_tokens is not None and o.prompt_tokens != o.prompt_target]
+
+
+def cached_counts(done: Sequence[Outcome]) -> list[int]:
+    """Cached prompt tokens of each request that hit the prefix cache."""
+    return [o.cached_tokens for o in done if o.cached_tokens]
+
+
+def is_synthetic(config: dict[str, Any]) -> bool:
+    """Whether the run's prompts were built to chosen lengths (not a dataset's or a trace's)."""
+    return config.get("workload", "synthetic") == "synthetic"
+
+
+def requests_section(outcomes: Sequence[Outcome], measured: Sequence[Outcome], done: Sequence[Outcome],
+                     failed: Sequence[Outcome], errors: dict[str, int], config: dict[str, Any]) -> dict[str, Any]:
+    """Counts of requests and tokens, and the first errors."""
+    out_tokens = config["output_tokens"]
+    short = short_outputs(done, out_tokens)
+    target_in = config["input_tokens"] if is_synthetic(config) and not config.get("input_dist") else None
+    prompt_lens = summarize(o.prompt_tokens for o in done if o.prompt_tokens is not None)
+    return {
+        "sent": len(measured), "completed": len(done), "failed": len(failed), "errors": errors,
+        "warmup": len(outcomes) - len(measured),
+        "output_tokens": {"requested": out_tokens, "requested_total": sum(o.requested_tokens or out_tokens for o in done),
+                          "total": sum(o.completion_tokens or 0 for o in done), "short": len(short),
+                          "ignore_eos_honoured": not short},
+        "prompt_tokens": {"target": target_in, **{k: v for k, v in prompt_lens.items() if k in ("mean", "min", "max", "n")},
+                          "mismatched": len(prompt_mismatches(done))},
+        "cached_prompt_tokens": sum(cached_counts(done)),
+        "tokens_per_chunk": summarize(k for o in done for k in o.chunk_tokens),
+        "first_errors": [f"#{o.index} {o.error}: {o.detail}" for o in failed[:5]],
+    }
+
+
+def request_warnings(done: Sequence[Outcome], config: dict[str, Any]) -> list[str]:
+    """What the server's answers say about the figures: short outputs, unknown chunk sizes, no
+    usage, prompts off their length, prefix-cache hits on unique prompts."""
     warnings = []
+    short = short_outputs(done, config["output_tokens"])
     if short:
         warnings.append(f"ignore_eos not honoured: {len(short)} of {len(done)} requests returned fewer "
                         f"tokens than asked (finish_reason: "
@@ -137,96 +262,47 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
     if any(not o.usage_reported for o in done):
         warnings.append("the server sent no usage: output tokens counted as content chunks "
                         "(an undercount when a chunk carries several tokens)")
-    fixed_length = config.get("workload", "synthetic") == "synthetic" and not config.get("input_dist")
-    target_in = config["input_tokens"] if fixed_length else None
-    mismatched = [o.prompt_tokens - o.prompt_target for o in done
-                  if o.prompt_target is not None and o.prompt_tokens is not None and o.prompt_tokens != o.prompt_target]
+    mismatched = prompt_mismatches(done)
     if mismatched and config.get("prompt_tokenizer", "").startswith("server"):
         warnings.append(f"{len(mismatched)} prompts were not the length they were built to by the server's usage "
                         f"(off by {min(mismatched)}..{max(mismatched)} tokens)")
-    cached = [o.cached_tokens for o in done if o.cached_tokens]
-    if cached and not config.get("shared_prefix") and config.get("workload", "synthetic") == "synthetic":
+    cached = cached_counts(done)
+    if cached and not config.get("shared_prefix") and is_synthetic(config):
         warnings.append(f"{len(cached)} requests hit the prefix cache although prompts were unique "
                         f"(up to {max(cached)} cached tokens)")
-    if valid and lag["p99"] is not None and lag["p99"] > threshold:
+    return warnings
+
+
+def client_warnings(client: dict[str, Any], ttft: dict[str, Any]) -> list[str]:
+    """Client delays too small to make a valid run invalid, but that some figures may carry."""
+    if not client["valid"]:
+        return []
+    warnings = []
+    lag, threshold, stalled = client["loop_lag_ms"], client["lag_threshold_ms"], client["stalls"]
+    schedule = client["schedule_delay_ms"]
+    if lag["p99"] is not None and lag["p99"] > threshold:
         warnings.append(f"client event-loop lag p99 {lag['p99']:.2f} ms > {threshold:.2f} ms: "
                         "p99 figures may include client delay (p95 ones do not)")
-    if valid and (stalled["share"] > STALL_WARN or stalled["worst_ms"] > max(threshold, 0.5 * (ttft["p50"] or 0))):
+    if stalled["share"] > STALL_WARN or stalled["worst_ms"] > max(threshold, 0.5 * (ttft["p50"] or 0)):
         warnings.append(f"the client stalled {stalled['total_s']:.2f} s in all ({stalled['share']:.1%} of the run, "
                         f"worst {stalled['worst_ms']:.0f} ms): requests in flight then may carry that delay "
                         f"(the run stays valid below {STALL_SHARE:.0%} of its time in stalls)")
-    if valid and schedule["p99"] is not None and schedule["p99"] > threshold + EPOLL_ROUNDING_MS:
+    if schedule["p99"] is not None and schedule["p99"] > threshold + EPOLL_ROUNDING_MS:
         warnings.append(f"open-loop sends ran late: schedule lag p99 {schedule['p99']:.2f} ms: the slowest "
                         "1% of arrivals were bunched (p95 kept to the schedule)")
+    return warnings
+
+
+def reading_warnings(done: Sequence[Outcome], ttft: dict[str, Any]) -> list[str]:
+    """How to read the figures: TPOT of streams that came in one read, percentiles of few samples."""
+    warnings = []
     one_read = [o for o in done if (o.completion_tokens or 0) > 1 and o.token_times[0] == o.token_times[-1]]
     if one_read:
         warnings.append(f"{len(one_read)} requests received all their output in one read (TPOT 0.0 ms): a proxy "
                         "or the server buffered the stream, or the client stalled; their TPOT is not a decode time")
     if 0 < ttft["n"] < 100:
         warnings.append(f"n = {ttft['n']}: p99 is about the maximum" + (", p95 too" if ttft["n"] < 20 else ""))
-    reasons = []
-    if failed:
-        reasons.append(f"{len(failed)} of {len(measured)} requests failed ({', '.join(f'{k} {v}' for k, v in errors.items())})")
-    reasons += [f"{name} {c['measured']:.1f} ms > {c['target']:g} ms" if c["measured"] is not None
-                else f"{name}: nothing measured" for name, c in slo.items() if not c["met"]]
-    # Failed requests are facts whatever the client's lag; SLO figures are not when it lagged.
-    if errors.get("client_fd_limit"):
-        verdict = "INVALID"
-    elif measured and not done:
-        verdict = "ERROR"
-    elif failed:
-        verdict = "FAIL"
-    elif not valid:
-        verdict = "INVALID"
-    elif reasons:
-        verdict = "FAIL"
-    else:
-        verdict = "PASS" if slo else "NO SLO"
-    return {
-        "kind": "bench",
-        "schema_version": SCHEMA_VERSION,
-        "verdict": verdict,
-        "verdict_reasons": invalid_reasons + reasons if verdict == "INVALID" else reasons,
-        "slo": slo,
-        "ttft_ms": ttft,
-        "tpot_ms": tpot,
-        "reasoning": reasoning_summary(done),
-        "itl_ms": summarize(g for o in done for g in o.chunk_gaps_ms()),
-        "itl_token_ms": summarize(g for o in done for g in o.token_gaps_ms()),
-        "e2e_ms": summarize(o.e2e_ms for o in done),
-        "throughput": {
-            "req_s": len(done) / duration_s if duration_s else None,
-            "output_tok_s": total_out / duration_s if duration_s else None,
-            "total_tok_s": (total_in + total_out) / duration_s if duration_s else None,
-            "input_tok_s": total_in / duration_s if duration_s else None,
-            "duration_s": duration_s,
-            "effective_concurrency": sum(o.e2e_ms for o in done) / 1e3 / duration_s if duration_s else None,
-            "goodput_req_s": len(good) / duration_s if duration_s and slo else None,
-        },
-        "requests": {
-            "sent": len(measured), "completed": len(done), "failed": len(failed), "errors": errors,
-            "warmup": len(outcomes) - len(measured),
-            "output_tokens": {"requested": out_tokens, "requested_total": requested_total,
-                              "total": total_out, "short": len(short),
-                              "ignore_eos_honoured": not short},
-            "prompt_tokens": {"target": target_in, **{k: v for k, v in summarize(prompt_lens).items()
-                                                      if k in ("mean", "min", "max", "n")},
-                              "mismatched": len(mismatched)},
-            "cached_prompt_tokens": sum(cached),
-            "tokens_per_chunk": summarize(k for o in done for k in o.chunk_tokens),
-            "first_errors": [f"#{o.index} {o.error}: {o.detail}" for o in failed[:5]],
-        },
-        "config": config,
-        "client": {"valid": valid, "invalid_reasons": invalid_reasons, "loop_lag_ms": lag,
-                   "lag_threshold_ms": threshold, "schedule_delay_ms": schedule,
-                   "stalls": stalled,
-                   "cpu_util": cpu_util,
-                   "transport": "raw asyncio HTTP/1.1, keep-alive, TCP_NODELAY"},
-        "warnings": warnings,
-        "interrupted": interrupted,
-        "definitions": DEFINITIONS,
-        "samples": samples(done),
-    }
+    return warnings
 
 
 def reasoning_summary(done: Sequence[Outcome]) -> dict[str, Any] | None:

@@ -11,6 +11,7 @@ import random
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -22,6 +23,7 @@ from rooflib.load.asyncclient import ENDPOINTS, Target
 from rooflib.load.promptgen import WORDS, TokenCounter, build_prompts, fallback_counter, payload, server_counter
 from rooflib.load.runner import Plan, RequestSource, RunResult, run_in_loop, run_workers
 from rooflib.server import watch
+from rooflib.server.engine_metrics import Targets
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "render" / "templates" / "bench_log_entry.md.j2"
 
@@ -42,7 +44,7 @@ def metrics_snapshot(target: Target, timeout: float) -> tuple[dict[str, Any] | N
 
 
 def server_side(before: dict[str, Any] | None, after: dict[str, Any] | None, note: str,
-                completed_tokens: int, slo: dict[str, Any], during: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+                completed_tokens: int, slo: Targets, during: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """What the server's own metrics say about the run: its latency histograms, queue vs
     prefill time, token counters, preemptions, prefix hits, and engine_metrics's diagnosis."""
     from rooflib.server import engine_metrics
@@ -50,8 +52,7 @@ def server_side(before: dict[str, Any] | None, after: dict[str, Any] | None, not
     if before is None or after is None:
         return {"metrics": None, "metrics_note": note or "/metrics unavailable", "summary": []}
     delta = engine_metrics.difference(before, after, during)
-    targets = engine_metrics.Targets(slo.get("ttft_p95_ms", {}).get("target"), slo.get("tpot_p95_ms", {}).get("target"))
-    report = engine_metrics.report(delta, slo=targets)
+    report = engine_metrics.report(delta, slo=slo)
     generated = delta["counters"].get("generation_tokens", {}).get("value")
     keep = ("engine", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms",
             "preemptions", "prefix_cache_hit_rate", "prompt_tokens", "running_peak", "waiting_peak",
@@ -74,8 +75,65 @@ def server_side(before: dict[str, Any] | None, after: dict[str, Any] | None, not
     return {"metrics": {**figures, "lines": lines}, "metrics_note": "", "summary": lines[:2]}
 
 
-def make_config(args: Any, settings: conf.Settings) -> dict[str, Any]:
+@dataclass(frozen=True)
+class BenchOptions:
+    """One run's settings, read and checked once (make_options), passed down as they are."""
+    num_requests: int
+    num_requests_given: bool  # else a dataset's or trace's size
+    concurrency: int | None   # None: an open loop or a trace without a cap
+    rate: float | None
+    input_tokens: int
+    output_tokens: int
+    slo: Targets
+    burstiness: float
+    duration_s: float | None
+    warmup: int
+    warmup_given: bool  # else as many as the concurrency
+    shared_prefix: int
+    workers: int
+    multi_turn: int
+    timeout_s: float
+    seed: int
+    speed: float
+    trace_block_tokens: int
+    timeline_interval_s: float
+    probe: str | None
+    endpoint: str
+    workload: str  # synthetic, prompts, sharegpt or trace
+    dataset: str | None
+    input_dist: str | None
+    output_dist: str | None
+    log: str | None
+    extra_body: dict[str, Any]
+
+    def recorded(self) -> dict[str, Any]:
+        """The settings as the result's `config` records them (saved results and compare.py read
+        it): the SLO as two numbers; extra_body comes last, from execute."""
+        return {"num_requests": self.num_requests, "concurrency": self.concurrency, "rate": self.rate,
+                "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+                "slo_ttft_p95_ms": self.slo.ttft_p95_ms, "slo_tpot_p95_ms": self.slo.tpot_p95_ms,
+                "burstiness": self.burstiness, "duration_s": self.duration_s, "warmup": self.warmup,
+                "shared_prefix": self.shared_prefix, "workers": self.workers, "multi_turn": self.multi_turn,
+                "timeout_s": self.timeout_s, "seed": self.seed, "speed": self.speed,
+                "trace_block_tokens": self.trace_block_tokens, "timeline_interval_s": self.timeline_interval_s,
+                "probe": self.probe, "endpoint": self.endpoint, "workload": self.workload, "dataset": self.dataset,
+                "input_dist": self.input_dist, "output_dist": self.output_dist, "log": self.log}
+
+    def at_concurrency(self, concurrency: int, num_requests: int) -> "BenchOptions":
+        """The same run at another concurrency (a sweep's point), checked: the warm-up follows
+        the concurrency unless it was given."""
+        return check_options(replace(
+            self, concurrency=concurrency, num_requests=num_requests, num_requests_given=True,
+            warmup=self.warmup if self.warmup_given else concurrency))
+
+
+def make_options(args: Any, settings: conf.Settings) -> BenchOptions:
     """Validated run settings (flag > environment > inference.env > default)."""
+    return check_options(read_options(args, settings))
+
+
+def read_options(args: Any, settings: conf.Settings) -> BenchOptions:
+    """Each flag or setting read once, as its type, within its limits; combinations are check_options'."""
     n_given = settings.get("BENCH_N", args.num_requests)
     n = cli.number("-n/--num-requests (BENCH_N)", n_given, int, 1, LIMITS["num_requests"], default=32)
     rate = cli.number("--rate (requests/s)", args.rate, float, 1e-6, 1e6)
@@ -84,72 +142,84 @@ def make_config(args: Any, settings: conf.Settings) -> dict[str, Any]:
         raise UsageError(f"--{sources[0]} and --{sources[1]} both give the requests: choose one")
     c_default = None if rate or args.trace else 8
     c = cli.number("-c/--concurrency (BENCH_C)", settings.get("BENCH_C", args.concurrency), int, 1, LIMITS["concurrency"], default=c_default)
-    cfg = {
-        "num_requests": n, "num_requests_given": n_given not in (None, ""), "concurrency": c, "rate": rate,
-        "input_tokens": cli.number("--input-tokens (BENCH_IN)", settings.get("BENCH_IN", args.input_tokens), int, 1, LIMITS["input_tokens"], default=2048),
-        "output_tokens": cli.number("--output-tokens (BENCH_OUT)", settings.get("BENCH_OUT", args.output_tokens), int, 1, LIMITS["output_tokens"], default=256),
-        "slo_ttft_p95_ms": cli.number("--slo-ttft-p95-ms (SLO_TTFT_P95_MS)", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float, 1e-3, None),
-        "slo_tpot_p95_ms": cli.number("--slo-tpot-p95-ms (SLO_TPOT_P95_MS)", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float, 1e-3, None),
-        "burstiness": cli.number("--burstiness", args.burstiness, float, 1e-3, 1e3, default=1.0),
-        "duration_s": cli.number("--duration (s)", args.duration, float, 1e-3, 7 * 86400),
-        "warmup": cli.number("--warmup", args.warmup, int, 0, LIMITS["num_requests"], default=c or 0),
-        "shared_prefix": cli.number("--shared-prefix", args.shared_prefix, int, 0, LIMITS["input_tokens"], default=0),
-        "workers": cli.number("--workers", args.workers, int, 1, 256, default=1),
-        "multi_turn": cli.number("--multi-turn", args.multi_turn, int, 1, 1000, default=1),
-        "timeout_s": cli.number("--timeout", args.timeout, float, 1e-3, None, default=30.0),
-        "seed": cli.number("--seed", args.seed, int, 0, None, default=0),
-        "speed": cli.number("--speed", args.speed, float, 1e-6, 1e6, default=1.0),
-        "trace_block_tokens": cli.number("--trace-block-tokens", args.trace_block_tokens, int, 1, 1_000_000,
-                                            default=workloads.MOONCAKE_BLOCK_TOKENS),
-        "timeline_interval_s": cli.number("--timeline-interval (s)", args.timeline_interval, float, 0, 3600, default=2.0),
-        "probe": args.probe or None,
-        "endpoint": args.endpoint,
-        "workload": sources[0] if sources else "synthetic",
-        "dataset": getattr(args, sources[0]) if sources else None,
-        "input_dist": args.input_dist or None,
-        "output_dist": args.output_dist or None,
-        "log": settings.get("BENCH_LOG", args.log, None),
-    }
-    if cfg["probe"] and not cfg["probe"].startswith("/"):
-        raise UsageError(f"--probe takes a path such as /health or /v1/models, got {cfg['probe']!r}")
-    if cfg["shared_prefix"] > cfg["input_tokens"]:
-        raise UsageError(f"--shared-prefix {cfg['shared_prefix']} is longer than --input-tokens {cfg['input_tokens']}")
-    if cfg["workload"] != "synthetic" and (cfg["input_dist"] or cfg["output_dist"] or cfg["shared_prefix"] or cfg["multi_turn"] > 1):
-        raise UsageError(f"--{cfg['workload']} gives the prompts and lengths: drop --input-dist, --output-dist, "
-                         "--shared-prefix and --multi-turn")
-    if cfg["workload"] == "trace" and rate:
-        raise UsageError("--trace sends at the trace's own times: use --speed, not --rate")
-    for key, what in (("input_dist", "--input-dist"), ("output_dist", "--output-dist")):
-        if cfg[key]:
-            workloads.parse_distribution(cfg[key], what)
-    if (cfg["input_dist"] or cfg["output_dist"]) and cfg["multi_turn"] > 1:
-        raise UsageError("--multi-turn sends --input-tokens per turn: drop --input-dist/--output-dist")
+    return BenchOptions(
+        num_requests=n, num_requests_given=n_given not in (None, ""), concurrency=c, rate=rate,
+        input_tokens=cli.number("--input-tokens (BENCH_IN)", settings.get("BENCH_IN", args.input_tokens), int, 1, LIMITS["input_tokens"], default=2048),
+        output_tokens=cli.number("--output-tokens (BENCH_OUT)", settings.get("BENCH_OUT", args.output_tokens), int, 1, LIMITS["output_tokens"], default=256),
+        slo=Targets(cli.number("--slo-ttft-p95-ms (SLO_TTFT_P95_MS)", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float, 1e-3, None),
+                    cli.number("--slo-tpot-p95-ms (SLO_TPOT_P95_MS)", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float, 1e-3, None)),
+        burstiness=cli.number("--burstiness", args.burstiness, float, 1e-3, 1e3, default=1.0),
+        duration_s=cli.number("--duration (s)", args.duration, float, 1e-3, 7 * 86400),
+        warmup=cli.number("--warmup", args.warmup, int, 0, LIMITS["num_requests"], default=c or 0),
+        warmup_given=args.warmup not in (None, ""),
+        shared_prefix=cli.number("--shared-prefix", args.shared_prefix, int, 0, LIMITS["input_tokens"], default=0),
+        workers=cli.number("--workers", args.workers, int, 1, 256, default=1),
+        multi_turn=cli.number("--multi-turn", args.multi_turn, int, 1, 1000, default=1),
+        timeout_s=cli.number("--timeout", args.timeout, float, 1e-3, None, default=30.0),
+        seed=cli.number("--seed", args.seed, int, 0, None, default=0),
+        speed=cli.number("--speed", args.speed, float, 1e-6, 1e6, default=1.0),
+        trace_block_tokens=cli.number("--trace-block-tokens", args.trace_block_tokens, int, 1, 1_000_000,
+                                      default=workloads.MOONCAKE_BLOCK_TOKENS),
+        timeline_interval_s=cli.number("--timeline-interval (s)", args.timeline_interval, float, 0, 3600, default=2.0),
+        probe=args.probe or None,
+        endpoint=args.endpoint,
+        workload=sources[0] if sources else "synthetic",
+        dataset=getattr(args, sources[0]) if sources else None,
+        input_dist=args.input_dist or None,
+        output_dist=args.output_dist or None,
+        log=settings.get("BENCH_LOG", args.log, None),
+        extra_body=parse_extra_body(args.extra_body))
+
+
+def parse_extra_body(text: str) -> dict[str, Any]:
+    """--extra-body: a JSON object merged into every request body ({} when not given)."""
     try:
-        cfg["extra_body"] = json.loads(args.extra_body) if args.extra_body else {}
-        if not isinstance(cfg["extra_body"], dict):
+        body = json.loads(text) if text else {}
+        if not isinstance(body, dict):
             raise ValueError
     except ValueError:
         raise UsageError("--extra-body must be a JSON object, e.g. '{\"top_k\": 1}'")
-    if cfg["multi_turn"] > 1 and cfg["endpoint"] != "chat":
+    return body
+
+
+def check_options(options: BenchOptions) -> BenchOptions:
+    """The options, when their combination makes sense; else a UsageError naming what to drop."""
+    if options.probe and not options.probe.startswith("/"):
+        raise UsageError(f"--probe takes a path such as /health or /v1/models, got {options.probe!r}")
+    if options.shared_prefix > options.input_tokens:
+        raise UsageError(f"--shared-prefix {options.shared_prefix} is longer than --input-tokens {options.input_tokens}")
+    dists = options.input_dist or options.output_dist
+    if options.workload != "synthetic" and (dists or options.shared_prefix or options.multi_turn > 1):
+        raise UsageError(f"--{options.workload} gives the prompts and lengths: drop --input-dist, --output-dist, "
+                         "--shared-prefix and --multi-turn")
+    if options.workload == "trace" and options.rate:
+        raise UsageError("--trace sends at the trace's own times: use --speed, not --rate")
+    for dist, what in ((options.input_dist, "--input-dist"), (options.output_dist, "--output-dist")):
+        if dist:
+            workloads.parse_distribution(dist, what)
+    if dists and options.multi_turn > 1:
+        raise UsageError("--multi-turn sends --input-tokens per turn: drop --input-dist/--output-dist")
+    if options.multi_turn > 1 and options.endpoint != "chat":
         raise UsageError("--multi-turn needs --endpoint chat: a conversation is a list of chat messages")
-    if cfg["workers"] > 1 and c is not None and cfg["workers"] > c:
-        raise UsageError(f"--workers {cfg['workers']} exceeds the concurrency {c}: each worker needs a share")
-    return cfg
+    if options.workers > 1 and options.concurrency is not None and options.workers > options.concurrency:
+        raise UsageError(f"--workers {options.workers} exceeds the concurrency {options.concurrency}: "
+                         "each worker needs a share")
+    return options
 
 
-def describe_load(cfg: dict[str, Any], n: int) -> str:
-    rate, c = cfg["rate"], cfg["concurrency"]
-    if cfg["workload"] == "trace":
-        load = f"trace replay at {cfg['speed']:g}x" + (f", at most {c} in flight" if c else "")
+def describe_load(options: BenchOptions, n: int) -> str:
+    rate, c = options.rate, options.concurrency
+    if options.workload == "trace":
+        load = f"trace replay at {options.speed:g}x" + (f", at most {c} in flight" if c else "")
     elif rate:
         load = (f"open loop {rate:g} req/s, "
-                f"{'Poisson' if cfg['burstiness'] == 1 else 'gamma burstiness ' + format(cfg['burstiness'], 'g')}"
+                f"{'Poisson' if options.burstiness == 1 else 'gamma burstiness ' + format(options.burstiness, 'g')}"
                 + (f", at most {c} in flight" if c else ""))
     else:
         load = f"closed loop, {c} in flight"
-    unit = f"conversations of {cfg['multi_turn']} turns" if cfg["multi_turn"] > 1 else "requests"
-    return load + (f", {n} {unit}" + (f" or {cfg['duration_s']:g} s" if cfg["duration_s"] else "")
-                   + (f", {cfg['warmup']} warm-up" if cfg["warmup"] else ""))
+    unit = f"conversations of {options.multi_turn} turns" if options.multi_turn > 1 else "requests"
+    return load + (f", {n} {unit}" + (f" or {options.duration_s:g} s" if options.duration_s else "")
+                   + (f", {options.warmup} warm-up" if options.warmup else ""))
 
 
 def build_parser():
@@ -217,11 +287,11 @@ def verify_sample(counter: TokenCounter, load: workloads.Workload) -> list[str]:
             if n != spec.prompt_tokens]
 
 
-def build_workload(target: Target, cfg: dict[str, Any]) -> tuple[workloads.Workload, str, list[list[str]] | None]:
+def build_workload(target: Target, options: BenchOptions) -> tuple[workloads.Workload, str, list[list[str]] | None]:
     """The run's workload, its prompt-length source (for the report), and multi-turn texts."""
-    chat = cfg["endpoint"] == "chat"
-    kind, dataset = cfg["workload"], cfg["dataset"]
-    out = cfg["output_tokens"]
+    chat = options.endpoint == "chat"
+    kind, dataset = options.workload, options.dataset
+    out = options.output_tokens
     if kind in ("prompts", "sharegpt"):
         if kind == "prompts":
             entries = workloads.read_prompts(dataset)
@@ -230,151 +300,174 @@ def build_workload(target: Target, cfg: dict[str, Any]) -> tuple[workloads.Workl
             local = fallback_counter()
             entries = workloads.read_sharegpt(dataset, local.count)
             source = f"dataset text (lengths by the server's usage; answer lengths by {local.name})"
-        count = cfg["num_requests"] if cfg["num_requests_given"] else len(entries)
-        return workloads.Workload(kind, cfg["warmup"] + count, out, cfg["seed"], entries=entries), source, None
-    with http_client.client(target.base_url, target.api_key, cfg["timeout_s"], max_connections=8) as http:
+        count = options.num_requests if options.num_requests_given else len(entries)
+        return workloads.Workload(kind, options.warmup + count, out, options.seed, entries=entries), source, None
+    with http_client.client(target.base_url, target.api_key, options.timeout_s, max_connections=8) as http:
         counter = server_counter(http, target.model, chat) or fallback_counter()
         if not counter.exact:
             printing.progress(f"bench: the server has no /tokenize; prompt lengths by {counter.name}")
         if kind == "trace":
             rows = workloads.read_trace(dataset)
-            count = min(cfg["num_requests"], len(rows)) if cfg["num_requests_given"] else len(rows)
-            load = workloads.Workload("trace", count, out, cfg["seed"], trace=rows,
-                                         block_tokens=cfg["trace_block_tokens"])
+            count = min(options.num_requests, len(rows)) if options.num_requests_given else len(rows)
+            load = workloads.Workload("trace", count, out, options.seed, trace=rows,
+                                         block_tokens=options.trace_block_tokens)
         else:
-            total = (cfg["warmup"] + cfg["num_requests"]) * cfg["multi_turn"]
+            total = (options.warmup + options.num_requests) * options.multi_turn
             load = workloads.Workload(
-                "synthetic", total, out, cfg["seed"],
-                input_dist=workloads.parse_distribution(cfg["input_dist"] or str(cfg["input_tokens"]), "--input-dist"),
-                output_dist=workloads.parse_distribution(cfg["output_dist"] or str(out), "--output-dist"))
-        load.maker = calibrate_maker(counter, cfg["seed"])
-        if load.maker is not None and cfg["shared_prefix"]:
-            load.shared_tokens = load.maker.fits(cfg["shared_prefix"], 0)
+                "synthetic", total, out, options.seed,
+                input_dist=workloads.parse_distribution(options.input_dist or str(options.input_tokens), "--input-dist"),
+                output_dist=workloads.parse_distribution(options.output_dist or str(out), "--output-dist"))
+        load.maker = calibrate_maker(counter, options.seed)
+        if load.maker is not None and options.shared_prefix:
+            load.shared_tokens = load.maker.fits(options.shared_prefix, 0)
             load.shared_prefix = load.maker.text(load.shared_tokens, 0)
         wrong = verify_sample(counter, load) if load.maker is not None else ["too few one-token words"]
         fixed = load.kind == "synthetic" and load.input_dist.kind == "fixed"
         if wrong and fixed:
             # The slow exact way: every prompt fitted with the tokenizer before the run.
             printing.progress(f"bench: prompt words do not add up ({wrong[0]}): fitting {total} prompts of "
-                            f"{cfg['input_tokens']} tokens one by one ({counter.name})")
-            prompts = build_prompts(counter, total, cfg["input_tokens"], cfg["shared_prefix"], cfg["seed"])
-            entries = [workloads.Entry(prompt=p, prompt_tokens=cfg["input_tokens"]) for p in prompts]
-            load = workloads.Workload("prompts", total, out, cfg["seed"], entries=entries)
+                            f"{options.input_tokens} tokens one by one ({counter.name})")
+            prompts = build_prompts(counter, total, options.input_tokens, options.shared_prefix, options.seed)
+            entries = [workloads.Entry(prompt=p, prompt_tokens=options.input_tokens) for p in prompts]
+            load = workloads.Workload("prompts", total, out, options.seed, entries=entries)
         elif wrong:
             raise UsageError(f"prompts of a chosen length cannot be built with this tokenizer ({wrong[0]}): "
                              "use --input-tokens alone, or --prompts with your own texts")
     turns = None
-    if cfg["multi_turn"] > 1:  # the conversations' texts, made now: each turn waits for the last answer
+    if options.multi_turn > 1:  # the conversations' texts, made now: each turn waits for the last answer
         texts = [load.spec(i).prompt for i in range(load.count)]
-        turns = [texts[i:i + cfg["multi_turn"]] for i in range(0, len(texts), cfg["multi_turn"])]
-        load = workloads.Workload("prompts", len(turns), out, cfg["seed"], entries=[
-            workloads.Entry(prompt=t[0], prompt_tokens=cfg["input_tokens"]) for t in turns])
+        turns = [texts[i:i + options.multi_turn] for i in range(0, len(texts), options.multi_turn)]
+        load = workloads.Workload("prompts", len(turns), out, options.seed, entries=[
+            workloads.Entry(prompt=t[0], prompt_tokens=options.input_tokens) for t in turns])
     return load, counter.name, turns
 
 
-def workload_identity(cfg: dict[str, Any], load: workloads.Workload) -> dict[str, Any]:
+def workload_identity(options: BenchOptions, load: workloads.Workload) -> dict[str, Any]:
     """What two runs must share to be compared (compare.py): requests, lengths, load shape."""
-    identity = {k: cfg[k] for k in ("workload", "endpoint", "concurrency", "rate", "burstiness", "duration_s",
+    identity = {k: getattr(options, k) for k in ("workload", "endpoint", "concurrency", "rate", "burstiness", "duration_s",
                                     "warmup", "multi_turn", "shared_prefix", "speed")}
-    identity["requests"] = load.count - cfg["warmup"]
-    identity["extra_body"] = cfg["extra_body"] or None
-    if cfg["workload"] == "synthetic":
-        identity["input_tokens"] = cfg["input_dist"] or cfg["input_tokens"]
-        identity["output_tokens"] = cfg["output_dist"] or cfg["output_tokens"]
-        identity["seed"] = cfg["seed"]
+    identity["requests"] = load.count - options.warmup
+    identity["extra_body"] = options.extra_body or None
+    if options.workload == "synthetic":
+        identity["input_tokens"] = options.input_dist or options.input_tokens
+        identity["output_tokens"] = options.output_dist or options.output_tokens
+        identity["seed"] = options.seed
     else:
-        data = Path(cfg["dataset"]).read_bytes()
-        identity["dataset"] = {"name": Path(cfg["dataset"]).name, "sha256": hashlib.sha256(data).hexdigest()}
-        identity["output_tokens"] = cfg["output_tokens"] if cfg["workload"] != "trace" else None
+        data = Path(options.dataset).read_bytes()
+        identity["dataset"] = {"name": Path(options.dataset).name, "sha256": hashlib.sha256(data).hexdigest()}
+        identity["output_tokens"] = options.output_tokens if options.workload != "trace" else None
     return identity
 
 
-def execute(target: Target, cfg: dict[str, Any], hold: signals.SignalHold, quiet: bool = False) -> dict[str, Any]:
+def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, quiet: bool = False) -> dict[str, Any]:
     """Build the workload, run the load, watch the server, analyse: the result document. A Ctrl-C
     or SIGTERM while the workload is built raises KeyboardInterrupt (nothing measured); during the
     load it stops the load; from the end of the load it waits in `hold` (started here, kept by the
     caller until the result is printed and written), so that the last scrape and the analysis
     complete the result, which then says interrupted."""
     started = time.perf_counter()
-    chat = cfg["endpoint"] == "chat"
-    load, prompt_source, turns = build_workload(target, cfg)
-    max_len = target.info.get("max_model_len")
-    longest = 0
-    if load.input_dist and load.output_dist:
-        longest = load.input_dist.upper + load.output_dist.upper
-    elif load.trace:
-        longest = max(r.input_tokens + r.output_tokens for r in load.trace[:load.count])
-    elif cfg["multi_turn"] == 1 and load.kind == "prompts" and cfg["workload"] == "synthetic":
-        longest = cfg["input_tokens"] + cfg["output_tokens"]
-    if max_len and longest > max_len:
-        raise UsageError(f"prompt + output tokens reach {longest}, over the model's max_model_len {max_len}: "
-                         "shorten --input-tokens/--output-tokens or their distributions")
+    load, prompt_source, turns = build_workload(target, options)
+    check_fits(target, options, load)
     run_id = f"{random.Random().getrandbits(32):08x}"
-    path = ENDPOINTS[cfg["endpoint"]]
-    template = {k: v for k, v in payload(cfg["endpoint"], target.model, "", 0, {}).items()
-                if k not in ("prompt", "messages", "max_tokens")}
-    source = RequestSource(load, target, path, template, cfg["extra_body"], run_id)
-    offsets = load.offsets_s(cfg["speed"])
-    if offsets is not None and cfg["warmup"] < len(offsets):
-        offsets = [o - offsets[cfg["warmup"]] for o in offsets]
-    plan = Plan(source, cfg["warmup"], cfg["concurrency"], chat, cfg["rate"], cfg["burstiness"],
-                cfg["duration_s"], cfg["seed"], turns, offsets)
-    config = {**{k: v for k, v in cfg.items() if k not in ("extra_body", "num_requests_given")},
-              "num_requests": load.count - cfg["warmup"], "load": describe_load(cfg, load.count - cfg["warmup"]),
+    plan = make_plan(target, options, load, turns, run_id)
+    config = {**options.recorded(), "num_requests": load.count - options.warmup,
+              "load": describe_load(options, load.count - options.warmup),
               "url": target.base_url, "model": target.model, "prompt_tokenizer": prompt_source, "run_id": run_id,
               "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "extra_body": cfg["extra_body"] or None}
-    probed = watch.probe(target.base_url, target.api_key, cfg["probe"]) if cfg["probe"] else None
-    before, note = metrics_snapshot(target, cfg["timeout_s"])
-    timeline = watch.Timeline(target.base_url, target.api_key, cfg["timeline_interval_s"]) \
-        if before is not None and cfg["timeline_interval_s"] else None
+              "extra_body": options.extra_body or None}
+    probed = watch.probe(target.base_url, target.api_key, options.probe) if options.probe else None
+    before, note = metrics_snapshot(target, options.timeout_s)
+    timeline = watch.Timeline(target.base_url, target.api_key, options.timeline_interval_s) \
+        if before is not None and options.timeline_interval_s else None
     printing.progress(f"bench: {config['load']} against {target.base_url} ({target.model})")
-    try:  # a Ctrl-C as the timeline starts still stops it
-        if timeline:
-            timeline.start(before)
-        if cfg["workers"] > 1:  # both start `hold` as the run ends
-            run = run_workers(plan, cfg["workers"], cfg["timeout_s"], hold)
-        else:
-            run = run_in_loop(plan, cfg["timeout_s"], quiet=quiet, hold=hold)
-    except KeyboardInterrupt:  # came before the run handled it: nothing measured, and that is the result
-        run = RunResult([], [], 0.0, 0.0, interrupted=True)
-        hold.start()
-    finally:
-        if timeline:
-            timeline.stop()
+    run = run_load(plan, options, hold, timeline, before, quiet)
     first_sent = min((o.sent_ns for o in run.outcomes if o.sent_ns), default=None)
     # vLLM counts a request's last tokens just after it streamed them: by now it has.
-    after, note_after = metrics_snapshot(target, cfg["timeout_s"]) if before is not None else (None, note)
-    timeline_doc = timeline.result(after) if timeline else None
-    result = analyse(run.outcomes, config, run.loop_lag_ms, run.cpu_s, run.wall_s, run.interrupted)
-    result["workload"] = workload_identity(cfg, load)
+    after, note_after = metrics_snapshot(target, options.timeout_s) if before is not None else (None, note)
+    result = analyse(run.outcomes, config, run.loop_lag_ms, run.cpu_s, run.wall_s, run.interrupted, slo=options.slo)
+    result["workload"] = workload_identity(options, load)
     # Seconds from the start of execute to the first request on the wire: building the
     # workload, probing and the first scrape included (what a 100,000-request run waits).
     result["startup_s"] = None if first_sent is None else first_sent / 1e9 - started
     all_tokens = sum(o.completion_tokens or 0 for o in run.outcomes if o.ok or o.error == "stream_cut")
     during = timeline.during() if timeline else []
     result["server"] = {"info": target.info, **server_side(before, after, note or note_after, all_tokens,
-                                                           result["slo"], during)}
-    result["timeline"] = timeline_doc
+                                                           options.slo, during)}
+    result["timeline"] = timeline.result(after) if timeline else None
     result["server"]["probe"] = probed
     if before is not None and after is not None and first_sent is not None:
-        from rooflib.server import engine_metrics
-
-        delta = engine_metrics.difference(before, after, during)
-        checked = watch.cross_check(delta, {"ttft_ms": result["ttft_ms"], "e2e_ms": result["e2e_ms"]},
-                                           result["client"]["loop_lag_ms"]["p99"], probed)
-        result["server"]["cross_check"] = checked
-    generated = (result["server"]["metrics"] or {}).get("generation_tokens")
-    if generated is not None and generated != all_tokens:
-        result["warnings"].append(
-            f"the server generated {generated:.0f} tokens during the run, the bench received {all_tokens} "
-            "(warm-up included): other traffic shared the server (or streams were lost), so this run measured "
-            "a mixed load: its latencies and the verdict hold for that mix, and the server-side figures are "
-            "not this run's alone")
+        result["server"]["cross_check"] = cross_check(before, after, during, result, probed)
+    result["warnings"] += other_traffic(result["server"]["metrics"], all_tokens)
     result["records"] = [o.record() for o in run.outcomes]
     # One held since the load ended (during the last scrape, say) ends the run all the same.
     result["interrupted"] = run.interrupted or bool(hold.noted)
     return result
+
+
+def check_fits(target: Target, options: BenchOptions, load: workloads.Workload) -> None:
+    """A UsageError when the longest request (prompt + output) is over the model's max_model_len."""
+    max_len = target.info.get("max_model_len")
+    longest = 0
+    if load.input_dist and load.output_dist:
+        longest = load.input_dist.upper + load.output_dist.upper
+    elif load.trace:
+        longest = max(r.input_tokens + r.output_tokens for r in load.trace[:load.count])
+    elif options.multi_turn == 1 and load.kind == "prompts" and options.workload == "synthetic":
+        longest = options.input_tokens + options.output_tokens
+    if max_len and longest > max_len:
+        raise UsageError(f"prompt + output tokens reach {longest}, over the model's max_model_len {max_len}: "
+                         "shorten --input-tokens/--output-tokens or their distributions")
+
+
+def make_plan(target: Target, options: BenchOptions, load: workloads.Workload,
+              turns: list[list[str]] | None, run_id: str) -> Plan:
+    """What the runner sends: the requests made from the workload, with the load's shape."""
+    template = {k: v for k, v in payload(options.endpoint, target.model, "", 0, {}).items()
+                if k not in ("prompt", "messages", "max_tokens")}
+    source = RequestSource(load, target, ENDPOINTS[options.endpoint], template, options.extra_body, run_id)
+    offsets = load.offsets_s(options.speed)
+    if offsets is not None and options.warmup < len(offsets):
+        offsets = [o - offsets[options.warmup] for o in offsets]
+    return Plan(source, options.warmup, options.concurrency, options.endpoint == "chat", options.rate,
+                options.burstiness, options.duration_s, options.seed, turns, offsets)
+
+
+def run_load(plan: Plan, options: BenchOptions, hold: signals.SignalHold, timeline: watch.Timeline | None,
+             before: dict[str, Any] | None, quiet: bool) -> RunResult:
+    """Send the plan (in worker processes with --workers), the server's timeline scraped meanwhile."""
+    try:  # a Ctrl-C as the timeline starts still stops it
+        if timeline:
+            timeline.start(before)
+        if options.workers > 1:  # both start `hold` as the run ends
+            return run_workers(plan, options.workers, options.timeout_s, hold)
+        return run_in_loop(plan, options.timeout_s, quiet=quiet, hold=hold)
+    except KeyboardInterrupt:  # came before the run handled it: nothing measured, and that is the result
+        hold.start()
+        return RunResult([], [], 0.0, 0.0, interrupted=True)
+    finally:
+        if timeline:
+            timeline.stop()
+
+
+def cross_check(before: dict[str, Any], after: dict[str, Any], during: Sequence[dict[str, Any]],
+                result: dict[str, Any], probed: dict[str, Any] | None) -> dict[str, Any]:
+    """The client's TTFT and e2e against the server's histograms over the run."""
+    from rooflib.server import engine_metrics
+
+    delta = engine_metrics.difference(before, after, during)
+    return watch.cross_check(delta, {"ttft_ms": result["ttft_ms"], "e2e_ms": result["e2e_ms"]},
+                             result["client"]["loop_lag_ms"]["p99"], probed)
+
+
+def other_traffic(metrics: dict[str, Any] | None, all_tokens: int) -> list[str]:
+    """A warning when the server generated other than the tokens the bench received."""
+    generated = (metrics or {}).get("generation_tokens")
+    if generated is None or generated == all_tokens:
+        return []
+    return [f"the server generated {generated:.0f} tokens during the run, the bench received {all_tokens} "
+            "(warm-up included): other traffic shared the server (or streams were lost), so this run measured "
+            "a mixed load: its latencies and the verdict hold for that mix, and the server-side figures are "
+            "not this run's alone"]
 
 
 def run_with_settings(args: Any, body: Callable[[Any, conf.Settings, Target], int]) -> int:

@@ -160,63 +160,19 @@ def mark_reasoning(outcome: Outcome, content: Any, parsed_reasoning: bool, think
 def interpret(outcome: Outcome, response: Response, chat: bool) -> Outcome:
     """Fill an Outcome from a parsed streamed response; errors are classified by kind."""
     outcome.status = response.status
-    if response.status is None:
-        outcome.error = outcome.error or "stream_cut"
-        outcome.detail = outcome.detail or "connection closed before an HTTP response"
-        return outcome
-    if response.status >= 400:
-        text = response.body[:300].decode("utf-8", "replace").strip()
-        wrong_model = response.status == 404 and "model" in text.lower()
-        outcome.error = "wrong_model" if wrong_model else f"http_{response.status // 100}xx"
-        outcome.detail = f"HTTP {response.status}: {text[:200]}"
-        return outcome
-    if not response.headers.get("content-type", "").startswith("text/event-stream"):
-        outcome.error = "malformed_sse"
-        outcome.detail = f"content-type {response.headers.get('content-type')!r}, not an event stream"
+    if not _stream_opened(outcome, response):
         return outcome
     cumulative, thinking = 0, False
     for t_ns, data in response.events:
         if data.strip() == b"[DONE]":
             outcome.done_ns = t_ns
             break
-        try:
-            chunk = fileio.parse_json(data)
-            if not isinstance(chunk, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            outcome.error, outcome.detail = "malformed_sse", f"bad SSE data: {data[:80]!r}"
+        chunk = _chunk(outcome, data)
+        if chunk is None:
             return outcome
-        if "error" in chunk:
-            error = chunk["error"]
-            outcome.error = "stream_error"
-            outcome.detail = str(error.get("message", error) if isinstance(error, dict) else error)[:200]
-            return outcome
-        fault = odd_chunk(chunk)
-        if fault:
-            outcome.error, outcome.detail = "malformed_sse", fault
-            return outcome
-        usage = chunk.get("usage")
-        new_tokens = None
-        if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
-            outcome.usage_reported = True
-            new_tokens = usage["completion_tokens"] - cumulative
-            cumulative = usage["completion_tokens"]
-            outcome.prompt_tokens = usage.get("prompt_tokens", outcome.prompt_tokens)
-            details = usage.get("prompt_tokens_details") or {}
-            outcome.cached_tokens = details.get("cached_tokens", outcome.cached_tokens)
+        new_tokens, cumulative = _take_usage(outcome, chunk.get("usage"), cumulative)
         for choice in chunk.get("choices") or []:
-            if choice.get("finish_reason"):
-                outcome.finish_reason = choice["finish_reason"]
-            content, parsed_reasoning = _content_of(choice, chat)
-            if content:
-                outcome.token_times.append(t_ns)
-                outcome.chunk_tokens.append(1 if new_tokens is None else new_tokens)
-                thinking = mark_reasoning(outcome, content, parsed_reasoning, thinking)
-                if isinstance(content, str) and not parsed_reasoning:
-                    outcome.text += content
-            elif new_tokens and outcome.chunk_tokens:
-                # Tokens with no visible text (e.g. a stop string) belong to the last content chunk.
-                outcome.chunk_tokens[-1] += new_tokens
+            thinking = _take_choice(outcome, choice, t_ns, new_tokens, chat, thinking)
     outcome.completion_tokens = cumulative if outcome.usage_reported else len(outcome.token_times)
     if outcome.done_ns is None:
         outcome.error = "stream_cut"
@@ -224,6 +180,76 @@ def interpret(outcome: Outcome, response: Response, chat: bool) -> Outcome:
     elif not outcome.token_times:
         outcome.error, outcome.detail = "empty_output", "the stream carried no content"
     return outcome
+
+
+def _stream_opened(outcome: Outcome, response: Response) -> bool:
+    """Whether the response is an event stream; if not, the outcome's error says why."""
+    if response.status is None:
+        outcome.error = outcome.error or "stream_cut"
+        outcome.detail = outcome.detail or "connection closed before an HTTP response"
+        return False
+    if response.status >= 400:
+        text = response.body[:300].decode("utf-8", "replace").strip()
+        wrong_model = response.status == 404 and "model" in text.lower()
+        outcome.error = "wrong_model" if wrong_model else f"http_{response.status // 100}xx"
+        outcome.detail = f"HTTP {response.status}: {text[:200]}"
+        return False
+    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+        outcome.error = "malformed_sse"
+        outcome.detail = f"content-type {response.headers.get('content-type')!r}, not an event stream"
+        return False
+    return True
+
+
+def _chunk(outcome: Outcome, data: bytes) -> dict[str, Any] | None:
+    """One SSE data line as a chunk of the OpenAI stream format; None, with the outcome's error
+    set, when it is not JSON, carries an error or does not fit the format."""
+    try:
+        chunk = fileio.parse_json(data)
+        if not isinstance(chunk, dict):
+            raise ValueError("not an object")
+    except ValueError:
+        outcome.error, outcome.detail = "malformed_sse", f"bad SSE data: {data[:80]!r}"
+        return None
+    if "error" in chunk:
+        error = chunk["error"]
+        outcome.error = "stream_error"
+        outcome.detail = str(error.get("message", error) if isinstance(error, dict) else error)[:200]
+        return None
+    fault = odd_chunk(chunk)
+    if fault:
+        outcome.error, outcome.detail = "malformed_sse", fault
+        return None
+    return chunk
+
+
+def _take_usage(outcome: Outcome, usage: Any, cumulative: int) -> tuple[int | None, int]:
+    """A chunk's usage: (output tokens since the last usage, None without one; the running total)."""
+    if not isinstance(usage, dict) or usage.get("completion_tokens") is None:
+        return None, cumulative
+    outcome.usage_reported = True
+    outcome.prompt_tokens = usage.get("prompt_tokens", outcome.prompt_tokens)
+    details = usage.get("prompt_tokens_details") or {}
+    outcome.cached_tokens = details.get("cached_tokens", outcome.cached_tokens)
+    return usage["completion_tokens"] - cumulative, usage["completion_tokens"]
+
+
+def _take_choice(outcome: Outcome, choice: dict[str, Any], t_ns: int, new_tokens: int | None,
+                 chat: bool, thinking: bool) -> bool:
+    """Record a choice of a chunk that arrived at t_ns; whether the text is now inside <think>."""
+    if choice.get("finish_reason"):
+        outcome.finish_reason = choice["finish_reason"]
+    content, parsed_reasoning = _content_of(choice, chat)
+    if content:
+        outcome.token_times.append(t_ns)
+        outcome.chunk_tokens.append(1 if new_tokens is None else new_tokens)
+        thinking = mark_reasoning(outcome, content, parsed_reasoning, thinking)
+        if isinstance(content, str) and not parsed_reasoning:
+            outcome.text += content
+    elif new_tokens and outcome.chunk_tokens:
+        # Tokens with no visible text (e.g. a stop string) belong to the last content chunk.
+        outcome.chunk_tokens[-1] += new_tokens
+    return thinking
 
 
 def _count(value: Any) -> bool:

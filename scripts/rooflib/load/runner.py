@@ -9,9 +9,9 @@ import resource
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from queue import Empty
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from rooflib.core import printing, signals
 from rooflib.core.errors import ServerError
@@ -120,69 +120,64 @@ async def _watchdog(client: Client, stop: asyncio.Event) -> None:
         client.expire_stalled()
 
 
-async def run_plan(plan: Plan, timeout_s: float,
-                   before_measured: Callable[[], Any] | None = None, on_done: Callable[[Outcome], None] | None = None,
-                   interrupt: asyncio.Event | None = None) -> RunResult:
-    """Send the plan; returns every outcome (warm-up ones flagged). Ctrl-C (interrupt) stops
-    sending and returns what completed."""
-    client = Client(plan.requests.target, timeout_s)
-    stop = asyncio.Event()
-    interrupt = interrupt or asyncio.Event()
-    lag: list[float] = []
-    outcomes: list[Outcome] = []
-    # A full garbage collection over a heap of stored reads takes tens of ms and stalls every
-    # stream; refcounting frees what the run drops, so the collector waits until the end.
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    background = [asyncio.create_task(lag_probe(lag, stop)), asyncio.create_task(_watchdog(client, stop))]
+@dataclass
+class _Sending:
+    """One run's state in its event loop: the client, the outcomes so far, the Ctrl-C flag."""
+    plan: Plan
+    client: Client
+    interrupt: asyncio.Event
+    on_done: Callable[[Outcome], None] | None
+    outcomes: list[Outcome] = field(default_factory=list)
 
-    async def one(index: int, scheduled_ns: int | None = None) -> None:
-        if plan.turns is not None:
-            return await conversation(index, scheduled_ns)
-        request, spec = plan.requests.get(index)
-        outcome = Outcome(index=index, warmup=index < plan.warmup, scheduled_ns=scheduled_ns,
+    def _done(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+        if self.on_done:
+            self.on_done(outcome)
+
+    async def one(self, index: int, scheduled_ns: int | None = None) -> None:
+        if self.plan.turns is not None:
+            return await self.conversation(index, scheduled_ns)
+        request, spec = self.plan.requests.get(index)
+        outcome = Outcome(index=index, warmup=index < self.plan.warmup, scheduled_ns=scheduled_ns,
                           requested_tokens=spec.output_tokens, prompt_target=spec.prompt_tokens)
-        await client.send(outcome, request)
-        outcomes.append(outcome)
-        if on_done:
-            on_done(outcome)
+        await self.client.send(outcome, request)
+        self._done(outcome)
 
-    async def conversation(index: int, scheduled_ns: int | None) -> None:
+    async def conversation(self, index: int, scheduled_ns: int | None) -> None:
         """The turns of one conversation, one after the other. Each answer is parsed at once
         (it is part of the next prompt): a little loop time that single-turn runs do not spend."""
         messages: list[dict[str, str]] = []
-        source = plan.requests
+        source = self.plan.requests
         first, spec = source.get(index)
-        for turn, text in enumerate(plan.turns[index]):
+        for turn, text in enumerate(self.plan.turns[index]):
             messages.append({"role": "user", "content": text})
             request = first if turn == 0 else request_bytes(
                 source.target, source.path, {**source.template, "max_tokens": spec.output_tokens,
                                              "messages": messages, **source.extra},
                 f"bench-{source.run_id}-{index}-{turn}")
-            outcome = Outcome(index=index, turn=turn, warmup=index < plan.warmup,
+            outcome = Outcome(index=index, turn=turn, warmup=index < self.plan.warmup,
                               scheduled_ns=scheduled_ns if turn == 0 else None,
                               requested_tokens=spec.output_tokens)
-            settle(await client.send(outcome, request), True)
-            outcomes.append(outcome)
-            if on_done:
-                on_done(outcome)
-            if not outcome.ok or interrupt.is_set():
+            settle(await self.client.send(outcome, request), True)
+            self._done(outcome)
+            if not outcome.ok or self.interrupt.is_set():
                 return
             messages.append({"role": "assistant", "content": outcome.text})
 
-    async def closed_loop(indices: list[int], deadline_ns: int | None) -> None:
+    async def closed_loop(self, indices: list[int], deadline_ns: int | None) -> None:
         queue = iter(indices)
+        slots = min(self.plan.concurrency or 1, len(indices)) or 1
+        await asyncio.gather(*(self._slot(queue, deadline_ns) for _ in range(slots)))
 
-        async def slot() -> None:
-            for index in queue:
-                if interrupt.is_set() or (deadline_ns and time.perf_counter_ns() >= deadline_ns):
-                    return
-                await one(index)
-        await asyncio.gather(*(slot() for _ in range(min(plan.concurrency or 1, len(indices)) or 1)))
+    async def _slot(self, queue: Iterator[int], deadline_ns: int | None) -> None:
+        """One request in flight at a time, taken from the queue the slots share."""
+        for index in queue:
+            if self.interrupt.is_set() or (deadline_ns and time.perf_counter_ns() >= deadline_ns):
+                return
+            await self.one(index)
 
-    async def open_loop(indices: list[int]) -> None:
+    async def open_loop(self, indices: list[int]) -> None:
+        plan = self.plan
         limit = asyncio.Semaphore(plan.concurrency) if plan.concurrency else None
         if plan.offsets_s is not None:  # a trace: its own times (the first measured one at 0)
             offsets = [plan.offsets_s[i] for i in indices]
@@ -191,12 +186,6 @@ async def run_plan(plan: Plan, timeout_s: float,
         start = time.perf_counter_ns()
         deadline = start + int(plan.duration_s * 1e9) if plan.duration_s else None
         tasks = []
-
-        async def capped(index: int, scheduled: int) -> None:
-            if limit is None:
-                return await one(index, scheduled)
-            async with limit:
-                await one(index, scheduled)
         for index, offset in zip(indices, offsets):
             scheduled = start + int(offset * 1e9)
             if deadline and scheduled >= deadline:
@@ -204,15 +193,54 @@ async def run_plan(plan: Plan, timeout_s: float,
             delay = (scheduled - time.perf_counter_ns()) / 1e9
             if delay > 0:
                 try:
-                    await asyncio.wait_for(interrupt.wait(), delay)
+                    await asyncio.wait_for(self.interrupt.wait(), delay)
                 except asyncio.TimeoutError:
                     pass
-            if interrupt.is_set():
+            if self.interrupt.is_set():
                 break
-            tasks.append(asyncio.create_task(capped(index, scheduled)))
+            tasks.append(asyncio.create_task(self._capped(limit, index, scheduled)))
         await asyncio.gather(*tasks)
 
-    work = asyncio.create_task(_run_phases(plan, closed_loop, open_loop, before_measured))
+    async def _capped(self, limit: asyncio.Semaphore | None, index: int, scheduled: int) -> None:
+        if limit is None:
+            return await self.one(index, scheduled)
+        async with limit:
+            await self.one(index, scheduled)
+
+    async def phases(self, before_measured: Callable[[], Any] | None) -> None:
+        """The warm-up, then (once `before_measured` agrees) the measured requests."""
+        plan = self.plan
+        indices = list(range(len(plan.requests)))
+        warm, measured = indices[:plan.warmup], indices[plan.warmup:]
+        if warm:
+            await self.closed_loop(warm, None)
+        if before_measured and not await before_measured():  # workers start measuring together
+            return
+        if plan.rate or plan.offsets_s is not None:
+            await self.open_loop(measured)
+        else:
+            deadline = time.perf_counter_ns() + int(plan.duration_s * 1e9) if plan.duration_s else None
+            await self.closed_loop(measured, deadline)
+
+
+async def run_plan(plan: Plan, timeout_s: float,
+                   before_measured: Callable[[], Any] | None = None, on_done: Callable[[Outcome], None] | None = None,
+                   interrupt: asyncio.Event | None = None) -> RunResult:
+    """Send the plan; returns every outcome (warm-up ones flagged). Ctrl-C (interrupt) stops
+    sending and returns what completed."""
+    client = Client(plan.requests.target, timeout_s)
+    stop = asyncio.Event()
+    interrupt = interrupt or asyncio.Event()
+    sending = _Sending(plan, client, interrupt, on_done)
+    lag: list[float] = []
+    # A full garbage collection over a heap of stored reads takes tens of ms and stalls every
+    # stream; refcounting frees what the run drops, so the collector waits until the end.
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    background = [asyncio.create_task(lag_probe(lag, stop)), asyncio.create_task(_watchdog(client, stop))]
+    work = asyncio.create_task(sending.phases(before_measured))
     waiter = asyncio.create_task(interrupt.wait())
     try:
         await asyncio.wait({work, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -231,22 +259,8 @@ async def run_plan(plan: Plan, timeout_s: float,
         gc.enable()
         gc.unfreeze()
     cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
-    return RunResult(sorted((settle(o, plan.chat) for o in outcomes), key=lambda o: (o.index, o.turn)),
+    return RunResult(sorted((settle(o, plan.chat) for o in sending.outcomes), key=lambda o: (o.index, o.turn)),
                      lag, cpu_s, wall_s, interrupted=interrupt.is_set())
-
-
-async def _run_phases(plan: Plan, closed_loop, open_loop, before_measured) -> None:
-    indices = list(range(len(plan.requests)))
-    warm, measured = indices[:plan.warmup], indices[plan.warmup:]
-    if warm:
-        await closed_loop(warm, None)
-    if before_measured and not await before_measured():  # workers start measuring together
-        return
-    if plan.rate or plan.offsets_s is not None:
-        await open_loop(measured)
-    else:
-        deadline = time.perf_counter_ns() + int(plan.duration_s * 1e9) if plan.duration_s else None
-        await closed_loop(measured, deadline)
 
 
 def raise_open_file_limit(needed: int) -> None:
@@ -276,7 +290,7 @@ def run_in_loop(plan: Plan, timeout_s: float, quiet: bool = False,
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signals.STOP_SIGNALS)
         try:
             return await run_plan(plan, timeout_s, before_measured,
-                                  None if quiet else _progress_printer(plan), interrupt)
+                                  None if quiet else _Progress(plan), interrupt)
         finally:  # asyncio resets the handlers to the defaults (die) as it closes the loop:
             # from here a signal waits until the caller's handlers are back
             signal.pthread_sigmask(signal.SIG_BLOCK, signals.STOP_SIGNALS)
@@ -303,17 +317,20 @@ def _handlers_back(handlers: dict[int, Any], hold: signals.SignalHold | None, in
     return interrupted or bool(set(signal.sigpending()) & set(signals.STOP_SIGNALS))
 
 
-def _progress_printer(plan: Plan) -> Callable[[Outcome], None]:
-    total = len(plan.requests) * (len(plan.turns[0]) if plan.turns else 1)
-    state = {"done": 0, "last": 0.0}
+class _Progress:
+    """Prints how many requests are done, at most every 2 s and at the last one."""
 
-    def report(outcome: Outcome) -> None:
-        state["done"] += 1
+    def __init__(self, plan: Plan):
+        self.total = len(plan.requests) * (len(plan.turns[0]) if plan.turns else 1)
+        self.done = 0
+        self.last = 0.0
+
+    def __call__(self, outcome: Outcome) -> None:
+        self.done += 1
         now = time.monotonic()
-        if now - state["last"] >= 2.0 or state["done"] == total:
-            state["last"] = now
-            printing.progress(f"bench: {state['done']}/{total} requests done")
-    return report
+        if now - self.last >= 2.0 or self.done == self.total:
+            self.last = now
+            printing.progress(f"bench: {self.done}/{self.total} requests done")
 
 
 def _worker(number: int, plan: Plan, timeout_s: float, barrier, queue) -> None:

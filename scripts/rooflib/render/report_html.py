@@ -854,7 +854,8 @@ class Section:
 
 
 def build_sections(results: Sequence[Result], records: Sequence[dict[str, Any]] | None) -> list[Section]:
-    """The report's sections, verdicts first; pure: the inputs are already parsed."""
+    """The report's sections, verdicts first; pure: the inputs are already parsed. A section's id
+    is its kind and its place among the sections."""
     by_kind: dict[str, list[Result]] = {}
     for r in results:
         by_kind.setdefault(r.kind, []).append(r)
@@ -862,67 +863,93 @@ def build_sections(results: Sequence[Result], records: Sequence[dict[str, Any]] 
         raise UsageError("--records belongs to one bench run: pass exactly one bench result with it")
     sections = [tune_section(r) for r in by_kind.get("tune", [])]
     for r in by_kind.get("compare", []):
-        doc = r.doc
-        sections.append(Section(f"compare-{len(sections)}", f"Comparison: {r.label}", [
-            ("workload", describe_workload(doc.get("workload"))),
-            *((m.get("name"), f"{signed_pct(number(m.get('change_pct')))} ({m.get('verdict')})")
-              for m in doc.get("metrics") or [])], [compare_chart(r)], str(doc.get("verdict"))))
+        sections.append(compare_section(r, len(sections)))
     for r in by_kind.get("accept", []):
-        doc = r.doc
-        base, cand = doc.get("base") or {}, doc.get("candidate") or {}
-        sections.append(Section(f"accept-{len(sections)}", f"Acceptance: {base.get('model')} → {cand.get('model')}",
-                                [(row.get("measure", ""), f"{row.get('base')} → {row.get('candidate')} "
-                                                          f"({row.get('change')})") for row in doc.get("rows") or []]
-                                + [("note", n) for n in doc.get("notes") or []],
-                                [accept_chart(r)], str(doc.get("verdict")), list(doc.get("reasons") or [])))
+        sections.append(accept_section(r, len(sections)))
     sweeps, benches = by_kind.get("sweep", []), by_kind.get("bench", [])
     if sweeps or len(benches) > 1:
-        load = sweeps + (benches if len(benches) > 1 else [])
-        knees = {r.label: r.doc.get("knee") for r in sweeps}
-        facts = [fact for r in sweeps for fact in sweep_facts(r)]
-        sections.append(Section("sweep", "Sweep: latency and throughput under load", facts,
-                                sweep_charts(load, knees)))
+        sections.append(sweep_section(sweeps, benches))
     for r in benches:
-        charts = []
-        if records is not None:
-            charts.append(distribution_chart(r, records))
-        charts += timeline_charts(r, records)
-        sections.append(Section(f"bench-{len(sections)}", f"Bench run: {r.label}", bench_facts(r), charts,
-                                str(r.doc.get("verdict")), list(r.doc.get("verdict_reasons") or [])))
+        sections.append(bench_section(r, records, len(sections)))
     for roof in by_kind.get("roofline", []):
-        measured = sweeps + benches
-        if measured:
-            sections.append(Section(f"physics-{len(sections)}", "Physics: measured against the roofline", [
-                ("bound at batch 1", f"{fmt((roof.doc.get('decode') or {}).get('step_ms_bound'))} ms per token "
-                                     f"({(roof.doc.get('decode') or {}).get('bound_by')}-bound)"),
-                ("turns compute-bound at batch", fmt(roof.doc.get("compute_bound_from_batch")))],
-                [physics_chart(measured, roof)]))
-        else:
-            sections.append(Section(f"physics-{len(sections)}", "Physics: the roofline", roofline_facts(roof)))
+        sections.append(physics_section(roof, sweeps + benches, len(sections)))
     for r in by_kind.get("vram", []):
-        doc = r.doc
-        sections.append(Section(f"sizing-{len(sections)}", f"Sizing: {doc.get('model')} on {doc.get('gpu')}", [
-            ("fits", "yes" if doc.get("fits") else "no"), ("KV cache tokens", fmt(doc.get("kv_cache_tokens"))),
-            ("max concurrency at full context", fmt(doc.get("max_concurrency"))),
-            *((("smallest change that fits", str(doc["fix"].get("change"))),) if doc.get("fix") else ()),
-            *((f"lever {lever.get('lever')}", f"{lever.get('change')}: {fmt(lever.get('kv_cache_tokens'))} KV tokens")
-              for lever in doc.get("levers") or [])], sizing_charts(r), "fits" if doc.get("fits") else "does not fit"))
+        sections.append(sizing_section(r, len(sections)))
     for r in by_kind.get("metrics", []):
-        doc = r.doc
-        facts = [("source", str(doc.get("source"))), ("models", ", ".join(map(str, doc.get("models") or []))),
-                 ("running / waiting (mean)", f"{fmt(doc.get('running_mean'))} / {fmt(doc.get('waiting_mean'))}"),
-                 ("KV cache usage (max)", fmt(number(doc.get("kv_cache_usage_max")))),
-                 ("preemptions", fmt(doc.get("preemptions"))),
-                 ("prompt / generation tok/s", f"{fmt(doc.get('prompt_tok_s'))} / {fmt(doc.get('gen_tok_s'))}")]
-        for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "e2e"),
-                          ("queue_ms", "queue")):
-            s = doc.get(key) or {}
-            if s.get("n"):
-                facts.append((f"{name} ms", f"p50 {fmt(s.get('p50'))}, p95 {fmt(s.get('p95'))}, p99 {fmt(s.get('p99'))}"))
-        reasons = [f"{d.get('bottleneck')}: {d.get('evidence')}" for d in doc.get("diagnosis") or []]
-        sections.append(Section(f"metrics-{len(sections)}", f"Server metrics: {r.label}", facts, [],
-                                None, reasons))
+        sections.append(metrics_section(r, len(sections)))
     return unique_ids(sections)
+
+
+def compare_section(r: Result, place: int) -> Section:
+    doc = r.doc
+    return Section(f"compare-{place}", f"Comparison: {r.label}", [
+        ("workload", describe_workload(doc.get("workload"))),
+        *((m.get("name"), f"{signed_pct(number(m.get('change_pct')))} ({m.get('verdict')})")
+          for m in doc.get("metrics") or [])], [compare_chart(r)], str(doc.get("verdict")))
+
+
+def accept_section(r: Result, place: int) -> Section:
+    doc = r.doc
+    base, cand = doc.get("base") or {}, doc.get("candidate") or {}
+    return Section(f"accept-{place}", f"Acceptance: {base.get('model')} → {cand.get('model')}",
+                   [(row.get("measure", ""), f"{row.get('base')} → {row.get('candidate')} "
+                                             f"({row.get('change')})") for row in doc.get("rows") or []]
+                   + [("note", n) for n in doc.get("notes") or []],
+                   [accept_chart(r)], str(doc.get("verdict")), list(doc.get("reasons") or []))
+
+
+def sweep_section(sweeps: Sequence[Result], benches: Sequence[Result]) -> Section:
+    """Sweeps, and several bench runs (at several rates, say), on the same charts."""
+    load = [*sweeps, *(benches if len(benches) > 1 else [])]
+    knees = {r.label: r.doc.get("knee") for r in sweeps}
+    facts = [fact for r in sweeps for fact in sweep_facts(r)]
+    return Section("sweep", "Sweep: latency and throughput under load", facts, sweep_charts(load, knees))
+
+
+def bench_section(r: Result, records: Sequence[dict[str, Any]] | None, place: int) -> Section:
+    charts = []
+    if records is not None:
+        charts.append(distribution_chart(r, records))
+    charts += timeline_charts(r, records)
+    return Section(f"bench-{place}", f"Bench run: {r.label}", bench_facts(r), charts,
+                   str(r.doc.get("verdict")), list(r.doc.get("verdict_reasons") or []))
+
+
+def physics_section(roof: Result, measured: Sequence[Result], place: int) -> Section:
+    """The measured runs against the roofline bound; the bound alone when nothing was measured."""
+    if not measured:
+        return Section(f"physics-{place}", "Physics: the roofline", roofline_facts(roof))
+    decode = roof.doc.get("decode") or {}
+    return Section(f"physics-{place}", "Physics: measured against the roofline", [
+        ("bound at batch 1", f"{fmt(decode.get('step_ms_bound'))} ms per token ({decode.get('bound_by')}-bound)"),
+        ("turns compute-bound at batch", fmt(roof.doc.get("compute_bound_from_batch")))],
+        [physics_chart(measured, roof)])
+
+
+def sizing_section(r: Result, place: int) -> Section:
+    doc = r.doc
+    return Section(f"sizing-{place}", f"Sizing: {doc.get('model')} on {doc.get('gpu')}", [
+        ("fits", "yes" if doc.get("fits") else "no"), ("KV cache tokens", fmt(doc.get("kv_cache_tokens"))),
+        ("max concurrency at full context", fmt(doc.get("max_concurrency"))),
+        *((("smallest change that fits", str(doc["fix"].get("change"))),) if doc.get("fix") else ()),
+        *((f"lever {lever.get('lever')}", f"{lever.get('change')}: {fmt(lever.get('kv_cache_tokens'))} KV tokens")
+          for lever in doc.get("levers") or [])], sizing_charts(r), "fits" if doc.get("fits") else "does not fit")
+
+
+def metrics_section(r: Result, place: int) -> Section:
+    doc = r.doc
+    facts = [("source", str(doc.get("source"))), ("models", ", ".join(map(str, doc.get("models") or []))),
+             ("running / waiting (mean)", f"{fmt(doc.get('running_mean'))} / {fmt(doc.get('waiting_mean'))}"),
+             ("KV cache usage (max)", fmt(number(doc.get("kv_cache_usage_max")))),
+             ("preemptions", fmt(doc.get("preemptions"))),
+             ("prompt / generation tok/s", f"{fmt(doc.get('prompt_tok_s'))} / {fmt(doc.get('gen_tok_s'))}")]
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "e2e"),
+                      ("queue_ms", "queue")):
+        s = doc.get(key) or {}
+        if s.get("n"):
+            facts.append((f"{name} ms", f"p50 {fmt(s.get('p50'))}, p95 {fmt(s.get('p95'))}, p99 {fmt(s.get('p99'))}"))
+    reasons = [f"{d.get('bottleneck')}: {d.get('evidence')}" for d in doc.get("diagnosis") or []]
+    return Section(f"metrics-{place}", f"Server metrics: {r.label}", facts, [], None, reasons)
 
 
 def unique_ids(sections: list[Section]) -> list[Section]:
