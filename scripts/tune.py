@@ -41,6 +41,7 @@ written, and no engine is left running).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -81,32 +82,36 @@ def build_parser():
     return p
 
 
-def slo_of(cfg: dict[str, Any]) -> trials.Slo:
-    slo = trials.Slo(cfg["slo_ttft_p95_ms"], cfg["slo_tpot_p95_ms"])
-    if not slo.targets():
+def options_of(args: Any, settings: conf.Settings) -> benchrun.BenchOptions:
+    """bench's options (the workload, the SLO), the live traffic's shape with --like."""
+    options = benchrun.make_options(args, settings)
+    if not trials.targets(options.slo):
         raise UsageError("tune needs an SLO to judge changes by: --slo-ttft-p95-ms and/or --slo-tpot-p95-ms "
                          "(SLO_TTFT_P95_MS, SLO_TPOT_P95_MS)")
-    return slo
+    if args.records:
+        raise UsageError("tune writes every run to its --out folder: drop --records")
+    return like_traffic(args, settings, options) if args.like else options
 
 
-def like_traffic(args: Any, settings: conf.Settings, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The run settings with the live server's traffic shape in place of the lengths and concurrency."""
+def like_traffic(args: Any, settings: conf.Settings, options: benchrun.BenchOptions) -> benchrun.BenchOptions:
+    """The options with the live server's traffic shape in place of the lengths and concurrency."""
     given = [flag for flag, value in (("--input-tokens", settings.get("BENCH_IN", args.input_tokens)),
                                       ("--output-tokens", settings.get("BENCH_OUT", args.output_tokens)),
                                       ("-c", settings.get("BENCH_C", args.concurrency))) if value]
-    if given or cfg["workload"] != "synthetic":
-        raise UsageError(f"--like gives the lengths and concurrency: drop {', '.join(given) or '--' + cfg['workload']}")
+    if given or options.workload != "synthetic":
+        raise UsageError(f"--like gives the lengths and concurrency: drop {', '.join(given) or '--' + options.workload}")
     window = cli.number("--like-window (s)", args.like_window, float, 1, 3600, default=30.0)
     url = conf.normalize_url(args.like)
     printing.progress(f"tune: reading {url}/metrics over {window:g} s (it is only read)")
-    text, began = engine_metrics.scrape(url, timeout=cfg["timeout_s"])
+    text, began = engine_metrics.scrape(url, timeout=options.timeout_s)
     before = engine_metrics.snapshot(text, url, began)
     time.sleep(window)
-    text, ended = engine_metrics.scrape(url, timeout=cfg["timeout_s"])
+    text, ended = engine_metrics.scrape(url, timeout=options.timeout_s)
     shape = tuning.traffic_shape(engine_metrics.window(before, engine_metrics.snapshot(text, url, ended)))
     printing.progress(f"tune: the live traffic: {shape['input_tokens']} prompt and {shape['output_tokens']} output "
                       f"tokens a request, {shape['concurrency']} in flight")
-    return {**cfg, **shape, "warmup": shape["concurrency"]}
+    return benchrun.check_options(dataclasses.replace(
+        options, **shape, warmup=options.warmup if options.warmup_given else shape["concurrency"]))
 
 
 def sizing_of(args: Any, settings: conf.Settings, profile: dict[str, Any]) -> levers.Sizing | None:
@@ -117,7 +122,7 @@ def sizing_of(args: Any, settings: conf.Settings, profile: dict[str, Any]) -> le
     return levers.Sizing(estimate.resolve_model(profiles.expand(profile["model"])), gpu)
 
 
-def setup_of(args: Any, settings: conf.Settings, cfg: dict[str, Any], profile_name: str) -> tuning.Setup:
+def setup_of(args: Any, settings: conf.Settings, options: benchrun.BenchOptions, profile_name: str) -> tuning.Setup:
     path = profiles.find_profile(profile_name)
     profile = profiles.load_profile(path)
     for override in args.set:
@@ -129,7 +134,7 @@ def setup_of(args: Any, settings: conf.Settings, cfg: dict[str, Any], profile_na
     port = cli.number("--port", args.port, int, 1, 65535) or profiles.free_port()
     profiles.check_port_free(profile.get("host", "127.0.0.1"), port)  # before the first line of progress
     out = Path(settings.get("TUNE_OUT", args.out) or time.strftime("tune-%Y%m%d-%H%M%S"))
-    return tuning.Setup(profile=profile, source=profile_name, port=port, bench=cfg, slo=slo_of(cfg),
+    return tuning.Setup(profile=profile, source=profile_name, port=port, bench=options,
                         budget=tuning.Budget(runs if runs or minutes else DEFAULT_RUNS, minutes), out=out,
                         sizing=sizing_of(args, settings, profile),
                         startup_timeout_s=cli.number("--startup-timeout", args.startup_timeout, float, 1, 86_400,
@@ -197,32 +202,27 @@ def files_of(doc: dict[str, Any], setup_profile: bool) -> list[tuple[str, str, s
 
 
 def run(args: Any, settings: conf.Settings, server: Any) -> int:
-    cfg = benchrun.make_config(args, settings)
-    if args.records:
-        raise UsageError("tune writes every run to its --out folder: drop --records")
-    if args.like:
-        cfg = like_traffic(args, settings, cfg)
-    if cfg["log"]:
-        fileio.check_writable(cfg["log"], "--log (BENCH_LOG)")
+    options = options_of(args, settings)
+    if options.log:
+        fileio.check_writable(options.log, "--log (BENCH_LOG)")
     profile_name = settings.get("INFER_PROFILE", args.profile)
     if profile_name and args.url:
         raise UsageError("give --profile (tune starts and restarts it) or --url (measured only), not both")
     if profile_name:
-        setup = setup_of(args, settings, cfg, profile_name)
+        setup = setup_of(args, settings, options, profile_name)
         setup.out.mkdir(parents=True, exist_ok=True)
         doc = tuning.tune(setup)
     else:
-        slo = slo_of(cfg)
         out = Path(settings.get("TUNE_OUT", args.out) or time.strftime("tune-%Y%m%d-%H%M%S"))
         out.mkdir(parents=True, exist_ok=True)
-        doc = tuning.measure(server.base_url, server.api_key, cfg, slo, out)
+        doc = tuning.measure(server.base_url, server.api_key, options, out)
     with signals.SignalHold("tune") as hold:  # the trials are written whatever comes now
         hold.start()
         printed = printing.emit(doc, human(doc), args.output)
         files = files_of(doc, doc["mode"] == "tune")
-        if cfg["log"]:
-            files.append(("--log", cfg["log"], fileio.log_with_entry(cfg["log"],
-                                                                     printing.render_log_entry(doc, tuning.TEMPLATE))))
+        if options.log:
+            files.append(("--log", options.log, fileio.log_with_entry(options.log,
+                                                                      printing.render_log_entry(doc, tuning.TEMPLATE))))
         written = fileio.write_outputs(files)
     if doc["interrupted"]:
         return EXIT_INTERRUPTED

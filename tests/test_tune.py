@@ -28,9 +28,10 @@ from fault_server import fault_server
 from vllm_server import REPO
 
 from rooflib.core import stats
-from rooflib.load import comparison
+from rooflib.load import analysis, comparison
 from rooflib.render import report_html
 from rooflib.server import engine_metrics
+from rooflib.server.engine_metrics import Targets
 from rooflib.serving import levers, profiles, trials
 from rooflib.serving import tune as tuning
 from rooflib.sizing import estimate
@@ -128,13 +129,17 @@ def test_on_a_gpu_a_utilization_that_leaves_no_kv_room_will_not_start():
 # --------------------------------------------------------------------------------------------
 # Keep, revert, or a trade-off: compare's intervals on the SLO figure
 
+SLO = Targets(ttft_p95_ms=1000, tpot_p95_ms=50)
+
+
 def run_doc(ttft: list[float], tpot: list[float], failed: int = 0) -> dict:
-    def summary(values):
-        return {"p50": stats.percentile(sorted(values), 50), "p95": stats.percentile(sorted(values), 95)}
+    """A bench result as analysis makes it, with the SLO section judged against SLO."""
+    p95 = {"ttft_ms": stats.percentile(sorted(ttft), 95), "tpot_ms": stats.percentile(sorted(tpot), 95)}
     return {"kind": "bench", "workload": {"requests": len(ttft)}, "verdict": "PASS", "interrupted": False,
             "requests": {"completed": len(ttft), "failed": failed}, "throughput": {"req_s": 1.0, "output_tok_s": 1.0},
             "samples": {"ttft_ms": ttft, "tpot_ms": tpot, "e2e_ms": [a + b for a, b in zip(ttft, tpot)]},
-            "ttft_ms": summary(ttft), "tpot_ms": summary(tpot), "config": {"model": "m", "url": "u"}}
+            "ttft_ms": {"p95": p95["ttft_ms"]}, "tpot_ms": {"p95": p95["tpot_ms"]},
+            "slo": analysis.slo_check(p95["ttft_ms"], p95["tpot_ms"], SLO), "config": {"model": "m", "url": "u"}}
 
 
 def spread(centre: float, n: int = 32, seed: int = 0) -> list[float]:
@@ -142,17 +147,14 @@ def spread(centre: float, n: int = 32, seed: int = 0) -> list[float]:
     return [centre * rng.uniform(0.9, 1.1) for _ in range(n)]
 
 
-SLO = trials.Slo(ttft_p95_ms=1000, tpot_p95_ms=50)
-
-
 def judged(before: dict, after: dict) -> trials.Verdict:
     doc = comparison.compare(before, after, ("a.json", "b.json"), ("a", "b"))
-    return trials.judge(doc, before, after, SLO, trials.worst(before, SLO))
+    return trials.judge(doc, before, after, trials.worst(before))
 
 
 def test_a_change_whose_interval_lies_below_zero_is_kept():
     before, after = run_doc(spread(4000), spread(20)), run_doc(spread(500, seed=1), spread(22, seed=1))
-    assert trials.worst(before, SLO) == "ttft_p95_ms" and trials.missed(after, SLO) == []
+    assert trials.worst(before) == "ttft_p95_ms" and trials.missed(after) == []
     verdict = judged(before, after)
     assert verdict.decision == trials.KEPT and verdict.why.startswith("TTFT p95 -8")
 
@@ -174,8 +176,9 @@ def test_a_run_with_failed_requests_is_never_kept():
 
 
 def test_the_worst_figure_is_the_one_furthest_over_its_target():
-    assert trials.worst(run_doc(spread(1500), spread(200)), SLO) == "tpot_p95_ms"
-    assert trials.worst(run_doc(spread(500), spread(20)), SLO) is None
+    assert trials.worst(run_doc(spread(1500), spread(200))) == "tpot_p95_ms"
+    assert trials.worst(run_doc(spread(500), spread(20))) is None
+    assert trials.targets(Targets(tpot_p95_ms=50)) == {"tpot_p95_ms": 50}
 
 
 # --------------------------------------------------------------------------------------------

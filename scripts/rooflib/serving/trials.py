@@ -15,13 +15,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from rooflib.core import printing
+from rooflib.server.engine_metrics import Targets
 from rooflib.serving.levers import RANGES
 
 KEPT, REVERTED, TRADE_OFF = "kept", "reverted", "trade-off"
 NO_START, CRASHED, NOT_RUN, INTERRUPTED = "did not start", "engine crashed", "not run", "interrupted"
 TOO_FAR = (TRADE_OFF, NO_START, CRASHED)
 
-# SLO name -> (bench result section, statistic, words); compare names the row "ttft_ms.p95".
+# SLO name (bench's "slo" section) -> (the run's section, statistic, words); compare names the row "ttft_ms.p95".
 FIGURES = {"ttft_p95_ms": ("ttft_ms", "p95", "TTFT p95"), "tpot_p95_ms": ("tpot_ms", "p95", "TPOT p95")}
 
 # The highest --gpu-memory-utilization a search goes to: the rest of the device holds activations
@@ -31,48 +33,35 @@ UTIL_STEP = 0.05
 MIB = 1 << 20
 
 
-@dataclass(frozen=True)
-class Slo:
-    ttft_p95_ms: float | None = None
-    tpot_p95_ms: float | None = None
-
-    def targets(self) -> dict[str, float]:
-        return {name: value for name, value in (("ttft_p95_ms", self.ttft_p95_ms), ("tpot_p95_ms", self.tpot_p95_ms))
-                if value is not None}
-
-    def describe(self) -> str:
-        return ", ".join(f"{FIGURES[name][2]} <= {target:g} ms" for name, target in self.targets().items())
+def targets(slo: Targets) -> dict[str, float]:
+    """The targets the user set, by name (a target not set is not judged)."""
+    return {name: value for name, value in (("ttft_p95_ms", slo.ttft_p95_ms), ("tpot_p95_ms", slo.tpot_p95_ms))
+            if value is not None}
 
 
-def measured(run: Mapping[str, Any], name: str) -> float | None:
-    section, stat, _ = FIGURES[name]
-    return (run.get(section) or {}).get(stat)
+def missed(run: Mapping[str, Any]) -> list[str]:
+    """The SLO figures a bench run misses, as its own "slo" section judged them (a figure with no
+    completed request misses)."""
+    return [name for name, check in run["slo"].items() if not check["met"]]
 
 
-def missed(run: Mapping[str, Any], slo: Slo) -> list[str]:
-    """The SLO figures a run misses (a figure with no completed request misses)."""
-    return [name for name, target in slo.targets().items()
-            if measured(run, name) is None or measured(run, name) > target]
-
-
-def worst(run: Mapping[str, Any], slo: Slo) -> str | None:
+def worst(run: Mapping[str, Any]) -> str | None:
     """The missed figure furthest over its target: what the next change must improve."""
-    over = {name: math.inf if measured(run, name) is None else measured(run, name) / slo.targets()[name]
-            for name in missed(run, slo)}
-    return max(over, key=over.get) if over else None
+    def over(name: str) -> float:
+        check = run["slo"][name]
+        return math.inf if check["measured"] is None else check["measured"] / check["target"]
+    return max(missed(run), key=over, default=None)
 
 
-def figures(comparison: Mapping[str, Any] | None, run: Mapping[str, Any], slo: Slo) -> dict[str, dict[str, Any]]:
+def figures(comparison: Mapping[str, Any] | None, run: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Each SLO figure of a run: measured, target, met, and (against the run it would replace)
     the change in % with its 95% interval."""
     rows = {row["name"]: row for row in (comparison or {}).get("metrics") or []}
     out = {}
-    for name, target in slo.targets().items():
+    for name, check in run["slo"].items():
         section, stat, _ = FIGURES[name]
         row = rows.get(f"{section}.{stat}") or {}
-        value = measured(run, name)
-        out[name] = {"measured": value, "target": target, "met": value is not None and value <= target,
-                     "change_pct": row.get("change_pct"), "ci95_pct": row.get("ci95_pct")}
+        out[name] = {**check, "change_pct": row.get("change_pct"), "ci95_pct": row.get("ci95_pct")}
     return out
 
 
@@ -87,23 +76,22 @@ def _interval(row: Mapping[str, Any]) -> str:
     return f"{row['change_pct']:+.1f}% (95% CI {low:+.1f}% .. {high:+.1f}%)"
 
 
-def judge(comparison: Mapping[str, Any], before: Mapping[str, Any], after: Mapping[str, Any], slo: Slo,
-          target: str) -> Verdict:
-    """Keep, revert, or report a trade-off: `after` against `before` on the figure `target`."""
+def judge(comparison: Mapping[str, Any], before: Mapping[str, Any], after: Mapping[str, Any], target: str) -> Verdict:
+    """Keep, revert, or report a trade-off: `after` against `before` on the SLO figure `target`."""
     label = FIGURES[target][2]
     failed = after["requests"]["failed"]
     if failed:
         return Verdict(REVERTED, f"{failed} of {failed + after['requests']['completed']} requests failed")
-    row = figures(comparison, after, slo)[target]
+    row = figures(comparison, after)[target]
     if row["ci95_pct"] is None:
         return Verdict(REVERTED, f"{label} cannot be compared (fewer than two requests on a side)")
     if row["ci95_pct"][1] >= 0:
         return Verdict(REVERTED, f"{label} {_interval(row)}: the interval does not lie wholly below 0")
-    now_missed = [name for name in missed(after, slo) if name != target and name not in missed(before, slo)]
-    if now_missed:
-        broken = "; ".join(f"{FIGURES[n][2]} {measured(after, n) or float('nan'):.1f} ms > target "
-                           f"{slo.targets()[n]:g} ms" for n in now_missed)
-        return Verdict(TRADE_OFF, f"{label} {_interval(row)}, but {broken}")
+    broken = [name for name in missed(after) if name != target and name not in missed(before)]
+    if broken:
+        words = "; ".join(f"{FIGURES[n][2]} {printing.fmt_number(after['slo'][n]['measured'], 1)} ms > target "
+                          f"{after['slo'][n]['target']:g} ms" for n in broken)
+        return Verdict(TRADE_OFF, f"{label} {_interval(row)}, but {words}")
     return Verdict(KEPT, f"{label} {_interval(row)}")
 
 

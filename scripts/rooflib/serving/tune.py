@@ -67,8 +67,7 @@ class Setup:
     profile: Mapping[str, Any]   # the start profile, --set overrides applied, validated
     source: str                  # the profile's name or path, as given
     port: int
-    bench: Mapping[str, Any]     # benchrun.make_config's run settings
-    slo: trials.Slo
+    bench: benchrun.BenchOptions  # the workload and the SLO (bench.slo), every run's
     budget: Budget
     out: Path
     sizing: levers.Sizing | None
@@ -134,25 +133,25 @@ def log_tail(engine: Engine) -> str:
 # ---------------------------------------------------------------------------------------------
 # One run
 
-def bench_once(url: str, api_key: str | None, cfg: Mapping[str, Any], path: Path) -> dict[str, Any]:
-    """One bench run of `cfg` against `url`, written to `path` (bench.py --json's document, for
-    compare and report) before it is returned. Ctrl-C during the load ends it early: the result
-    says interrupted."""
-    target = asyncclient.find_target(asyncclient.Target(url, api_key), None, cfg["timeout_s"])
+def bench_once(url: str, api_key: str | None, options: benchrun.BenchOptions, path: Path) -> dict[str, Any]:
+    """One bench run against `url`, written to `path` (bench.py --json's document, for compare
+    and report) before it is returned. Ctrl-C during the load ends it early: the result says
+    interrupted."""
+    target = asyncclient.find_target(asyncclient.Target(url, api_key), None, options.timeout_s)
     with signals.SignalHold("tune") as hold:
-        result = benchrun.execute(target, dict(cfg), hold, quiet=True)
+        result = benchrun.execute(target, options, hold, quiet=True)
         result.pop("records")
         fileio.write_atomic(path, printing.json_text(result))
     return result
 
 
-def warm_up(url: str, api_key: str | None, cfg: Mapping[str, Any]) -> None:
+def warm_up(url: str, api_key: str | None, options: benchrun.BenchOptions) -> None:
     """A fresh engine's first requests pay for its one-time set-up (the CPU build's first
     forward pass takes seconds): a short unmeasured run of the workload at its concurrency first,
     so that neither the measured run nor the /metrics window the diagnosis reads holds it."""
-    quick = {**cfg, "num_requests": max(1, cfg["concurrency"] or cfg["warmup"] or 1), "num_requests_given": True,
-             "warmup": 0, "duration_s": None, "timeline_interval_s": 0}
-    target = asyncclient.find_target(asyncclient.Target(url, api_key), None, cfg["timeout_s"])
+    quick = dataclasses.replace(options, num_requests=max(1, options.concurrency or options.warmup or 1),
+                                num_requests_given=True, warmup=0, duration_s=None, timeline_interval_s=0)
+    target = asyncclient.find_target(asyncclient.Target(url, api_key), None, options.timeout_s)
     with signals.SignalHold("tune") as hold:
         interrupted = benchrun.execute(target, quick, hold, quiet=True)["interrupted"]
     if interrupted:
@@ -237,12 +236,12 @@ class Runner:
         return self.engine
 
     def bench(self, name: str) -> dict[str, Any]:
-        cfg = self.setup.bench
-        self.show(f"{name}: engine up and warm in {self.engine.start_s:.0f} s; bench ({cfg['num_requests']} "
-                  f"requests, {cfg['warmup']} warm-up)")
+        options = self.setup.bench
+        self.show(f"{name}: engine up and warm in {self.engine.start_s:.0f} s; bench ({options.num_requests} "
+                  f"requests, {options.warmup} warm-up)")
         began = time.monotonic()
         self.show.runs += 1  # a run the engine crashed in counts against the budget too
-        result = bench_once(self.engine.url, self.api_key, cfg, self.setup.out / f"{name}.json")
+        result = bench_once(self.engine.url, self.api_key, options, self.setup.out / f"{name}.json")
         self.show.bench_s.append(time.monotonic() - began)
         return result
 
@@ -268,7 +267,7 @@ class Runner:
 
     def trial(self, n: int, change: levers.Change, best: Measured, target: str) -> tuple[dict[str, Any], Measured]:
         """One change tried against `best`: its row, and what the next trial is judged against."""
-        slo, name = self.setup.slo, f"trial-{n}"
+        name = f"trial-{n}"
         candidate = change.applied(best.profile)
         check = levers.start_check(candidate, self.setup.sizing)
         if check.fits is False and not check.marginal:
@@ -292,7 +291,7 @@ class Runner:
             self.show(f"{name}: {change.describe()}: " + ("the engine crashed" if died else "it did not start or run"))
             self.stop()
             return trial_row(n, change, trials.CRASHED if died else trials.NO_START, str(exc), **facts), best
-        facts.update(run=f"{name}.json", bench_s=self.show.bench_s[-1], figures=trials.figures(None, result, slo))
+        facts.update(run=f"{name}.json", bench_s=self.show.bench_s[-1], figures=trials.figures(None, result))
         if result["interrupted"]:
             return trial_row(n, change, trials.INTERRUPTED, "interrupted during the run: not judged", **facts), best
         if engine.proc.poll() is not None:
@@ -301,8 +300,8 @@ class Runner:
             return trial_row(n, change, trials.CRASHED, f"the engine exited with status {engine.proc.returncode} "
                                                         f"during the run: {log_tail(engine)}", **facts), best
         doc = compared(best.run, result, (best.file, f"{name}.json"))
-        verdict = trials.judge(doc, best.run, result, slo, target)
-        facts["figures"] = trials.figures(doc, result, slo)
+        verdict = trials.judge(doc, best.run, result, target)
+        facts["figures"] = trials.figures(doc, result)
         self.show(f"{name}: {change.describe()}: {verdict.decision}: {verdict.why}")
         row = trial_row(n, change, verdict.decision, verdict.why, **facts)
         return row, Measured(candidate, result, f"{name}.json") if verdict.decision == trials.KEPT else best
@@ -318,8 +317,8 @@ def tune(setup: Setup, say: Callable[[str], None] = printing.progress) -> dict[s
     stopped = ("", "")
     try:
         best = runner.baseline()
-        rows.append(trial_row(0, None, BASELINE, baseline_words(best.run, setup.slo), run=best.file,
-                              figures=trials.figures(None, best.run, setup.slo),
+        rows.append(trial_row(0, None, BASELINE, baseline_words(best.run), run=best.file,
+                              figures=trials.figures(None, best.run),
                               engine_start_s=runner.show.start_s, bench_s=runner.show.bench_s[-1],
                               engine_log="engine-0.log"))
         if best.run["interrupted"]:
@@ -328,7 +327,7 @@ def tune(setup: Setup, say: Callable[[str], None] = printing.progress) -> dict[s
         search: levers.Change | None = None  # the lever being searched: its value before, and the first proposed
         tried: list[trials.Tried] = []
         while True:
-            target = trials.worst(best.run, setup.slo)
+            target = trials.worst(best.run)
             if target is None:
                 kept = any(r["decision"] == trials.KEPT for r in rows)
                 stopped = ("slo_met", "the SLO holds" + ("" if kept else " already: nothing to change"))
@@ -373,12 +372,12 @@ def profile_api_key(profile: Mapping[str, Any]) -> str | None:
     return found[-1] if found else None
 
 
-def baseline_words(run: Mapping[str, Any], slo: trials.Slo) -> str:
-    missing = trials.missed(run, slo)
+def baseline_words(run: Mapping[str, Any]) -> str:
+    missing = trials.missed(run)
     if not missing:
         return "the SLO holds"
-    return "misses " + "; ".join(f"{trials.FIGURES[n][2]} {printing.fmt_number(trials.measured(run, n), 1)} ms > "
-                                 f"{slo.targets()[n]:g} ms" for n in missing)
+    return "misses " + "; ".join(f"{trials.FIGURES[n][2]} {printing.fmt_number(run['slo'][n]['measured'], 1)} ms > "
+                                 f"{run['slo'][n]['target']:g} ms" for n in missing)
 
 
 def no_lever_words(run: Mapping[str, Any], target: str) -> str:
@@ -400,9 +399,9 @@ def document(setup: Setup, rows: list[dict[str, Any]], best: Measured | None, st
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "profile": {"source": setup.source, "engine": start["engine"], "model": start["model"]},
         "workload": (run or {}).get("workload"), "load": ((run or {}).get("config") or {}).get("load"),
-        "slo": setup.slo.targets(), "budget": {"runs": setup.budget.runs, "minutes": setup.budget.minutes},
+        "slo": trials.targets(setup.bench.slo), "budget": {"runs": setup.budget.runs, "minutes": setup.budget.minutes},
         "trials": rows, "changes": changes, "winning_profile": winner, "diff": profile_diff(start, winner),
-        "slo_holds": run is not None and not trials.missed(run, setup.slo),
+        "slo_holds": run is not None and not trials.missed(run),
         "stopped": {"reason": stopped[0], "text": stopped[1]}, "passed_over": passed_over,
         "runs": show.runs, "wall_s": show.elapsed(), "engine_start_s": show.start_s or None,
         "interrupted": stopped[0] == "interrupted", "out": str(setup.out),
@@ -421,23 +420,24 @@ def profile_diff(start: Mapping[str, Any], winner: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Against a server tune did not start
 
-def measure(url: str, api_key: str | None, cfg: Mapping[str, Any], slo: trials.Slo, out: Path,
+def measure(url: str, api_key: str | None, options: benchrun.BenchOptions, out: Path,
             say: Callable[[str], None] = printing.progress) -> dict[str, Any]:
     """One bench run and the change the diagnosis proposes: tune never restarts a server it did
     not start, so the change is a proposal with the commands that verify it."""
     say(f"tune: {url} was not started by tune: it is measured, never restarted; the change is proposed")
     began = time.monotonic()
-    run = bench_once(url, api_key, cfg, out / f"{BASELINE}.json")
+    run = bench_once(url, api_key, options, out / f"{BASELINE}.json")
     d = diagnosis_of(run) or {}
     engine = ((run.get("server") or {}).get("metrics") or {}).get("engine") or "vllm"
     choice = levers.first_change(d, {"engine": engine, "model": run["config"]["model"]}, [])
     return {
         "kind": "tune", "schema_version": SCHEMA_VERSION, "mode": "measure_only", "url": url,
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "workload": run.get("workload"), "load": run["config"]["load"], "slo": slo.targets(),
-        "trials": [trial_row(0, None, BASELINE, baseline_words(run, slo), run=f"{BASELINE}.json",
-                             figures=trials.figures(None, run, slo), bench_s=time.monotonic() - began)],
-        "slo_holds": not trials.missed(run, slo),
+        "workload": run.get("workload"), "load": run["config"]["load"],
+        "slo": trials.targets(options.slo),
+        "trials": [trial_row(0, None, BASELINE, baseline_words(run), run=f"{BASELINE}.json",
+                             figures=trials.figures(None, run), bench_s=time.monotonic() - began)],
+        "slo_holds": not trials.missed(run),
         "proposal": None if choice.change is None else {
             "setting": choice.change.key, "flag": choice.change.flag, "from": choice.change.current,
             "to": choice.change.proposed, "reason": choice.change.reason},
