@@ -484,3 +484,32 @@ def test_a_profile_that_cannot_start_is_one_line(tmp_path):
     assert error.startswith("error: the server exited with status") and "engine-0.log" in error
     assert "Traceback" not in done.stderr and done.stdout == ""
     assert_no_engine_left(port, tmp_path / "out")
+
+
+def measured_with(diagnosis_name: str, profile: dict) -> tuning.Measured:
+    """A configuration whose run carries a recorded diagnosis."""
+    run = {"server": {"metrics": {"diagnosis": diagnosis(diagnosis_name)}}}
+    return tuning.Measured(profile, run, "run.json")
+
+
+def test_the_search_brackets_a_kept_value_then_moves_to_the_next_lever():
+    search, start = tuning.Search(), cpu_profile(max_num_seqs=1)
+    first = search.next_change(measured_with("running-limit", start))
+    assert first.describe() == "max_num_seqs 1 -> 8"
+    search.record(first, trials.KEPT)
+    kept = measured_with("running-limit", first.applied(start))
+    second = search.next_change(kept)
+    assert second.describe() == "max_num_seqs 8 -> 16"
+    search.record(second, trials.REVERTED)
+    assert search.next_change(kept) is None and search.done == ["max_num_seqs"]
+
+
+def test_a_kv_size_that_does_not_start_is_bisected_and_the_precision_lever_is_only_proposed():
+    search, start = tuning.Search(), cpu_profile(env={}, kv_cache_memory_bytes=4 * MIB, max_model_len=1024)
+    best = measured_with("kv-cache", start)
+    first = search.next_change(best)
+    search.record(first, trials.NO_START)
+    assert search.next_change(best).describe() == "kv_cache_memory_bytes 4 MiB -> 5 MiB"
+    search.record(search.next_change(best), trials.REVERTED)
+    assert search.next_change(best) is None
+    assert any("--kv-cache-dtype" in line and "not tried" in line for line in search.passed_over)

@@ -307,45 +307,57 @@ class Runner:
         return row, Measured(candidate, result, f"{name}.json") if verdict.decision == trials.KEPT else best
 
 
+class Search:
+    """Which change to try next: the next value of the setting being searched (trials.next_value),
+    else the first lever of the diagnosis of the configuration kept so far that is not searched yet
+    (levers.first_change); the levers passed over on the way, each said once."""
+
+    def __init__(self) -> None:
+        self.lever: levers.Change | None = None  # its value before the search, and the diagnosis's proposal
+        self.tried: list[trials.Tried] = []
+        self.done: list[str] = []
+        self.passed_over: list[str] = []
+
+    def next_change(self, best: Measured) -> levers.Change | None:
+        while True:
+            lever = self.lever
+            value = trials.next_value(lever.key, lever.current, lever.proposed, self.tried) if lever else None
+            if value is not None and value != best.profile.get(lever.key):
+                return levers.Change(lever.key, lever.flag, best.profile.get(lever.key, lever.current), value,
+                                     lever.reason)
+            if lever is not None:
+                self.done.append(lever.key)
+            choice = levers.first_change(diagnosis_of(best.run), best.profile, self.done)
+            self.passed_over += [line for line in choice.passed_over if line not in self.passed_over]
+            if choice.change is None:
+                return None
+            self.lever, self.tried = choice.change, []
+
+    def record(self, change: levers.Change, decision: str) -> None:
+        self.tried.append(trials.Tried(change.proposed, decision))
+
+
 def tune(setup: Setup, say: Callable[[str], None] = printing.progress) -> dict[str, Any]:
     """Run the loop; the tune document (see scripts/tune.py). A profile that does not start or an
     engine that dies during the baseline is a ServerError; Ctrl-C ends the loop with what is done."""
-    runner = Runner(setup, say)
+    runner, search = Runner(setup, say), Search()
     rows: list[dict[str, Any]] = []
-    passed_over: list[str] = []
     best: Measured | None = None
     stopped = ("", "")
     try:
         best = runner.baseline()
         rows.append(trial_row(0, None, BASELINE, baseline_words(best.run), run=best.file,
-                              figures=trials.figures(None, best.run),
-                              engine_start_s=runner.show.start_s, bench_s=runner.show.bench_s[-1],
-                              engine_log="engine-0.log"))
+                              figures=trials.figures(None, best.run), engine_start_s=runner.show.start_s,
+                              bench_s=runner.show.bench_s[-1], engine_log="engine-0.log"))
         if best.run["interrupted"]:
             raise KeyboardInterrupt
-        done: list[str] = []  # settings searched to the end
-        search: levers.Change | None = None  # the lever being searched: its value before, and the first proposed
-        tried: list[trials.Tried] = []
         while True:
             target = trials.worst(best.run)
             if target is None:
                 kept = any(r["decision"] == trials.KEPT for r in rows)
                 stopped = ("slo_met", "the SLO holds" + ("" if kept else " already: nothing to change"))
                 break
-            change = None
-            while change is None:  # the next value of the setting searched, else the next lever's first
-                value = trials.next_value(search.key, search.current, search.proposed, tried) if search else None
-                if value is not None and value != best.profile.get(search.key):
-                    change = levers.Change(search.key, search.flag, best.profile.get(search.key, search.current),
-                                           value, search.reason)
-                    break
-                if search is not None:
-                    done.append(search.key)
-                choice = levers.first_change(diagnosis_of(best.run), best.profile, done)
-                passed_over += [line for line in choice.passed_over if line not in passed_over]
-                if choice.change is None:
-                    break
-                search, tried = choice.change, []
+            change = search.next_change(best)
             if change is None:
                 stopped = ("no_lever", no_lever_words(best.run, target))
                 break
@@ -357,12 +369,12 @@ def tune(setup: Setup, say: Callable[[str], None] = printing.progress) -> dict[s
             rows.append(row)
             if row["decision"] == trials.INTERRUPTED:
                 raise KeyboardInterrupt
-            tried.append(trials.Tried(change.proposed, row["decision"]))
+            search.record(change, row["decision"])
     except KeyboardInterrupt:
         stopped = ("interrupted", "interrupted: the trials done are kept")
     finally:
         runner.close()
-    return document(setup, rows, best, stopped, passed_over, runner.show)
+    return document(setup, rows, best, stopped, search.passed_over, runner.show)
 
 
 def profile_api_key(profile: Mapping[str, Any]) -> str | None:
