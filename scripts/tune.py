@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from rooflib.core import cli, conf, fileio, printing, signals
+from rooflib.core import cli, conf, fileio, printing, redaction, signals
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from rooflib.load import benchrun
 from rooflib.render import report_html
@@ -103,10 +103,11 @@ def like_traffic(args: Any, settings: conf.Settings, options: benchrun.BenchOpti
     window = cli.number("--like-window (s)", args.like_window, float, 1, 3600, default=30.0)
     url = conf.normalize_url(args.like)
     printing.progress(f"tune: reading {url}/metrics over {window:g} s (it is only read)")
-    text, began = engine_metrics.scrape(url, timeout=options.timeout_s)
+    key = conf.api_key(settings)  # INFER_API_KEY, as for any server tune reads
+    text, began = engine_metrics.scrape(url, key, options.timeout_s)
     before = engine_metrics.snapshot(text, url, began)
     time.sleep(window)
-    text, ended = engine_metrics.scrape(url, timeout=options.timeout_s)
+    text, ended = engine_metrics.scrape(url, key, options.timeout_s)
     shape = tuning.traffic_shape(engine_metrics.window(before, engine_metrics.snapshot(text, url, ended)))
     printing.progress(f"tune: the live traffic: {shape['input_tokens']} prompt and {shape['output_tokens']} output "
                       f"tokens a request, {shape['concurrency']} in flight")
@@ -129,6 +130,8 @@ def setup_of(args: Any, settings: conf.Settings, options: benchrun.BenchOptions,
         key, value = profiles.parse_override(override)
         profile[key] = value
     profiles.validate(profile)
+    for secret in profiles.secrets(profile):  # an override may carry one too
+        redaction.add_secret(secret)
     runs = cli.number("--budget-runs (TUNE_RUNS)", settings.get("TUNE_RUNS", args.budget_runs), int, 1, 10_000)
     minutes = cli.number("--budget-minutes (TUNE_MINUTES)", settings.get("TUNE_MINUTES", args.budget_minutes), float)
     port = cli.number("--port", args.port, int, 1, 65535) or profiles.free_port()
