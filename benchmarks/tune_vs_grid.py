@@ -59,11 +59,11 @@ class Case:
 # the engine, is the bottleneck for long outputs (tests/test_metrics.py, QUEUEING_PROMPTS).
 CASES = {
     "running_limit": Case(("max_num_seqs=1", "enable_prefix_caching=false"),
-                          ("-n", "16", "-c", "16", "--input-tokens", "256", "--output-tokens", "64",
+                          ("-n", "16", "-c", "16", "--input-tokens", "256", "--output-tokens", "128",
                            "--slo-ttft-p95-ms", "2000"), "max_num_seqs"),
     "kv_cache": Case(("env={}", "max_model_len=1024", f"kv_cache_memory_bytes={4 * MIB}",
                       "enable_prefix_caching=false"),
-                     ("-n", "16", "-c", "16", "--input-tokens", "512", "--output-tokens", "128",
+                     ("-n", "16", "-c", "16", "--input-tokens", "512", "--output-tokens", "256",
                       "--slo-ttft-p95-ms", "2000"), "kv_cache_memory_bytes"),
     "prefix_cache_off": Case(("enable_prefix_caching=false",),
                              ("-n", "16", "-c", "4", "--input-tokens", "2048", "--shared-prefix", "1920",
