@@ -363,7 +363,7 @@ def tune(setup: Setup, say: Callable[[str], None] = printing.progress) -> dict[s
                 break
             spent = setup.budget.spent(runner.show.runs, runner.show.elapsed(), runner.show.trial_s())
             if spent:
-                stopped = ("budget", spent)
+                stopped = ("budget", f"{spent}; the next change would have been {change.describe()}")
                 break
             row, best = runner.trial(len(rows), change, best, target)
             rows.append(row)
