@@ -18,9 +18,9 @@ The perplexity levels follow the candidate's quantization, read from what it ser
 compressed-tensors int4 (W4A16) take the 4bit levels, fp8 takes fp8's; unknown or unquantized
 takes fp8's, the strictest. The report says which levels it used and why; --scheme overrides.
 --cases-dir DIR (TOOLCALL_CASES) adds the user's own tool-call cases to the smoke: every *.yaml in DIR, in
-the format of scripts/catalog/toolcall_cases.yaml (their `cases:`, and `tools:` they need).
+the format of scripts/rooflib/catalog/toolcall_cases.yaml (their `cases:`, and `tools:` they need).
 The report is a log entry in the bench-protocol format (headed Markdown, rendered with jinja2
-from scripts/templates/accept_log_entry.md.j2); --log FILE appends it (else $BENCH_LOG).
+from scripts/rooflib/render/templates/accept_log_entry.md.j2); --log FILE appends it (else $BENCH_LOG).
 
 Examples:
   accept.py --base http://127.0.0.1:8000 --candidate http://127.0.0.1:8001 --text my_traffic.txt
@@ -78,7 +78,7 @@ def build_parser():
     p.add_argument("--scheme", default="", help="perplexity levels: fp8, int8, 4bit (default: from the candidate's "
                                                 "quantization, see above)")
     p.add_argument("--cases-dir", default="", help="a folder of your own tool-call cases (*.yaml, the format of "
-                                                   "scripts/catalog/toolcall_cases.yaml) run in the smoke (else $TOOLCALL_CASES)")
+                                                   "scripts/rooflib/catalog/toolcall_cases.yaml) run in the smoke (else $TOOLCALL_CASES)")
     p.add_argument("--warn-pct", type=float, default=None, help="override the scheme's warn level (%%)")
     p.add_argument("--fail-pct", type=float, default=None, help="override the scheme's fail level (%%)")
     p.add_argument("--api", choices=perplexity.APIS, default="vllm", help="how ppl asks for prompt logprobs")

@@ -54,7 +54,7 @@ from rooflib.core.errors import EXIT_OK
 from rooflib.load import analysis, asyncclient, benchrun
 
 
-def human_report(result: dict[str, Any]) -> str:
+def human_text(result: dict[str, Any]) -> str:
     """The console table (vLLM `bench serve` layout for easy comparison)."""
     lines = [*_summary_lines(result), f"{'':-<72}",
              f"{'ms':<16}{'p50':>9}{'p95':>9}{'p99':>9}{'mean':>9}{'min':>9}{'max':>9}{'n':>7}"]
@@ -96,7 +96,7 @@ def _client_lines(result: dict[str, Any]) -> list[str]:
              f"{printing.fmt_number(lag['max'])}  (limit {client['lag_threshold_ms']:.2f}, CPU {printing.fmt_number((client['cpu_util'] or 0) * 100, 0)}%)"]
     stalled = client.get("stalls") or {}
     if stalled.get("count"):
-        lines.append(f"{'Client stalls (count, total, worst):':<34}{stalled['count']}, {stalled['total_s']:.2f} s "
+        lines.append(f"{'Client stalls (n, total, worst):':<34}{stalled['count']}, {stalled['total_s']:.2f} s "
                      f"({stalled['share']:.1%} of the run), {stalled['worst_ms']:.0f} ms")
     schedule = client["schedule_delay_ms"]
     if schedule["n"]:
@@ -118,7 +118,8 @@ def _server_lines(result: dict[str, Any]) -> list[str]:
     if probe:
         lines.append(f"{'Probe ' + probe['path'] + ':':<34}" + (f"{probe['p50_ms']:.2f} ms round trip (p50 of {probe['n']})"
                                                                  if probe.get("p50_ms") is not None else probe.get("error", "")))
-    lines += [f"client vs server: {finding}" for finding in (server.get("cross_check") or {}).get("findings", [])]
+    lines += [f"client vs server: [{finding['cause'] or finding['kind']}] {finding['evidence']}"
+              for finding in (server.get("cross_check") or {}).get("findings", [])]
     return lines
 
 
@@ -174,7 +175,7 @@ def print_and_write(args: Any, log: str | None, result: dict[str, Any]) -> int:
     """Print the result, then write --records and --log: the exit code."""
     records = result.pop("records")
     # The result is printed first: a file that cannot be written then loses nothing.
-    printed = printing.emit(result, human_report(result), args.output)
+    printed = printing.emit(result, human_text(result), args.output)
     files = []
     if args.records:
         files.append(("--records", args.records, "".join(json.dumps(printing.json_safe(r)) + "\n" for r in records)))

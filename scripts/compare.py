@@ -25,7 +25,7 @@ import sys
 from typing import Any, Sequence
 
 from rooflib.core import cli, printing
-from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK
+from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError
 from rooflib.load.comparison import compare, label, load
 
 
@@ -43,6 +43,10 @@ def human(doc: dict[str, Any]) -> str:
 
 
 def run(args: Any) -> int:
+    for name, path in (("A", args.a), ("B", args.b)):
+        if not path:  # the task passes A and B even when they are not set
+            raise UsageError(f"{name} is not given: pass two files written by bench.py --json or sweep.py --json "
+                             "(task compare A=base.json B=candidate.json)")
     a, b = load(args.a), load(args.b)
     doc = compare(a, b, (args.a, args.b), (label(a, args.label_a), label(b, args.label_b)))
     printed = printing.emit(doc, human(doc), args.output)

@@ -1,27 +1,46 @@
 #!/usr/bin/env python3
-"""Read a vLLM or SGLang server's Prometheus metrics and name the bottleneck.
+"""Read a vLLM or SGLang server's Prometheus metrics and name the root cause of what is slow.
 
 Reads /metrics from one or more servers (--url, auto-detects vLLM or SGLang), from saved
 scrapes (--file), or asks a Prometheus server for a whole fleet (--prometheus). Reports TTFT,
 ITL, TPOT, e2e, queue, prefill and decode time (p50/p95/p99, as Prometheus' histogram_quantile
 computes them), running and waiting requests, KV-cache usage, preemptions, prefix-cache hit
 rate, prompt and generation tok/s, MFU and bandwidth utilisation (vLLM with
---enable-mfu-metrics and --gpu), then a diagnosis: each finding names the bottleneck, the
-numbers behind it and the levers, in this order: queue or prefill, decode, KV-cache or
-max-num-seqs limit, preemptions, prefix-cache hits. No finding means no bottleneck seen.
+--enable-mfu-metrics and --gpu), then one diagnosis: the root cause first (its setting and the
+setting's current value), what it causes indented under it (a full KV cache -> preemptions ->
+queue; the running-requests cap -> queue; prefix caching off or unhit -> prefill -> token
+stalls), the other findings, then one plan of levers ("setting: current -> proposed (current:
+exported | inferred | unknown)", each with its reason and expected effect, never one for what is
+already set, never "raise" and "lower" of one setting) and the commands that verify it: the same
+`task infer:bench` before and after the change, at the traffic's lengths, endpoint and
+concurrency, and the `task infer:compare` that judges them. No finding means no bottleneck seen.
 
 Since server start (one scrape) the quantiles mix all history since the engine started; over a
 window (--window 30: two scrapes, gauges sampled each second) they cover only the requests that
 finished in it. Latency findings are judged against targets: --slo-ttft-p95-ms / --slo-tpot-p95-ms
 (or SLO_TTFT_P95_MS / SLO_TPOT_P95_MS, as for task bench); a target not given takes the starting
 default for interactive chat (TTFT p95 2 s on a long prompt, TPOT p95 50 ms), and the report says
-so (JSON slo_source: given, default or partly default). vLLM's own settings from
-vllm:cache_config_info (KV-cache tokens and blocks, kv_cache_memory_bytes, gpu_memory_utilization,
-max concurrency) are printed and named by the findings they cause; max-num-seqs is exported by no
-metric and is reported as unknown. Each finding states its confidence: gauges are samples that
-can miss the peak, counters and histograms cannot. A quantile that falls in the first histogram
-bucket is only known to be at most that bucket's bound: JSON leaves it null and gives the bound in
-`at_most`. SGLang support follows its documented metric names (recorded formats, not a live server).
+so (JSON slo_source: given, default or partly default). ITL p95 is judged against its own target,
+--slo-itl-p95-ms (SLO_ITL_P95_MS), twice the TPOT target unless given. The deployment's settings
+come from vllm:cache_config_info (KV-cache tokens and blocks, kv_cache_memory_bytes,
+gpu_memory_utilization, prefix caching, block size), sglang:max_running_requests and, with --url,
+from the server itself: /v1/models (max_model_len), vLLM's /server_info (max_num_seqs,
+max_num_batched_tokens; served only with VLLM_SERVER_DEV_MODE=1), SGLang's /get_server_info.
+What none exports is inferred with its evidence (max_num_seqs from the running count while
+requests waited and the KV cache had room; max_num_batched_tokens from the largest engine step)
+or reported as unknown (JSON `settings`). Each finding states its confidence: gauges are samples
+that can miss the peak, counters and histograms cannot. Prompt and output lengths are those of
+the finished requests (vllm:request_prompt_tokens). A quantile is printed as the histogram bucket
+it lies in (`10-20 s`), the most a classic histogram tells; in the first bucket only its bound
+(`<=10 ms`: JSON leaves it null and gives the bound in `at_most`). SGLang support follows its
+documented metric names (recorded formats, not a live server).
+
+--prefix-probe asks instead whether the server's prefix cache can hit at all (rooflib/server/prefix_probe.py):
+two identical one-token completions of several KV blocks (a fresh nonce first), then the second's
+usage cached_tokens, the cache counters around each and both answer times. "Can hit" means a 0%
+live hit rate is the prompts (the cache matches from token 0 in whole blocks: a timestamp or id
+first defeats it); "cannot hit" says why (caching off, or blocks evicted). At most three scrapes
+and two completions of --timeout each.
 
 With --prometheus the window is a PromQL range (rate/increase, histogram_quantile over summed
 buckets) for the fleet and `by (instance)` for each replica, and fleet findings come first:
@@ -39,6 +58,7 @@ Examples:
   metrics.py --prometheus http://prometheus:9090 --window 300 --match 'model_name="qwen3-8b"'
   PROMETHEUS_USER=ops PROMETHEUS_PASSWORD=... metrics.py --prometheus https://mon.example/prometheus --json
   metrics.py --url http://127.0.0.1:8000 --gpu H100 --slo-ttft-p95-ms 500 --slo-tpot-p95-ms 50
+  metrics.py --url http://127.0.0.1:8000 --prefix-probe --json
 
 Functions for other scripts live in rooflib/server/engine_metrics.py (errors: ServerError, engine_metrics.InvalidScrape):
   scrape(url, api_key=None) -> (text, unix_time)   GET <url>/metrics
@@ -50,14 +70,18 @@ Functions for other scripts live in rooflib/server/engine_metrics.py (errors: Se
   histogram_quantile(q, buckets), quantile_bucket(q, buckets)   Prometheus' classic quantile
   prometheus_snapshot(url, seconds, match="", auth=fleet.Credentials())   the same figures from a
                                                    Prometheus server, fleet and `replicas`
-  Targets(ttft_p95_ms, tpot_p95_ms)                SLOs for the prefill and decode findings
+  Targets(ttft_p95_ms, tpot_p95_ms, itl_p95_ms)    SLOs for the prefill and decode findings
+  report(snap, served=deployment.server_settings(url, engine))   with what the server says of itself
 A report is a JSON-ready dict: engine, ttft_ms, itl_ms, tpot_ms, e2e_ms, queue_ms, prefill_ms,
 decode_ms (each p50, p95, p99, mean, n), running, waiting, kv_cache_usage, preemptions,
-prefix_cache_hit_rate, prompt_tok_s, gen_tok_s, mfu, bandwidth_util, deployment (the
-cache_config_info settings), slo, slo_source, diagnosis (bottleneck, evidence, confidence, levers),
-warnings. With --prometheus also: fleet (prometheus, window_s, replicas, up, down), replicas (each
-replica's report plus instance, job, model, state, config), and fleet findings in diagnosis
-(scope "fleet", cause, replicas, per_replica).
+prefix_cache_hit_rate, prompt_tok_s, gen_tok_s, prompt_tokens_mean, output_tokens_mean, mfu,
+bandwidth_util, deployment (the cache_config_info settings), settings (each setting's value,
+source: exported/inferred/unknown, and how), slo, slo_source, diagnosis: {root_cause, findings
+(each kind, evidence, confidence, caused_by, setting, current, current_source), plan (each
+setting, current, current_source, proposed, reason, effect, text), verify (commands)}, warnings.
+With --prometheus also: fleet (prometheus, window_s, replicas, up, down), replicas (each
+replica's report plus instance, job, model, state, config), and fleet findings first in
+diagnosis.findings (scope "fleet", cause, replicas, per_replica), their levers first in the plan.
 
 Exit codes: 0 report printed (with or without findings), 2 usage error (bad flag, missing
 file, unknown GPU, a --match Prometheus rejects as PromQL, series without the instance or
@@ -65,6 +89,8 @@ model_name label), 3 server or Prometheus unreachable or answering an HTTP error
 4 the answer is not usable metrics (HTML page, empty or truncated scrape, neither vLLM nor
 SGLang, no vllm: or sglang: series in Prometheus),
 130 interrupted by Ctrl-C or SIGTERM (the window measured so far is still reported).
+With --prefix-probe: 0 the cache can hit, 1 it cannot (the report says why), 4 no evidence either
+way (no cached_tokens in usage, no prefix-cache counters); 2, 3 and 130 as above.
 """
 from __future__ import annotations
 
@@ -76,8 +102,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from rooflib.core import catalogs, cli, conf, fileio, printing, signals
-from rooflib.core.errors import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, UsageError
-from rooflib.server import engine_metrics, fleet
+from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, UsageError
+from rooflib.server import deployment, diagnosis, engine_metrics, fleet, prefix_probe
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,11 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "the range for --prometheus, whole seconds, default 300)")
     p.add_argument("--watch", default="", help="refresh every N seconds until Ctrl-C (JSON: one line each)")
     p.add_argument("--count", type=int, default=0, help="with --watch: stop after this many refreshes (0: never)")
-    p.add_argument("--gpu", default="", help="GPU name from scripts/catalog/gpus.yaml, for MFU (else $GPU)")
+    p.add_argument("--prefix-probe", action="store_true",
+                   help="send two identical requests and report whether the prefix cache can hit (one --url; "
+                        "the model is $INFER_MODEL or the first served)")
+    p.add_argument("--gpu", default="", help="GPU name from scripts/rooflib/catalog/gpus.yaml, for MFU (else $GPU)")
     p.add_argument("--slo-ttft-p95-ms", default="", help="TTFT p95 target for the prefill finding "
                                                          "(else $SLO_TTFT_P95_MS)")
     p.add_argument("--slo-tpot-p95-ms", default="", help="TPOT p95 target for the decode finding "
                                                          "(else $SLO_TPOT_P95_MS)")
+    p.add_argument("--slo-itl-p95-ms", default="", help="ITL p95 target for the decode finding "
+                                                        "(else $SLO_ITL_P95_MS; default twice the TPOT target)")
     p.add_argument("--env-file", default=None,
                    help=f"settings file (default: ./{conf.ENV_FILE_NAME}, or $INFER_ENV_FILE)")
     p.add_argument("--timeout", type=cli.timeout_arg, default=30.0, help="seconds to wait for each answer")
@@ -125,6 +156,8 @@ class Options:
     slo: engine_metrics.Targets
     timeout: float
     output: printing.Output
+    prefix_probe: bool
+    model: str | None
 
 
 def options(args: argparse.Namespace) -> Options:
@@ -151,13 +184,18 @@ def options(args: argparse.Namespace) -> Options:
     watch = cli.number("--watch", args.watch, float)
     if watch and (files or prometheus):
         raise UsageError("--watch reads live servers: use it with --url")
+    if args.prefix_probe and (files or prometheus or watch or args.window or len(urls) != 1):
+        raise UsageError("--prefix-probe sends requests to one live server: give it one --url and no "
+                         "--file, --prometheus, --watch or --window")
     return Options(
         urls=urls, api_key=api_key, files=files, prometheus=prometheus,
         prometheus_auth=fleet.credentials(settings) if prometheus else fleet.Credentials(), match=args.match,
         window=cli.number("--window", args.window, float), watch=watch, count=max(0, args.count), gpu=gpu,
         slo=engine_metrics.Targets(cli.number("SLO_TTFT_P95_MS", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float),
-                    cli.number("SLO_TPOT_P95_MS", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float)),
-        timeout=args.timeout, output=args.output)
+                    cli.number("SLO_TPOT_P95_MS", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float),
+                    cli.number("SLO_ITL_P95_MS", settings.get("SLO_ITL_P95_MS", args.slo_itl_p95_ms), float)),
+        timeout=args.timeout, output=args.output, prefix_probe=args.prefix_probe,
+        model=settings.get("INFER_MODEL", "", None))
 
 
 def scrape_all(opts: Options) -> list[dict[str, Any]]:
@@ -166,6 +204,12 @@ def scrape_all(opts: Options) -> list[dict[str, Any]]:
         text, at = engine_metrics.scrape(url, opts.api_key, opts.timeout)
         snaps.append(engine_metrics.snapshot(text, url, at))
     return snaps
+
+
+def served_by(opts: Options, snaps: Sequence[dict[str, Any]]) -> list[deployment.Served]:
+    """What each server says about its own settings (read once: settings do not change while it runs)."""
+    return [deployment.server_settings(url, snap["engine"], opts.api_key, opts.timeout)
+            for url, snap in zip(opts.urls, snaps)]
 
 
 def window_reports(opts: Options, seconds: float, hold: signals.SignalHold, before: list[dict[str, Any]] | None = None
@@ -193,9 +237,12 @@ def window_reports(opts: Options, seconds: float, hold: signals.SignalHold, befo
     return replicas, interrupted or bool(hold.noted), after
 
 
-def results(opts: Options, replicas: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
-    """The aggregated report (with per-replica reports when several) and its human text."""
-    reports = [engine_metrics.report(s, opts.gpu, opts.slo) for s in replicas]
+def results(opts: Options, replicas: list[dict[str, Any]], served: Sequence[deployment.Served] = ()
+            ) -> tuple[dict[str, Any], str]:
+    """The aggregated report (with per-replica reports when several) and its human text;
+    `served` holds each live server's own settings."""
+    reports = [engine_metrics.report(s, opts.gpu, opts.slo, served[i] if served else None)
+               for i, s in enumerate(replicas)]
     if len(replicas) == 1:
         return reports[0], engine_metrics.format_report(reports[0])
     merged = _merge_deltas(replicas) if "seconds" in replicas[0] else engine_metrics.merge(replicas)
@@ -213,12 +260,12 @@ def fleet_results(opts: Options) -> tuple[dict[str, Any], str]:
     replicas = []
     for replica in snap["replicas"]:
         replicas.append({**engine_metrics.report(replica, opts.gpu, opts.slo), **replica["fleet"]})
-    found = fleet.findings(replicas, engine_metrics.FLAGS[snap["engine"]], engine_metrics.QUEUE_SHARE, engine_metrics.PREFIX_LONG_PROMPT)
+    found = fleet.findings(replicas, diagnosis.FLAGS[snap["engine"]], diagnosis.QUEUE_SHARE, diagnosis.PREFIX_LONG_PROMPT)
     total["replicas"] = replicas
     total["fleet"] = {"prometheus": snap["source"], "window_s": snap["seconds"], "replicas": len(replicas),
                       "up": sum(1 for r in replicas if r["state"] == "up"),
                       "down": [r["instance"] for r in replicas if r["state"] != "up"]}
-    total["diagnosis"] = found + total["diagnosis"]
+    total["diagnosis"] = diagnosis.with_fleet(found, total["diagnosis"])
     text = engine_metrics.format_report(total) + "\nPer replica:\n" + "\n".join(engine_metrics.format_replica_line(r) for r in replicas)
     return total, text
 
@@ -248,6 +295,11 @@ def _from_files(opts: Options) -> list[dict[str, Any]]:
 
 
 def run(opts: Options) -> int:
+    if opts.prefix_probe:
+        result = prefix_probe.run(opts.urls[0], opts.api_key, opts.model, opts.timeout)
+        printed = printing.emit(result, prefix_probe.format_result(result), opts.output)
+        return printed or {"can_hit": EXIT_OK, "cannot_hit": EXIT_CHECK_FAILED}.get(
+            result["verdict"], EXIT_INVALID)
     if opts.prometheus:
         result, text = fleet_results(opts)
     elif opts.files:
@@ -257,26 +309,28 @@ def run(opts: Options) -> int:
     elif opts.window:
         with signals.SignalHold("metrics") as hold:
             replicas, interrupted, _ = window_reports(opts, opts.window, hold)
-            result, text = results(opts, replicas)
+            result, text = results(opts, replicas, served_by(opts, replicas))
             result["interrupted"] = interrupted
             if interrupted:
                 text += f"\ninterrupted: the window ended after {printing.fmt_number(result.get('seconds'), 1)} s"
             printed = printing.emit(result, text, opts.output)
         return printed or (EXIT_INTERRUPTED if interrupted else EXIT_OK)
     else:
-        result, text = results(opts, scrape_all(opts))
+        snaps = scrape_all(opts)
+        result, text = results(opts, snaps, served_by(opts, snaps))
     return printing.emit(result, text, opts.output)
 
 
 def watch(opts: Options) -> int:
     """Print the report of each interval of `opts.watch` seconds until Ctrl-C (or `count`); the
     --json-out file holds the latest."""
-    refreshes, last, written = 0, None, EXIT_OK
+    refreshes, last, written, served = 0, None, EXIT_OK, None
     while True:
         with signals.SignalHold("metrics") as hold:
             replicas, interrupted, last = window_reports(opts, opts.watch, hold, last)
             refreshes += 1
-            result, text = results(opts, replicas)
+            served = served or served_by(opts, replicas)
+            result, text = results(opts, replicas, served)
             if opts.output.json:
                 print(printing.json_text(result, indent=None), end="", flush=True)
             else:
@@ -295,8 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return run(options(args))
         except (engine_metrics.InvalidScrape, fleet.UnusableAnswer) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_INVALID
+            return cli.fail(str(exc), EXIT_INVALID)
 
     return cli.run_main(body)
 

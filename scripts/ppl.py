@@ -15,7 +15,7 @@ byte), bits per byte, and a re-score of the first window at the end (a warning w
 Compare mode (--compare BASE CANDIDATE, each a server URL or a saved --json run): the change in
 perplexity in %, with a 95% paired bootstrap interval over blocks of tokens, judged by its upper
 bound against the levels of --scheme (fp8 1%/2%, int8 1.5%/3%, 4bit 3%/5%: warn/fail, from
-scripts/catalog/ppl_gates.yaml). Use the same text, window and stride on both sides, with
+scripts/rooflib/catalog/ppl_gates.yaml). Use the same text, window and stride on both sides, with
 prefix caching off (--no-enable-prefix-caching; vllm#42019).
 
 Examples:
@@ -41,7 +41,7 @@ from rooflib.quality import perplexity
 from rooflib.server import model_listing
 
 
-def describe_run(run: dict[str, Any]) -> str:
+def run_text(run: dict[str, Any]) -> str:
     lines = [f"perplexity {run['ppl']:.4f} over {run['scored_tokens']:,} scored tokens "
              f"({run['tokens']:,} tokens, {len(run['windows'])} window(s) of {run['window']:,}, stride {run['stride']:,})"]
     if run["stopped"]:
@@ -55,7 +55,7 @@ def describe_run(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def describe_comparison(result: dict[str, Any]) -> str:
+def comparison_text(result: dict[str, Any]) -> str:
     levels = result["levels"]
     ci = result["ci95_pct"]
     interval = f" (95% CI {ci[0]:+.2f}% .. {ci[1]:+.2f}%)" if ci else " (no interval: unpaired)"
@@ -65,6 +65,11 @@ def describe_comparison(result: dict[str, Any]) -> str:
         f"levels {levels['name']}: warn above {levels['warn_pct']}%, fail above {levels['fail_pct']}%",
         f"verdict: {result['verdict']}",
     ])
+
+
+def human_text(result: dict[str, Any]) -> str:
+    """One server's run, or a base-candidate comparison (it carries a verdict)."""
+    return comparison_text(result) if "verdict" in result else run_text(result)
 
 
 def build_parser():
@@ -111,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.compare is None:
             path, text = perplexity.resolve_text(args)
             run = run_on_server(url, api_key, args, text, args.window, args.stride) | {"text": path}
-            printed = printing.emit(run, describe_run(run), args.output)
+            printed = printing.emit(run, human_text(run), args.output)
             if run["stopped"]:
                 return printed or (EXIT_INTERRUPTED if run["stopped"] == "interrupted" else EXIT_SERVER)
             return printed
@@ -131,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             window, stride = sides[0]["window"], sides[0]["stride"]
         result = perplexity.compare(sides[0], sides[1], levels, args.block)
         sides = [{k: v for k, v in side.items() if k not in ("token_nll", "windows")} for side in sides]
-        printed = printing.emit(result | {"base": sides[0], "candidate": sides[1]}, describe_comparison(result), args.output)
+        printed = printing.emit(result | {"base": sides[0], "candidate": sides[1]}, human_text(result), args.output)
         return printed or (EXIT_CHECK_FAILED if result["verdict"] == "FAIL" else EXIT_OK)
 
     return cli.run_main(body)

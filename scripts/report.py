@@ -5,7 +5,9 @@ Reads what the other tasks write with --json: bench, sweep, compare, accept, met
 roofline results (each names its "kind"; older files without one are recognised by their keys),
 plus bench's per-request records (--records FILE.jsonl). The page has no scripts, fetches nothing
 (no fonts, no images) and opens from disk offline; each chart has a caption naming the workload
-and the server, and a table of its data. Verdicts come first (compare, accept), then:
+and the server, and a table of its data. A first section answers in one sentence per result
+(its verdict, the figure behind it, what to do; a warning where a roofline is set against a run
+of another model). Verdicts come next (compare, accept), then:
   sweep     TTFT and TPOT p50/p95/p99 against concurrency (or rate: several bench files), SLO
             lines, the knee; throughput against TPOT; invalid points hollow, failed ones crossed;
   bench     TTFT, TPOT and ITL distributions (CDF, with --records); the request timeline above
@@ -36,12 +38,17 @@ from rooflib.core import cli, fileio, printing
 from rooflib.core.errors import UsageError
 from rooflib.render.report_html import (
     MAX_INPUT_BYTES,
+    answers_section,
     build_sections,
     parse_records,
     parse_result,
     render_html,
     render_text,
 )
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def build_parser():
@@ -68,15 +75,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         records = None
         if args.records:
             records = parse_records(fileio.read_bounded(args.records, "records", MAX_INPUT_BYTES), args.records)
-        sections = build_sections(results, records)
+        sections = [answers_section(results), *build_sections(results, records)]
         fmt_ = args.format or "html"
         out = args.out or ("report.html" if fmt_ == "html" else "")
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         text = render_html(sections, results, now) if fmt_ == "html" else render_text(sections)
         if out:
             fileio.write_atomic(out, text)
-            printing.progress(f"report: {len(sections)} sections, {sum(len(s.charts) for s in sections)} charts "
-                            f"written to {out}")
+            charts = sum(len(s.charts) for s in sections)
+            printing.progress(f"report: {plural(len(sections), 'section')}, {plural(charts, 'chart')} written to {out}")
         summary = {"kind": "report", "schema_version": 1, "format": fmt_, "out": out or None,
                    "inputs": [{"file": r.path, "kind": r.kind} for r in results],
                    "sections": [{"title": s.title, "verdict": s.verdict, "reasons": s.reasons,

@@ -31,7 +31,7 @@ from rooflib.core.errors import UsageError
 from rooflib.sizing import estimate, physics
 
 
-def render(r: Mapping[str, Any]) -> str:
+def human_text(r: Mapping[str, Any]) -> str:
     lines = physics.summary_lines(r)
     lines.append("    batch   step ms (bound / expected)   tok/s per user   tok/s total (bound / expected)")
     for row in r["table"]:
@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = physics.roofline(inp, memory, batch, prompt)
         result |= {"kind": "roofline", "schema_version": 1, "model": inp.model.name}
         header = f"{inp.model.name} on {inp.gpu.get('name')} (TP={inp.tp}, weights {result['weights_quant']})"
-        return printing.emit(result, header + "\n" + render(result), args.output)
+        return printing.emit(result, header + "\n" + human_text(result), args.output)
 
     return cli.run_main(body)
 

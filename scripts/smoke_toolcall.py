@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tool-call smoke test of a served model: does it call the right tool with valid arguments?
 
-Runs the cases of scripts/catalog/toolcall_cases.yaml against /v1/chat/completions at
+Runs the cases of scripts/rooflib/catalog/toolcall_cases.yaml against /v1/chat/completions at
 temperature 0, each --repeat times: a single call (plain and streamed), parallel calls, choosing
 among four tools, no call when none fits, the answer after a tool result, nested and typed
 arguments with quotes and unicode, a tool without parameters, tool_choice required / named /
@@ -39,7 +39,7 @@ from rooflib.quality import toolcalls
 from rooflib.server import model_listing
 
 
-def render_human(report: dict[str, Any], url: str) -> str:
+def human_text(report: dict[str, Any], url: str) -> str:
     lines = [f"tool-call smoke: {url}  model {report['model']}  repeats {report['repeat']}", ""]
     width = max((len(r["case"]) for r in report["cases"]), default=0)
     for r in report["cases"]:
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if baseline is not None:
             report["baseline"] = {"file": args.baseline, **toolcalls.compare_baseline(report["cases"], baseline)}
         report["verdict"], report["reasons"] = toolcalls.verdict(report)
-        printed = printing.emit(report, render_human(report, url), args.output)
+        printed = printing.emit(report, human_text(report, url), args.output)
         if report["interrupted"]:
             return printed or EXIT_INTERRUPTED
         return printed or (EXIT_CHECK_FAILED if report["verdict"] == toolcalls.FAIL else EXIT_OK)

@@ -18,9 +18,10 @@ Examples:
 
 Exit codes: 0 a knee was found (or no SLO was set and every point completed), 1 no
 concurrency meets the SLO, 2 usage error, 3 server unreachable or failing at every point,
-4 a point's run was invalid (client-bound), 5 the report is printed but --log or --json-out could
-not be written, 130 interrupted by Ctrl-C or SIGTERM, during a point or between two (the points
-done are printed, logged and written to --json-out).
+4 a point's run was invalid (the client's figures distorted: busy, or kept waiting by other
+processes), 5 the report is printed but --log or --json-out could not be written, 130
+interrupted by Ctrl-C or SIGTERM, during a point or between two (the points done are printed,
+logged and written to --json-out).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from typing import Any, Sequence
 from rooflib.core import cli, conf, fileio, printing, signals
 from rooflib.core.errors import EXIT_OUTPUT, UsageError
 from rooflib.load import asyncclient, benchrun
-from rooflib.load.sweeps import exit_code, knee, knee_caveat, parse_levels, point_summary
+from rooflib.load.sweeps import exit_code, knee, knee_caveat, no_knee_reason, parse_levels, point_summary
 
 DEFAULT_SWEEP = "1,4,8,16,32"
 
@@ -50,7 +51,7 @@ def human(report: dict[str, Any]) -> str:
         lines.append(f"Knee: C = {k['concurrency']}: {printing.fmt_number(k['total_tok_s'], 1)} total tok/s at TPOT p95 "
                      f"{printing.fmt_number(k['tpot_ms']['p95'], 1)} ms, TTFT p95 {printing.fmt_number(k['ttft_ms']['p95'], 1)} ms")
     elif report["slo_set"]:
-        lines.append("Knee: none: no concurrency met the SLO")
+        lines.append(f"Knee: none: {no_knee_reason(report['points'])}")
     else:
         lines.append("Knee: set SLO_TTFT_P95_MS and/or SLO_TPOT_P95_MS to find it; the table is the trade-off")
     if report["interrupted"]:

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Install Debian's prometheus package (the prometheus server and promtool) for the fleet tests
-# (tests/test_fleet.py). Does nothing when both are already on PATH. The tests start their own
+# (tests/server/test_fleet.py). Does nothing when both are already on PATH. The tests start their own
 # Prometheus on a free loopback port; the package's system service is not used.
 set -eu
 if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then

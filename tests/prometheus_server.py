@@ -46,7 +46,7 @@ def running_prometheus(work_dir: Path, targets: Sequence[str], scrape_interval_s
         raise ServerUnavailable("prometheus is not installed: run sh tests/install_prometheus.sh")
     port = profiles.free_port()
     # Prometheus takes no scrape_timeout above the interval: a page slower than that is a failed
-    # scrape (up == 0), which the tests wait out (tests/test_fleet.py, scraped_since).
+    # scrape (up == 0), which the tests wait out (tests/server/test_fleet.py, scraped_since).
     config = {"global": {"scrape_interval": f"{scrape_interval_s}s", "scrape_timeout": f"{scrape_interval_s}s",
                          "evaluation_interval": f"{scrape_interval_s}s"},
               "scrape_configs": [{"job_name": "vllm", "static_configs": [{"targets": list(targets)}]}]}

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Install Debian's headless-capable Chromium for the report tests (tests/test_report.py), once.
+# Install Debian's headless-capable Chromium for the report tests (tests/render/test_report.py), once.
 # Idempotent: does nothing when a chromium is already on PATH. Needs apt-get and root (or sudo);
 # where neither is there it says so and leaves the decision to the tests: they skip locally and
 # fail under CI=true.

@@ -1,6 +1,6 @@
 """Roofline's library: the command lines in scripts/ are thin layers over it.
 
-Layers (tests/test_house.py checks them): a command line imports the domain packages and core;
+Layers (tests/project/test_house.py checks them): a command line imports the domain packages and core;
 a domain package (load, server, sizing, quality, serving, render) imports core and other domain
 packages, never a command line; core imports nothing of the project outside core.
 """

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
+import difflib
 import errno
 import functools
+import json
 import math
 import os
 import signal
@@ -109,17 +112,43 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def split_doc(doc: str) -> tuple[str, str]:
-    """A script's docstring as --help text: the first line describes, the rest (examples, exit
-    codes) is the epilog."""
-    first, _, rest = doc.strip().partition("\n")
+    """A script's docstring as --help text: the first paragraph describes, the rest (examples,
+    exit codes) is the epilog."""
+    first, _, rest = doc.strip().partition("\n\n")
     return first, rest.strip()
 
 
+# Set by `entry` for one run: the command line asked for --json, so an error also goes to stdout.
+_json_errors = contextvars.ContextVar("json_errors", default=False)
+
+
+def fail(message: str, code: int) -> int:
+    """Report an error and return its exit code: one `error: ...` line on stderr and, when the
+    command line asked for --json, one JSON document on stdout ({"error", "exit_code"}), so an
+    agent that parses stdout is never left with nothing."""
+    print(f"error: {message}", file=sys.stderr)
+    if _json_errors.get():
+        sys.stdout.write(json.dumps({"error": message, "exit_code": code}, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+    return code
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with the project's error style: one line naming the bad argument, exit 2."""
+    """argparse with the project's error style: one line naming the bad argument, a flag close to
+    a mistyped one, exit 2."""
 
     def error(self, message: str):
-        self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
+        hint = self.closest_flags(message)
+        self.exit(fail(f"{message}{hint} (see {self.prog} --help)", EXIT_USAGE))
+
+    def closest_flags(self, message: str) -> str:
+        """"; did you mean --ctx" for the unrecognized flags of an argparse message ("" if none)."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [flag for action in self._actions for flag in action.option_strings]
+        words = [word.split("=", 1)[0] for word in message.split(":", 1)[1].split() if word.startswith("--")]
+        close = [match for word in words for match in difflib.get_close_matches(word, known, n=1, cutoff=0.6)]
+        return f"; did you mean {', '.join(dict.fromkeys(close))}?" if close else ""
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -155,10 +184,15 @@ def entry(main: Callable[[Sequence[str] | None], int]) -> Callable[[Sequence[str
     the bad value) and anything printed before run_main are redacted too; a traceback as well."""
     @functools.wraps(main)
     def run(argv: Sequence[str] | None = None) -> int:
-        register_known_secrets(sys.argv[1:] if argv is None else argv)
+        args = sys.argv[1:] if argv is None else argv
+        register_known_secrets(args)
         sys.excepthook = _redacting_excepthook
-        with redacted_streams():
-            return main(argv)
+        wants_json = _json_errors.set("--json" in args)
+        try:
+            with redacted_streams():
+                return main(argv)
+        finally:
+            _json_errors.reset(wants_json)
     return run
 
 
@@ -170,11 +204,9 @@ def run_main(body: Callable[[], int], secret: str | None = None) -> int:
         try:
             return body()
         except UsageError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+            return fail(str(exc), EXIT_USAGE)
         except ServerError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_SERVER
+            return fail(str(exc), EXIT_SERVER)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
@@ -182,7 +214,6 @@ def run_main(body: Callable[[], int], secret: str | None = None) -> int:
             return EXIT_OK
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE):
-                print(f"error: the client ran out of file descriptors ({exc.strerror}): raise the limit "
-                      "(ulimit -n 65536) and run again; the server is not at fault", file=sys.stderr)
-                return EXIT_INVALID
+                return fail(f"the client ran out of file descriptors ({exc.strerror}): raise the limit "
+                            "(ulimit -n 65536) and run again; the server is not at fault", EXIT_INVALID)
             raise

@@ -97,6 +97,9 @@ def answered(where: str, timeout_s: float):
         yield
     except httpx.ConnectTimeout:  # no connection at all: a longer --timeout would not help
         raise ServerError(f"cannot reach {where}: no connection within {min(timeout_s, CONNECT_TIMEOUT_S):g} s")
+    except httpx.ConnectError as exc:  # refused, or no such host: nothing listens at that address
+        raise ServerError(f"cannot reach {where} ({str(exc) or type(exc).__name__}): check that the server is up "
+                          "and listening at that address")
     except httpx.TimeoutException:
         raise ServerError(f"{where} timed out after {round(time.monotonic() - started, 1):g} s (--timeout {timeout_s:g}): "
                           "the server is busy or the request is long; raise --timeout (task: add -- --timeout N)")

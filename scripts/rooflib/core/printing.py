@@ -97,7 +97,7 @@ def fmt_number(value: Any, digits: int = 2) -> str:
 
 
 def render_log_entry(result: Mapping[str, Any], template: Path) -> str:
-    """A bench or accept result as a Markdown log entry (scripts/templates/*.md.j2)."""
+    """A bench or accept result as a Markdown log entry (scripts/rooflib/render/templates/*.md.j2)."""
     import jinja2
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template.parent)),

@@ -241,6 +241,7 @@ def requests_section(outcomes: Sequence[Outcome], measured: Sequence[Outcome], d
         "prompt_tokens": {"target": target_in, **{k: v for k, v in prompt_lens.items() if k in ("mean", "min", "max", "n")},
                           "mismatched": len(prompt_mismatches(done))},
         "cached_prompt_tokens": sum(cached_counts(done)),
+        "one_read": len(in_one_read(done)),
         "tokens_per_chunk": summarize(k for o in done for k in o.chunk_tokens),
         "first_errors": [f"#{o.index} {o.error}: {o.detail}" for o in failed[:5]],
     }
@@ -293,10 +294,15 @@ def client_warnings(client: dict[str, Any], ttft: dict[str, Any]) -> list[str]:
     return warnings
 
 
+def in_one_read(done: Sequence[Outcome]) -> list[Outcome]:
+    """Streams of several tokens whose tokens all arrived in one read: buffered on the way, or a stalled client."""
+    return [o for o in done if (o.completion_tokens or 0) > 1 and o.token_times[0] == o.token_times[-1]]
+
+
 def reading_warnings(done: Sequence[Outcome], ttft: dict[str, Any]) -> list[str]:
     """How to read the figures: TPOT of streams that came in one read, percentiles of few samples."""
     warnings = []
-    one_read = [o for o in done if (o.completion_tokens or 0) > 1 and o.token_times[0] == o.token_times[-1]]
+    one_read = in_one_read(done)
     if one_read:
         warnings.append(f"{len(one_read)} requests received all their output in one read (TPOT 0.0 ms): a proxy "
                         "or the server buffered the stream, or the client stalled; their TPOT is not a decode time")

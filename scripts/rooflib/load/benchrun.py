@@ -8,7 +8,6 @@ import datetime
 import hashlib
 import json
 import random
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -71,7 +70,7 @@ def server_side(before: dict[str, Any] | None, after: dict[str, Any] | None, not
              f"{printing.fmt_number(None if report['prefix_cache_hit_rate'] is None else 100 * report['prefix_cache_hit_rate'], 1)}%",
              f"peak running {printing.fmt_number(report['running_peak'], 0)}, waiting {printing.fmt_number(report['waiting_peak'], 0)}, "
              f"KV cache max {printing.fmt_number(None if report['kv_cache_usage_max'] is None else 100 * report['kv_cache_usage_max'], 1)}%"]
-    lines += [f"{f['bottleneck']}: {f['evidence']}" for f in report["diagnosis"]]
+    lines += [f"{f['kind']}: {f['evidence']}" for f in report["diagnosis"]["findings"]]
     return {"metrics": {**figures, "lines": lines}, "metrics_note": "", "summary": lines[:2]}
 
 
@@ -455,7 +454,8 @@ def cross_check(before: dict[str, Any], after: dict[str, Any], during: Sequence[
     from rooflib.server import engine_metrics
 
     delta = engine_metrics.difference(before, after, during)
-    return watch.cross_check(delta, {"ttft_ms": result["ttft_ms"], "e2e_ms": result["e2e_ms"]},
+    return watch.cross_check(delta, {"ttft_ms": result["ttft_ms"], "e2e_ms": result["e2e_ms"],
+                                     "one_read": result["requests"]["one_read"]},
                              result["client"]["loop_lag_ms"]["p99"], probed)
 
 
@@ -477,6 +477,5 @@ def run_with_settings(args: Any, body: Callable[[Any, conf.Settings, Target], in
         settings = conf.settings_from_args(args)
         server = Target(*conf.server_settings(args, settings))
     except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return cli.fail(str(exc), EXIT_USAGE)
     return cli.run_main(lambda: body(args, settings, server), secret=server.api_key)

@@ -32,7 +32,7 @@ UNMEASURED = ("INVALID", "ERROR")  # runs that say nothing about the server at t
 
 
 def first_unmeasured(points: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """The lowest concurrency whose run was invalid (client-bound) or errored."""
+    """The lowest concurrency whose run was invalid (its client's figures distorted) or errored."""
     return min((p for p in points if p["verdict"] in UNMEASURED), key=lambda p: p["concurrency"], default=None)
 
 
@@ -52,11 +52,25 @@ def knee_caveat(points: Sequence[dict[str, Any]], found: dict[str, Any] | None) 
     if stop is None:
         return None
     above = [p["concurrency"] for p in points if p["verdict"] == "PASS" and p["concurrency"] > stop["concurrency"]]
-    why = "the client could not keep up (client-bound)" if stop["verdict"] == "INVALID" else "its requests errored"
-    text = f"C = {stop['concurrency']} was {stop['verdict']} ({why}): the knee cannot be named above it"
+    text = f"{unmeasured_cause(stop)}: the knee cannot be named above it"
     if above:
         text += f"; the passes at C = {', '.join(map(str, above))} are not counted"
-    return text + "; rerun that point (a faster client machine, or fewer requests per second)"
+    return text + "; rerun that point"
+
+
+def unmeasured_cause(point: dict[str, Any]) -> str:
+    """"C = 4 was INVALID (cause)": the cause as the point's own bench run gave it (a busy client,
+    other processes on its machine, stalls, failed requests)."""
+    why = point["reasons"][0] if point["reasons"] else "no reason recorded"
+    return f"C = {point['concurrency']} was {point['verdict']} ({why})"
+
+
+def no_knee_reason(points: Sequence[dict[str, Any]]) -> str:
+    """Why a sweep with an SLO has no knee: no valid point at all, or none that met the SLO."""
+    stop = first_unmeasured(points)
+    if stop is not None and not any(p["concurrency"] < stop["concurrency"] for p in points):
+        return f"no valid point: {unmeasured_cause(stop)}"
+    return "no concurrency met the SLO" + (f" below C = {stop['concurrency']}" if stop else "")
 
 
 def exit_code(report: dict[str, Any]) -> int:

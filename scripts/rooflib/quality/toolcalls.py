@@ -1,4 +1,4 @@
-"""The tool-call smoke test: its case catalog (scripts/catalog/toolcall_cases.yaml, plus a folder of
+"""The tool-call smoke test: its case catalog (scripts/rooflib/catalog/toolcall_cases.yaml, plus a folder of
 the user's own), the requests, plain and streamed answers, the checks against each case and the
 verdict. smoke_toolcall.py is its command line; accept.py uses it.
 """
@@ -488,20 +488,20 @@ CASE_FIELDS = ("description", "tools", "tool_choice", "messages", "expect")
 
 def with_user_cases(catalog: dict[str, Any], folder: str) -> tuple[dict[str, Any], list[str]]:
     """The catalog plus the user's own cases: every *.yaml / *.yml in `folder`, in the format of
-    scripts/catalog/toolcall_cases.yaml (`cases:`, and `tools:` of their own if they need any).
+    scripts/rooflib/catalog/toolcall_cases.yaml (`cases:`, and `tools:` of their own if they need any).
     Returns the merged catalog and the user's case names."""
     directory = Path(folder).expanduser()
     if not directory.is_dir():
         raise UsageError(f"cases folder {folder!r} is not a directory: point --cases-dir (CASES) at a folder of YAML files")
     files = sorted([*directory.glob("*.yaml"), *directory.glob("*.yml")])
     if not files:
-        raise UsageError(f"{directory} holds no *.yaml case files (format: scripts/catalog/toolcall_cases.yaml)")
+        raise UsageError(f"{directory} holds no *.yaml case files (format: scripts/rooflib/catalog/toolcall_cases.yaml)")
     merged = {**catalog, "tools": dict(catalog["tools"]), "cases": dict(catalog["cases"])}
     names: list[str] = []
     for path in files:
         data = fileio.load_yaml(fileio.read_bounded(path, "cases file", USER_CASES_MAX_BYTES), str(path)) or {}
         if not isinstance(data, dict) or not isinstance(data.get("cases"), dict):
-            raise UsageError(f"{path} needs a `cases:` mapping, as in scripts/catalog/toolcall_cases.yaml")
+            raise UsageError(f"{path} needs a `cases:` mapping, as in scripts/rooflib/catalog/toolcall_cases.yaml")
         for name, tool in (data.get("tools") or {}).items():
             if name in merged["tools"] and merged["tools"][name] != tool:
                 raise UsageError(f"{path}: tool {name!r} differs from the one already defined: rename it")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -10,6 +11,7 @@ from typing import Any, Iterable, Sequence
 from rooflib.core import fileio
 from rooflib.core.errors import UsageError
 from rooflib.core.stats import percentile, summarize
+from rooflib.load import sweeps
 
 TEMPLATE = Path(__file__).resolve().parent / "templates" / "report.html.j2"
 SCHEMA_VERSIONS = {"bench": 1, "sweep": 1, "accept": 1, "metrics": 1, "vram": 1, "roofline": 1, "compare": 1,
@@ -433,7 +435,8 @@ def sweep_facts(result: Result) -> list[tuple[str, str]]:
         knee = (f"C = {k['concurrency']}: {fmt(k.get('total_tok_s'))} total tok/s at TPOT p95 "
                 f"{fmt((k.get('tpot_ms') or {}).get('p95'))} ms, TTFT p95 {fmt((k.get('ttft_ms') or {}).get('p95'))} ms")
     else:
-        knee = "none: no concurrency met the SLO" if doc.get("slo_set") else "no SLO set: the curve is the trade-off"
+        knee = (f"none: {sweeps.no_knee_reason(doc.get('points') or [])}" if doc.get("slo_set")
+                else "no SLO set: the curve is the trade-off")
     invalid = [str(p["concurrency"]) for p in doc.get("points") or [] if point_invalid(p)]
     facts = [("server", server_of(result)), ("workload", describe_workload(workload_of(result))),
              ("concurrencies", ", ".join(str(p["concurrency"]) for p in doc.get("points") or []) or "-"),
@@ -841,6 +844,122 @@ def sizing_charts(result: Result) -> list[Chart]:
                           legend_of(lever_svg), "column numbers match the table rows")]
 
 
+# ---------------------------------------------------------------- answers first
+
+def served_model(result: Result) -> str | None:
+    """The model a bench or sweep measured, as the server named it."""
+    doc = result.doc
+    return (doc.get("config") or {}).get("model") or ((doc.get("server") or {}).get("info") or {}).get("model")
+
+
+def _model_key(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower().rsplit("/", 1)[-1])
+
+
+def model_mismatch(roofline: Result, measured: Sequence[Result]) -> list[str]:
+    """A warning per measured run whose model's name does not contain the roofline's, or the other
+    way round (Qwen/Qwen3-32B-FP8 is qwen3-32b): measured / bound then compares two models."""
+    bound = str(roofline.doc.get("model") or "")
+    out = []
+    for r in measured:
+        served = served_model(r)
+        if bound and served and _model_key(bound) not in _model_key(served) and _model_key(served) not in _model_key(bound):
+            out.append(f"the roofline is for {bound}, but {r.label} measured {served}: measured / bound compares "
+                       "two different models unless they are the same one under another name")
+    return out
+
+
+def _bench_answer(doc: dict[str, Any]) -> str:
+    verdict, reasons = str(doc.get("verdict")), list(doc.get("verdict_reasons") or [])
+    figure = (f"TTFT p95 {fmt((doc.get('ttft_ms') or {}).get('p95'))} ms, TPOT p95 "
+              f"{fmt((doc.get('tpot_ms') or {}).get('p95'))} ms, "
+              f"{fmt((doc.get('throughput') or {}).get('output_tok_s'))} output tok/s")
+    todo = {"PASS": "the SLO holds at this load; a sweep finds how far it goes",
+            "NO SLO": "set SLO_TTFT_P95_MS / SLO_TPOT_P95_MS to judge it"}.get(verdict)
+    if todo is None:
+        todo = (f"{reasons[0]}" if reasons else "see the run below") + (
+            ": not a measurement of the server, rerun it" if verdict == "INVALID" else "")
+    return f"{verdict}: {figure}; {todo}"
+
+
+def _sweep_answer(doc: dict[str, Any]) -> str:
+    k, points = doc.get("knee"), doc.get("points") or []
+    if k:
+        return (f"knee at C = {k['concurrency']}: {fmt(k.get('total_tok_s'))} total tok/s at TPOT p95 "
+                f"{fmt((k.get('tpot_ms') or {}).get('p95'))} ms; serve at most {k['concurrency']} concurrent "
+                "requests per replica at this workload")
+    if not doc.get("slo_set"):
+        return "no SLO set: the table is the throughput-latency trade-off; set an SLO to find the knee"
+    reason = sweeps.no_knee_reason(points)
+    todo = ("rerun on a quieter client machine" if reason.startswith("no valid point") else
+            "lower the load per replica or change the setup (bench the first lever of metrics' finding)")
+    return f"no knee: {reason}; {todo}"
+
+
+def _compare_answer(doc: dict[str, Any]) -> str:
+    verdict = str(doc.get("verdict"))
+    moved = [m for m in doc.get("metrics") or [] if m.get("verdict") in ("better", "worse")
+             and number(m.get("change_pct")) is not None]
+    top = max(moved, key=lambda m: abs(m["change_pct"]), default=None)
+    figure = (f"; largest change {top['name']} {signed_pct(top['change_pct'])} (95% CI {top['ci95_pct'][0]:+.1f}.."
+              f"{top['ci95_pct'][1]:+.1f}%)" if top and top.get("ci95_pct") else "")
+    todo = {"better": "take B", "worse": "keep A", "mixed": "weigh the metrics that moved against each other"}.get(
+        verdict, "no evidence either way: more requests would narrow the intervals")
+    a, b = (doc.get(side) or {} for side in ("a", "b"))
+    return f"B ({b.get('label')}) against A ({a.get('label')}): {verdict}{figure}; {todo}"
+
+
+def _accept_answer(doc: dict[str, Any]) -> str:
+    verdict, reasons = str(doc.get("verdict")), list(doc.get("reasons") or [])
+    todo = "the candidate can ship" if verdict == "PASS" else "do not ship the candidate"
+    return f"{verdict}" + (f": {reasons[0]}" if reasons else "") + f"; {todo}"
+
+
+def _vram_answer(doc: dict[str, Any]) -> str:
+    typical = doc.get("typical") or {}
+    text = (f"{'fits' if doc.get('fits') else 'does not fit'}" + (" (marginal)" if doc.get("marginal") else "")
+            + f": {fmt(doc.get('max_concurrency'))} requests of {fmt(doc.get('ctx'))} tokens at once")
+    if typical.get("max_concurrency") is not None:
+        text += f", {fmt(typical['max_concurrency'])} of {fmt(typical.get('tokens'))}"
+    if doc.get("fix"):
+        return text + f"; cheapest change that fits: {doc['fix'].get('change')}"
+    if not doc.get("fits"):
+        return text + "; no lever fits: more GPUs or a smaller model"
+    return text + (f"; {doc['marginal_reason']}" if doc.get("marginal") else "; it fits with margin")
+
+
+def _roofline_answer(doc: dict[str, Any]) -> str:
+    decode = doc.get("decode") or {}
+    return (f"decode at batch {fmt(decode.get('batch'))} takes at least {fmt(decode.get('step_ms_bound'))} ms per token "
+            f"({decode.get('bound_by')}-bound), at most {fmt(decode.get('tokens_per_s_per_user_bound'))} tok/s per "
+            "user; a measured TPOT above 2.5x the bound is a configuration problem")
+
+
+def _metrics_answer(doc: dict[str, Any]) -> str:
+    found = doc.get("diagnosis")
+    if isinstance(found, dict):  # the causal diagnosis: its root cause and the plan's first lever
+        root, plan = found.get("root_cause"), found.get("plan") or []
+        if not root:
+            return "no bottleneck found in these figures"
+        return f"root cause {root.get('kind')}: {root.get('evidence')}" + (f"; first: {plan[0].get('text')}" if plan else "")
+    if not found:  # a file of an older version holds a plain list of findings
+        return "no bottleneck found in these figures"
+    return f"{found[0].get('bottleneck')}: {found[0].get('evidence')}; fix this first"
+
+
+ANSWERS = {"bench": _bench_answer, "sweep": _sweep_answer, "compare": _compare_answer, "accept": _accept_answer,
+           "vram": _vram_answer, "roofline": _roofline_answer, "metrics": _metrics_answer}
+
+
+def answers_section(results: Sequence[Result]) -> Section:
+    """The first section: one sentence per result (its verdict, the figure behind it, what to do),
+    and a warning where a roofline is set against a run of another model."""
+    measured = [r for r in results if r.kind in ("bench", "sweep")]
+    facts = [(f"{r.kind} {r.label}", ANSWERS[r.kind](r.doc)) for r in results]
+    facts += [("warning", w) for r in results if r.kind == "roofline" and measured for w in model_mismatch(r, measured)]
+    return Section("answers", "Answers", facts)
+
+
 # ---------------------------------------------------------------- sections
 
 @dataclass
@@ -922,7 +1041,8 @@ def physics_section(roof: Result, measured: Sequence[Result], place: int) -> Sec
     decode = roof.doc.get("decode") or {}
     return Section(f"physics-{place}", "Physics: measured against the roofline", [
         ("bound at batch 1", f"{fmt(decode.get('step_ms_bound'))} ms per token ({decode.get('bound_by')}-bound)"),
-        ("turns compute-bound at batch", fmt(roof.doc.get("compute_bound_from_batch")))],
+        ("turns compute-bound at batch", fmt(roof.doc.get("compute_bound_from_batch"))),
+        *(("warning", w) for w in model_mismatch(roof, measured))],
         [physics_chart(measured, roof)])
 
 
@@ -931,7 +1051,12 @@ def sizing_section(r: Result, place: int) -> Section:
     return Section(f"sizing-{place}", f"Sizing: {doc.get('model')} on {doc.get('gpu')}", [
         ("fits", "yes" if doc.get("fits") else "no"), ("KV cache tokens", fmt(doc.get("kv_cache_tokens"))),
         ("max concurrency at full context", fmt(doc.get("max_concurrency"))),
-        *((("smallest change that fits", str(doc["fix"].get("change"))),) if doc.get("fix") else ()),
+        *((("range", f"{fmt(doc.get('max_concurrency_low'))} to {fmt(doc.get('max_concurrency_high'))} requests "
+                     "of the full context"),) if doc.get("range_sources") else ()),
+        *((("marginal", str(doc.get("marginal_reason"))),) if doc.get("marginal") else ()),
+        *(((f"requests of {fmt(doc['typical'].get('tokens'))} tokens at once",
+            fmt(doc["typical"].get("max_concurrency"))),) if doc.get("typical") else ()),
+        *((("cheapest change that fits", str(doc["fix"].get("change"))),) if doc.get("fix") else ()),
         *((f"lever {lever.get('lever')}", f"{lever.get('change')}: {fmt(lever.get('kv_cache_tokens'))} KV tokens")
           for lever in doc.get("levers") or [])], sizing_charts(r), "fits" if doc.get("fits") else "does not fit")
 
@@ -948,8 +1073,17 @@ def metrics_section(r: Result, place: int) -> Section:
         s = doc.get(key) or {}
         if s.get("n"):
             facts.append((f"{name} ms", f"p50 {fmt(s.get('p50'))}, p95 {fmt(s.get('p95'))}, p99 {fmt(s.get('p99'))}"))
-    reasons = [f"{d.get('bottleneck')}: {d.get('evidence')}" for d in doc.get("diagnosis") or []]
-    return Section(f"metrics-{place}", f"Server metrics: {r.label}", facts, [], None, reasons)
+    return Section(f"metrics-{place}", f"Server metrics: {r.label}", facts, [], None, diagnosis_lines(doc.get("diagnosis")))
+
+
+def diagnosis_lines(found: Any) -> list[str]:
+    """A metrics result's diagnosis as lines: its findings (root cause first), plan and verify
+    commands; a file of an older version holds a plain list of findings."""
+    if not isinstance(found, dict):
+        return [f"{d.get('bottleneck')}: {d.get('evidence')}" for d in found or []]
+    return ([f"{d.get('kind')}: {d.get('evidence')}" for d in found.get("findings") or []]
+            + [f"plan {i}: {lever.get('text')}" for i, lever in enumerate(found.get("plan") or [], 1)]
+            + [f"verify: {command}" for command in found.get("verify") or []])
 
 
 def unique_ids(sections: list[Section]) -> list[Section]:

@@ -1,6 +1,6 @@
 """What an engine's /metrics says: Prometheus text parsing, the vLLM and SGLang metric names of each
 generation, snapshots and their difference, exact histogram quantiles, the report with its
-bottleneck diagnosis, and reading a URL, a saved file or a Prometheus server. metrics.py is its
+diagnosis (rooflib/server/diagnosis.py), and reading a URL, a saved file or a Prometheus server. metrics.py is its
 command line; bench.py and rooflib/server/served.py read servers through it.
 """
 from __future__ import annotations
@@ -17,7 +17,12 @@ import httpx
 
 from rooflib.core import conf, http_client
 from rooflib.core.errors import ServerError, UsageError
-from rooflib.server import fleet
+from rooflib.server import diagnosis, fleet
+from rooflib.server.deployment import Served
+from rooflib.server.diagnosis import bytes_text as _bytes
+from rooflib.server.diagnosis import ms as _ms
+from rooflib.server.diagnosis import pct as _pct
+from rooflib.server.diagnosis import quantile_text as _quantile
 
 QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
 
@@ -228,7 +233,19 @@ HISTOGRAMS: dict[str, dict[str, tuple[str, ...]]] = {
     "queue": {"vllm": ("vllm:request_queue_time_seconds",), "sglang": ("sglang:queue_time_seconds",)},
     "prefill": {"vllm": ("vllm:request_prefill_time_seconds",), "sglang": ()},
     "decode": {"vllm": ("vllm:request_decode_time_seconds",), "sglang": ()},
+    # Token counts of each finished request (vllm/v1/metrics/loggers.py; SGLang with
+    # --collect-tokens-histogram, python/sglang/srt/metrics/collector.py) and of each engine step
+    # (vLLM only: prompt tokens computed plus tokens generated), for the lengths the diagnosis
+    # uses and the step size that shows max_num_batched_tokens.
+    "prompt_len": {"vllm": ("vllm:request_prompt_tokens",), "sglang": ("sglang:prompt_tokens_histogram",)},
+    "output_len": {"vllm": ("vllm:request_generation_tokens",), "sglang": ("sglang:generation_tokens_histogram",)},
+    "step_tokens": {"vllm": ("vllm:iteration_tokens_total",), "sglang": ()},
 }
+TOKEN_COUNTS = ("prompt_len", "output_len", "step_tokens")
+
+# vLLM's API server counts requests by route (http_requests_total of
+# prometheus-fastapi-instrumentator, label handler): the endpoint the traffic uses.
+ENDPOINTS = {"/v1/chat/completions": "chat_requests", "/v1/completions": "completion_requests"}
 
 
 COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -350,6 +367,12 @@ def snapshot(text: str | Exposition, source: str = "", at: float | None = None) 
             continue
         value = sum(values) if GAUGES[concept][1] == "sum" else sum(values) / len(values)
         snap["gauges"][concept] = {"metric": metric, "value": value, "max": max(values)}
+    for labels, value in exposition.samples.get("http_requests_total", []):
+        concept = ENDPOINTS.get(labels.get("handler", ""))
+        if concept:
+            counter = snap["counters"].setdefault(concept, {"metric": "http_requests_total", "value": 0.0, "series": 0})
+            counter["value"] += value
+            counter["series"] += 1
     info = exposition.samples.get("vllm:cache_config_info")
     snap["cache_config"] = dict(info[0][0]) if info else {}
     snap["start_time"] = _start_time(exposition, engine)
@@ -404,7 +427,7 @@ def merge(snapshots: Sequence[dict[str, Any]]) -> dict[str, Any]:
         parts = [s["histograms"][concept] for s in snapshots if concept in s["histograms"]]
         if parts:
             merged["histograms"][concept] = _add_histograms(parts, merged["warnings"])
-    for concept in COUNTERS:
+    for concept in [*COUNTERS, *ENDPOINTS.values()]:
         parts = [s["counters"][concept] for s in snapshots if concept in s["counters"]]
         if parts:
             merged["counters"][concept] = {"metric": parts[0]["metric"], "value": sum(p["value"] for p in parts),
@@ -473,6 +496,9 @@ def difference(before: dict[str, Any], after: dict[str, Any],
         peak = max(s["gauges"][concept]["max"] for s in sampled if concept in s["gauges"])
         running = [s["gauges"][concept]["value"] for s in sampled if concept in s["gauges"]]
         delta["gauges"][concept] = {**gauge, "max": peak, "peak_value": max(running), "samples": len(running)}
+    # The running count of each sample in which requests waited: its plateau is the running cap.
+    delta["running_while_waiting"] = [s["gauges"]["running"]["value"] for s in sampled
+                                      if "running" in s["gauges"] and s["gauges"].get("waiting", {}).get("value", 0) > 0]
     return delta
 
 
@@ -492,22 +518,28 @@ def _restarted(before: dict[str, Any], after: dict[str, Any]) -> str:
 @dataclass
 class Targets:
     """Latency targets (SLOs) that the prefill and decode findings are judged against; a target
-    not given takes the starting default (DEFAULT_TARGETS), and `source` says which did."""
+    not given takes the starting default (DEFAULT_TARGETS), and `source` says which did. The ITL
+    target, unless given, is ITL_PER_TPOT times the TPOT target and does not count in `source`."""
     ttft_p95_ms: float | None = None
     tpot_p95_ms: float | None = None
+    itl_p95_ms: float | None = None
 
     def resolved(self) -> dict[str, Any]:
         given = {"ttft_p95_ms": self.ttft_p95_ms, "tpot_p95_ms": self.tpot_p95_ms}
         targets = {k: v if v is not None else DEFAULT_TARGETS[k] for k, v in given.items()}
         defaulted = [k for k, v in given.items() if v is None]
         source = "given" if not defaulted else "default" if len(defaulted) == len(given) else "partly default"
-        return {**targets, "source": source, "defaulted": defaulted}
+        itl = self.itl_p95_ms if self.itl_p95_ms is not None else ITL_PER_TPOT * targets["tpot_p95_ms"]
+        return {**targets, "itl_p95_ms": itl, "source": source, "defaulted": defaulted}
 
 
 # Starting targets when the user states none (interactive chat): TTFT p95 under 2 s on a long
 # prompt, TPOT p95 under 50 ms (20 tok/s per user; chat reads comfortably at 20-40 tok/s).
 # They are a default to confirm with the user, never their SLO: the report says so.
 DEFAULT_TARGETS = {"ttft_p95_ms": 2000.0, "tpot_p95_ms": 50.0}
+# ITL counts every gap between tokens, so a stall that TPOT averages over a request shows in its
+# p95: twice the TPOT target (100 ms by default, a pause a reader of streamed text notices).
+ITL_PER_TPOT = 2.0
 
 
 def _latency(hist: dict[str, Any] | None, precomputed: Mapping[str, float | None] | None = None) -> dict[str, Any]:
@@ -544,8 +576,9 @@ def _latency(hist: dict[str, Any] | None, precomputed: Mapping[str, float | None
 
 
 def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
-           slo: Targets | None = None) -> dict[str, Any]:
-    """The report of one snapshot (since server start) or of a `difference` (a window)."""
+           slo: Targets | None = None, served: Served | None = None) -> dict[str, Any]:
+    """The report of one snapshot (since server start) or of a `difference` (a window), with
+    its diagnosis; `served` is what a live server said about its own settings."""
     windowed = "seconds" in snap
     seconds = snap["seconds"] if windowed else (
         snap["time"] - snap["start_time"] if snap.get("time") and snap.get("start_time") else None)
@@ -564,7 +597,7 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
         "engines": snap["engines"], "mode": "window" if windowed else "since_start",
         "seconds": seconds, "warnings": list(snap["warnings"]),
     }
-    for concept in HISTOGRAMS:
+    for concept in (c for c in HISTOGRAMS if c not in TOKEN_COUNTS):
         result[f"{concept}_ms"] = _latency(snap["histograms"].get(concept), snap.get("prometheus", {}).get(concept))
     if "queue" not in snap["histograms"] and "queue_latency_last_s" in gauges:
         result["queue_ms"]["mean"] = gauges["queue_latency_last_s"]["value"] * 1000
@@ -591,9 +624,14 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
             result["warnings"].append(f"{key} is {gauges[concept]['metric']}, the engine's figure "
                                       "for its last logging interval")
     result["prompt_tokens"] = count("prompt_tokens")
-    generated = count("generation_tokens")
-    result["tokens_per_request"] = ((result["prompt_tokens"] or 0) + (generated or 0)) / result["requests"] \
-        if result["requests"] and result["prompt_tokens"] is not None else None
+    result.update(_lengths(snap, result["requests"]))
+    result["tokens_per_request"] = result["prompt_tokens_mean"] + (result["output_tokens_mean"] or 0) \
+        if result["prompt_tokens_mean"] is not None else None
+    result["prompt_tokens_largest"] = _largest_bucket(snap["histograms"].get("prompt_len"))
+    result["step_tokens_largest"] = _largest_bucket(snap["histograms"].get("step_tokens"))
+    endpoints = {name: count(f"{name}_requests") or 0 for name in ("chat", "completion")}
+    result["endpoint"] = max(endpoints, key=endpoints.get).replace("completion", "completions") \
+        if any(endpoints.values()) else None
     # Little's law over the requests that finished: time spent running (prefill + decode) or
     # queued, divided by the interval, is the mean number running or waiting.
     busy = [snap["histograms"][c]["sum"] for c in ("prefill", "decode") if c in snap["histograms"]]
@@ -602,22 +640,58 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
     result["waiting_mean"] = queued["sum"] / seconds if queued and seconds else None
     result["max_running"] = gauges["max_running"]["value"] if "max_running" in gauges else None
     result["gauge_samples"] = max((g.get("samples", 1) for g in gauges.values()), default=0)
+    plateau = snap.get("running_while_waiting") or []
+    result["running_while_waiting"] = max(plateau) if plateau else None
+    result["running_while_waiting_samples"] = len(plateau)
     result.update(_utilisation(snap, seconds, gpu))
     if not windowed:
         result["warnings"].append("since server start: quantiles and rates mix all history; "
                                   "use --window for what happens now")
     result["deployment"] = deployment_config(snap["cache_config"], result["tokens_per_request"])
     targets = (slo or Targets()).resolved()
-    result["slo"] = {k: targets[k] for k in ("ttft_p95_ms", "tpot_p95_ms")}
+    result["slo"] = {k: targets[k] for k in ("ttft_p95_ms", "tpot_p95_ms", "itl_p95_ms")}
     result["slo_source"], result["slo_defaulted"] = targets["source"], targets["defaulted"]
-    result["diagnosis"] = diagnose(result, Targets(targets["ttft_p95_ms"], targets["tpot_p95_ms"]))
+    settings = diagnosis.settings(result, served)
+    result["settings"] = diagnosis.known_json(settings)
+    if result["deployment"]:
+        seqs = settings["max_num_seqs"]
+        result["deployment"]["max_num_seqs"] = seqs.value
+        result["deployment"]["max_num_seqs_note"] = f"{_num(seqs.value)} ({seqs.source}: {seqs.how})" \
+            if seqs.value else f"unknown: {seqs.how}"
+    result["diagnosis"] = diagnosis.diagnose(result, settings, served.url if served else None)
     return result
 
 
-# vLLM's own defaults for --max-num-seqs, smallest first (vllm/engine/arg_utils.py,
-# _set_default_max_num_seqs_and_batched_tokens_args: 128 per GPU on CPU-class platforms, 256 or
-# 1024 on GPUs by memory). No metric exports the value a server runs with.
-VLLM_DEFAULT_MAX_NUM_SEQS = (128, 256, 1024)
+def _lengths(snap: dict[str, Any], requests: int) -> dict[str, Any]:
+    """Mean prompt and output tokens of the requests that finished, from their own histograms;
+    without them from the token counters (vLLM counts prompt tokens when it prefills them, so
+    requests still running add to them; SGLang counts both when a request finishes:
+    observe_one_finished_request in python/sglang/srt/metrics/collector.py)."""
+    result = {"prompt_tokens_mean": None, "output_tokens_mean": None, "lengths_from": None}
+    hists, counters = snap["histograms"], snap["counters"]
+    if hists.get("prompt_len", {}).get("count"):
+        result["prompt_tokens_mean"] = hists["prompt_len"]["sum"] / hists["prompt_len"]["count"]
+        if hists.get("output_len", {}).get("count"):
+            result["output_tokens_mean"] = hists["output_len"]["sum"] / hists["output_len"]["count"]
+        result["lengths_from"] = hists["prompt_len"]["metric"]
+    elif requests and "prompt_tokens" in counters:
+        result["prompt_tokens_mean"] = counters["prompt_tokens"]["value"] / requests
+        if "generation_tokens" in counters:
+            result["output_tokens_mean"] = counters["generation_tokens"]["value"] / requests
+        result["lengths_from"] = f"{counters['prompt_tokens']['metric']} / finished requests"
+    return result
+
+
+def _largest_bucket(hist: dict[str, Any] | None) -> list[float] | None:
+    """(lower, upper] bounds of the highest bucket that holds an observation; None when none do
+    or the highest is the +Inf one."""
+    if not hist or not hist.get("counts") or not hist["counts"][-1]:
+        return None
+    bounds, counts = hist["le"], hist["counts"]
+    top = next(i for i in range(len(counts)) if counts[i] >= counts[-1])
+    if math.isinf(bounds[top]):
+        return None
+    return [bounds[top - 1] if top else 0.0, bounds[top]]
 
 
 def deployment_config(info: Mapping[str, str], tokens_per_request: float | None) -> dict[str, Any]:
@@ -626,7 +700,8 @@ def deployment_config(info: Mapping[str, str], tokens_per_request: float | None)
     kv_cache_memory_bytes is set only by an explicit --kv-cache-memory-bytes (or, on CPU, by
     VLLM_CPU_KVCACHE_SPACE) and then overrides gpu_memory_utilization (vllm/config/cache.py).
     kv_cache_max_concurrency is the number of max_model_len requests the cache holds, so their
-    ratio gives max_model_len. max-num-seqs is in no metric: it stays unknown.
+    ratio gives max_model_len. max-num-seqs is in no metric: unknown here; report() puts in what
+    the server exported or the diagnosis inferred.
     """
     if not info:
         return {}
@@ -655,7 +730,7 @@ def deployment_config(info: Mapping[str, str], tokens_per_request: float | None)
         "kv_cache_dtype": info.get("cache_dtype"), "prefix_caching": info.get("enable_prefix_caching"),
         "kv_cache_sized_by": sized_by, "max_num_seqs": None,
         "max_num_seqs_note": "unknown: no metric exports it (vLLM defaults: "
-                             + "/".join(map(str, VLLM_DEFAULT_MAX_NUM_SEQS)) + " by platform)",
+                             + "/".join(map(str, diagnosis.VLLM_DEFAULT_MAX_NUM_SEQS)) + " by platform)",
     }
 
 
@@ -664,13 +739,6 @@ def _float_or_none(text: Any) -> float | None:
         return float(text)
     except (TypeError, ValueError):
         return None
-
-
-def _bytes(value: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if value >= size:
-            return f"{value / size:g} {unit}"
-    return f"{value:g} B"
 
 
 def _int_or_none(text: Any) -> int | None:
@@ -709,216 +777,12 @@ def _utilisation(snap: dict[str, Any], seconds: float | None, gpu: Mapping[str, 
     return result
 
 
-# Rules of thumb the findings use (the skill's diagnosis table; change them together).
-QUEUE_SHARE = 0.2           # requests spend a fifth or more of their time waiting for a slot
-
-
-KV_FULL = 0.9               # KV usage at which vLLM/SGLang start to hold requests back
-
-
-PREFIX_LOW = 0.2            # prefix-cache hit rate below which long prompts are mostly recomputed
-
-
-PREFIX_LONG_PROMPT = 512    # mean prompt tokens from which recomputing a shared prefix costs real prefill
-
-
-# Engine flags the levers name (vLLM / SGLang, as serve.py renders the profile keys).
-FLAGS = {
-    "vllm": {"seqs": "--max-num-seqs", "batched": "--max-num-batched-tokens",
-             "memory": "--gpu-memory-utilization or --kv-cache-memory-bytes", "kv_fp8": "--kv-cache-dtype fp8",
-             "len": "--max-model-len", "tp": "--tensor-parallel-size", "dp": "--data-parallel-size",
-             "spec": "--speculative-config", "prefix": "--enable-prefix-caching"},
-    "sglang": {"seqs": "--max-running-requests", "batched": "--chunked-prefill-size",
-               "memory": "--mem-fraction-static", "kv_fp8": "--kv-cache-dtype fp8_e4m3",
-               "len": "--context-length", "tp": "--tp-size", "dp": "--dp-size",
-               "spec": "--speculative-algorithm", "prefix": "the radix cache (drop --disable-radix-cache)"},
-}
-
-
-LEVERS = {
-    "queue": ["let more requests run at once: raise {seqs} if the KV cache has room (see the limit finding)",
-              "add replicas or data-parallel engines ({dp}) and spread the load",
-              "cut the load per server: rate-limit, or lower max_tokens where answers allow"],
-    "prefill": ["reuse prefill: keep shared prompt prefixes byte-stable so the prefix cache hits",
-                "tune chunked prefill: a larger {batched} prefills faster (ITL gets spikier)",
-                "more compute per request: tensor parallel ({tp}) or FP8 weights",
-                "at scale, separate prefill and decode servers (disaggregated serving)"],
-    "decode": ["smaller decode batches: lower {seqs} (faster tokens, less throughput)",
-               "speculative decoding ({spec}) when the batch is small",
-               "fewer bytes per token: FP8/INT4 weights, {kv_fp8}",
-               "more memory bandwidth: tensor parallel ({tp})"],
-    "kv_cache": ["give the KV cache more memory: raise {memory}",
-                 "halve KV bytes per token: {kv_fp8}",
-                 "lower {len} to what requests really need",
-                 "more GPUs for the same model: tensor parallel ({tp}); or quantize weights to free memory"],
-    "seqs_limit": ["raise {seqs}: the KV cache has room for more running requests",
-                   "raise {batched} with it so the larger batch still prefills in one step",
-                   "add replicas ({dp}) when the KV cache is the next limit"],
-    "preemptions": ["more KV room: raise {memory}, {kv_fp8}, lower {len}",
-                    "admit fewer requests at once: lower {seqs} (or {batched})",
-                    "more GPUs: tensor parallel ({tp})"],
-    "prefix_cache": ["make sure prefix caching is on: {prefix}",
-                     "put shared content first and keep it byte-identical (no timestamps or ids in system prompts)",
-                     "send requests that share a prefix to the same replica (cache-aware routing)",
-                     "give the cache more memory ({memory}) so prefixes survive between requests"],
-}
-
-
-def _finding(report_: dict[str, Any], bottleneck: str, evidence: str,
-             confidence: str = "high: histograms and counters of finished requests") -> dict[str, Any]:
-    flags = FLAGS[report_["engine"]]
-    levers = [lever.format(**flags) for lever in LEVERS[bottleneck]]
-    explicit = (report_.get("deployment") or {}).get("kv_cache_memory_bytes")
-    if explicit and bottleneck in ("kv_cache", "preemptions"):
-        levers.insert(0, f"raise --kv-cache-memory-bytes (now {_bytes(explicit)}) or drop it so "
-                         "--gpu-memory-utilization sizes the KV cache")
-    return {"bottleneck": bottleneck, "evidence": evidence, "confidence": confidence, "levers": levers}
-
-
-def _ms(value: float | None, bound: str = "") -> str:
-    """Milliseconds for people; `bound` ">=" or "<=" marks a quantile that is only a floor or ceiling."""
-    if value is None:
-        return "n/a"
-    prefix = bound
-    return f"{prefix}{value / 1000:.3g} s" if value >= 1000 else f"{prefix}{value:.3g} ms"
-
-
-def _quantile(row: dict[str, Any], name: str) -> str:
-    """A quantile for people: in the first bucket only its upper bound is known, in the +Inf
-    bucket only its lower bound (histogram_quantile's interpolation there is not a measurement)."""
-    if name in row["at_most"]:
-        return _ms(row["at_most"][name], "<=")
-    return _ms(row[name], ">=" if name in row["at_least"] else "")
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value * 100:.1f}%"
-
-
-def diagnose(r: dict[str, Any], slo: Targets) -> list[dict[str, Any]]:
-    """Findings in the skill's order: queue or prefill, decode, KV or seqs limit, preemptions,
-    prefix-cache hits. Each names the bottleneck, the numbers, and the levers in order."""
-    findings = []
-    queue, e2e, ttft = r["queue_ms"], r["e2e_ms"], r["ttft_ms"]
-    share = queue["mean"] / e2e["mean"] if queue["mean"] is not None and e2e["mean"] else None
-    waiting = r["waiting_peak"] or 0
-    queued = (share is not None and share >= QUEUE_SHARE) or (not e2e["n"] and waiting > 0)
-    if queued:
-        findings.append(_finding(r, "queue", (
-            f"requests wait for a slot: queue p95 {_quantile(queue, 'p95')}, "
-            f"mean {_ms(queue['mean'])} = {_pct(share)} of e2e{_seen(r)}; TTFT p95 {_quantile(ttft, 'p95')}")))
-    elif slo.ttft_p95_ms and ttft["p95"] is not None and ttft["p95"] > slo.ttft_p95_ms:
-        prefill = r["prefill_ms"]
-        findings.append(_finding(r, "prefill", (
-            f"TTFT p95 {_quantile(ttft, 'p95')} > target {_ms(slo.ttft_p95_ms)} with little queueing "
-            f"(queue {_pct(share)} of e2e): prefill p95 {_quantile(prefill, 'p95')}, "
-            f"prompt {_rate(r['prompt_tok_s'])} tok/s")))
-    per_token = r["tpot_ms"] if r["tpot_ms"]["p95"] is not None else r["itl_ms"]
-    if slo.tpot_p95_ms and per_token["p95"] is not None and per_token["p95"] > slo.tpot_p95_ms:
-        findings.append(_finding(r, "decode", (
-            f"{'TPOT' if per_token is r['tpot_ms'] else 'ITL'} p95 {_quantile(per_token, 'p95')} > target "
-            f"{_ms(slo.tpot_p95_ms)} with up to {r['running_peak'] or 0:g} running; generation "
-            f"{_rate(r['gen_tok_s'])} tok/s, bandwidth utilisation {_pct(r['bandwidth_util'])}")))
-    kv_max = r["kv_cache_usage_max"]
-    if queued or waiting > 0:
-        findings += _limit_findings(r, kv_max)
-    if r["preemptions"]:
-        per_request = f", {r['preemptions'] / r['requests']:.2g} per finished request" if r["requests"] else ""
-        findings.append(_finding(r, "preemptions", (
-            f"{r['preemptions']:g} preemptions{per_request}: requests lost their KV blocks and were "
-            f"recomputed{_kv_usage(r, kv_max)}{_kv_cause(r)}")))
-    hit_rate = r["prefix_cache_hit_rate"]
-    mean_prompt = r["prompt_tokens"] / r["requests"] if r["prompt_tokens"] and r["requests"] else None
-    if hit_rate is not None and hit_rate < PREFIX_LOW and mean_prompt and mean_prompt >= PREFIX_LONG_PROMPT:
-        findings.append(_finding(r, "prefix_cache", (
-            f"prefix-cache hit rate {_pct(hit_rate)} with {mean_prompt:.0f}-token prompts on "
-            f"average: most prompt tokens are computed again")))
-    return findings
-
-
-def _limit_findings(r: dict[str, Any], kv_max: float | None) -> list[dict[str, Any]]:
-    """Why requests wait: a full KV cache, or the cap on running requests while memory is free.
-
-    Evidence that cannot miss the peak comes first: preemptions (a counter), Little's law over a
-    window (requests running on average, from the histograms of finished requests), the KV size
-    the deployment exports against the mean request. The KV, running and waiting gauges are
-    samples that a busy server may answer only after the load: a finding resting on them says so,
-    and one scrape since start never names the running-requests cap from them.
-    """
-    footprint, kv_tokens = r["tokens_per_request"], r["kv_cache_tokens"]
-    fit = (r.get("deployment") or {}).get("requests_of_mean_length")
-    if r["preemptions"]:
-        return [_finding(r, "kv_cache", (
-            f"the KV cache ran out while requests waited: {r['preemptions']:g} preemptions"
-            f"{_kv_usage(r, kv_max)}{_seen(r)}{_kv_cause(r)}"), "high: the preemption counter cannot miss one")]
-    if r["mode"] == "window" and r["running_mean"] and footprint and kv_tokens:
-        needed = r["running_mean"] * footprint
-        little = (f"{r['running_mean']:.1f} requests ran at a time on average (Little's law over the window), "
-                  f"about {needed:,.0f} of {kv_tokens:,} KV tokens ({footprint:,.0f} per request)")
-        if needed >= kv_tokens / 2 or (kv_max or 0) >= KV_FULL:
-            return [_finding(r, "kv_cache", f"requests wait while those running fill the KV cache: {little}"
-                             f"{_seen(r)}{_kv_cause(r)}", "high: histograms of the window and the exported cache size")]
-        return [_finding(r, "seqs_limit", (
-            f"requests wait while the KV cache has room: {little}{_seen(r)}{_cap(r)}"),
-            f"medium: Little's law over the window, gauges sampled {r['gauge_samples']} times")]
-    if fit is not None and fit < VLLM_DEFAULT_MAX_NUM_SEQS[0]:
-        return [_finding(r, "kv_cache", (
-            f"requests waited and the KV cache holds only {fit:.1f} requests of the mean length "
-            f"({footprint:,.0f} tokens){_kv_cause(r)}; max-num-seqs is not exported: unless it was set "
-            f"below {fit:.0f}, the KV cache is the limit"),
-            "medium: the deployment's exported cache size and the finished requests' lengths; "
-            "confirm under load with --window 30")]
-    if kv_max is not None and kv_max >= KV_FULL:
-        return [_finding(r, "kv_cache", (
-            f"the KV cache fills up while requests wait{_kv_usage(r, kv_max)}{_seen(r)}{_kv_cause(r)}"),
-            f"high: a gauge sample saw it {_pct(kv_max)} full")]
-    if r["mode"] == "window" and kv_max is not None and (r["running_peak"] or r["waiting_peak"]):
-        return [_finding(r, "seqs_limit", (
-            f"requests wait while the KV cache has room: usage at most {_pct(kv_max)}"
-            f"{_seen(r)}{_cap(r)}: the running-requests cap, not memory, holds them back"),
-            f"low: {r['gauge_samples']} gauge samples can miss the peak; measure with --window 30 under load")]
-    r["warnings"].append("requests waited, but one scrape since start cannot show which limit held them "
-                         "(KV cache or max-num-seqs): run --window 30 under load")
-    return []
-
-
-def _kv_cause(r: dict[str, Any]) -> str:
-    """The setting that sized the KV cache, and what it holds: from vllm:cache_config_info."""
-    dep = r.get("deployment") or {}
-    if not dep.get("kv_cache_sized_by") or not dep.get("kv_cache_tokens"):
-        return ""
-    text = f"; set by {dep['kv_cache_sized_by']}: {dep['kv_cache_tokens']:,} KV tokens"
-    if dep.get("requests_of_mean_length") is not None:
-        text += f", {dep['requests_of_mean_length']:.1f} requests of your length ({dep['mean_request_tokens']:,.0f} tokens)"
-    if dep.get("max_concurrency_at_max_model_len") is not None and dep.get("max_model_len"):
-        text += f", {dep['max_concurrency_at_max_model_len']:,.1f} at max-model-len {dep['max_model_len']:,}"
-    return text
-
-
 def _rate(value: float | None) -> str:
     return "n/a" if value is None else f"{value:,.0f}"
 
 
 def _kv_size(r: dict[str, Any]) -> str:
     return f" of {r['kv_cache_tokens']:,} tokens" if r.get("kv_cache_tokens") else ""
-
-
-def _kv_usage(r: dict[str, Any], kv_max: float | None) -> str:
-    """The sampled KV usage where it showed anything, and the cache size."""
-    if kv_max:
-        return f"; KV usage up to {_pct(kv_max)}{_kv_size(r)}"
-    return f"; the KV cache holds {r['kv_cache_tokens']:,} tokens" if r.get("kv_cache_tokens") else ""
-
-
-def _seen(r: dict[str, Any]) -> str:
-    """The running/waiting gauges where they caught requests (a busy server may answer its
-    scrapes only after the load, so samples can miss the peak)."""
-    seen = [f"{name} up to {r[name + '_peak']:g}" for name in ("waiting", "running") if r[name + "_peak"]]
-    return "; " + ", ".join(seen) if seen else ""
-
-
-def _cap(r: dict[str, Any]) -> str:
-    return f" of max {r['max_running']:g}" if r.get("max_running") else ""
 
 
 def window(before: dict[str, Any], after: dict[str, Any], during: Sequence[dict[str, Any]] = (),
@@ -1062,8 +926,10 @@ def format_report(r: dict[str, Any]) -> str:
         f"  running {_gauge(r, 'running')}, waiting {_gauge(r, 'waiting')}"
         f", KV cache {_pct(r['kv_cache_usage'])} (max {_pct(r['kv_cache_usage_max'])}{_kv_size(r)})"
         f", preemptions {_num(r['preemptions'])}, prefix-cache hits {_pct(r['prefix_cache_hit_rate'])}")
+    lengths = (f" of {_rate(r['prompt_tokens_mean'])} prompt + {_rate(r['output_tokens_mean'])} output tokens "
+               f"on average ({r['lengths_from']})") if r["prompt_tokens_mean"] is not None else ""
     lines.append(f"  prompt {_rate(r['prompt_tok_s'])} tok/s, generation {_rate(r['gen_tok_s'])} tok/s, "
-                 f"{r['requests']} requests finished")
+                 f"{r['requests']} requests finished{lengths}")
     if r["tflops_per_gpu"] is not None:
         on = f" of {r['gpu']}" if r["gpu"] else " (pass --gpu for MFU)"
         lines.append(f"  per GPU {r['tflops_per_gpu']:.3g} TFLOP/s, {r['tb_s_per_gpu'] * 1000:.3g} GB/s: "
@@ -1073,24 +939,8 @@ def format_report(r: dict[str, Any]) -> str:
     for warning in r["warnings"]:
         lines.append(f"  note: {warning}")
     lines.append(_targets_line(r))
-    if r["diagnosis"]:
-        lines.append("Diagnosis:")
-        lines += format_findings(r["diagnosis"])
-    else:
-        lines.append("Diagnosis: no bottleneck found in these figures.")
+    lines += diagnosis.format_diagnosis(r["diagnosis"])
     return "\n".join(lines)
-
-
-def format_findings(found: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The lines of a diagnosis: each finding's bottleneck, cause (fleet findings name one),
-    evidence and confidence (an engine's findings give one), then its levers in order."""
-    lines = []
-    for finding in found:
-        cause = f"{finding['cause']}: " if "cause" in finding else ""
-        confidence = f" (confidence {finding['confidence']})" if "confidence" in finding else ""
-        lines.append(f"  [{finding['bottleneck']}] {cause}{finding['evidence']}{confidence}")
-        lines += [f"      {i}. {lever}" for i, lever in enumerate(finding["levers"], 1)]
-    return lines
 
 
 def _deployment_line(dep: dict[str, Any]) -> str:
@@ -1112,7 +962,8 @@ def _deployment_line(dep: dict[str, Any]) -> str:
 
 def _targets_line(r: dict[str, Any]) -> str:
     slo = r["slo"]
-    text = f"  targets: TTFT p95 {_ms(slo['ttft_p95_ms'])}, TPOT p95 {_ms(slo['tpot_p95_ms'])}"
+    text = (f"  targets: TTFT p95 {_ms(slo['ttft_p95_ms'])}, TPOT p95 {_ms(slo['tpot_p95_ms'])}, "
+            f"ITL p95 {_ms(slo['itl_p95_ms'])}")
     if r["slo_source"] == "given":
         return text + " (given)"
     return (text + f" ({'starting defaults' if r['slo_source'] == 'default' else 'partly starting defaults: '}"
@@ -1126,7 +977,7 @@ def format_replica_line(r: dict[str, Any]) -> str:
     return (f"  {r['source']}{state}: TTFT p95 {_quantile(r['ttft_ms'], 'p95')}, ITL p95 {_quantile(r['itl_ms'], 'p95')}, "
             f"running {_num(r['running'])}, waiting {_num(r['waiting'])}, KV {_pct(r['kv_cache_usage'])}, "
             f"preemptions {_num(r['preemptions'])}, findings: "
-            f"{', '.join(f['bottleneck'] for f in r['diagnosis']) or 'none'}")
+            f"{', '.join(f['kind'] for f in r['diagnosis']['findings']) or 'none'}")
 
 
 def _gauge(r: dict[str, Any], name: str) -> str:
@@ -1146,7 +997,8 @@ def _gauge(r: dict[str, Any], name: str) -> str:
     if extra:
         text += f" ({'; '.join(extra)}"
         peak = r[name + "_peak"] if r["mode"] == "window" else r[name]
-        text += ": the samples missed the busy moments)" if peak is not None and mean > peak else ")"
+        missed = mean is not None and peak is not None and mean > peak
+        text += ": the samples missed the busy moments)" if missed else ")"
     return text
 
 

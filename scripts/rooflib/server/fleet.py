@@ -278,7 +278,7 @@ def configs(prom: Prometheus, engine: str, names: set[str], match: str, seconds:
 
 # ---------------------------------------------------------------------------------------------
 # Fleet findings. `reports` are engine_metrics.report() dicts of each replica plus instance, state,
-# model and config; `flags` are the engine's flag names (engine_metrics.FLAGS).
+# model and config; `flags` are the engine's flag names (diagnosis.FLAGS).
 
 LEVERS = {
     "replica_down": [
@@ -307,9 +307,12 @@ LEVERS = {
 
 def _finding(kind: str, cause: str, evidence: str, named: Sequence[str], per_replica: dict[str, Any],
              flags: Mapping[str, str]) -> dict[str, Any]:
+    """A fleet finding in the shape of an engine's (scripts/diagnosis.py), with the replicas it
+    names; diagnosis.with_fleet puts its levers first in the plan."""
     words = {**flags, "replicas": len(named), "more": len(named) + 1}
-    return {"bottleneck": kind, "scope": "fleet", "cause": cause, "evidence": evidence,
-            "replicas": list(named), "per_replica": per_replica,
+    return {"kind": kind, "scope": "fleet", "cause": cause, "evidence": evidence,
+            "confidence": "high: each replica's series in Prometheus", "caused_by": None, "setting": None,
+            "current": None, "current_source": None, "replicas": list(named), "per_replica": per_replica,
             "levers": [lever.format(**words) for lever in LEVERS[kind]]}
 
 

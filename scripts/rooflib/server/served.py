@@ -18,7 +18,7 @@ from rooflib.core.errors import ServerError, UsageError
 from rooflib.server import engine_metrics, model_listing
 from rooflib.sizing import estimate
 
-# The acceptance levels (scripts/catalog/ppl_gates.yaml) of each weight format sizing names.
+# The acceptance levels (scripts/rooflib/catalog/ppl_gates.yaml) of each weight format sizing names.
 SCHEME_OF_QUANT = {"int4": "4bit", "mxfp4": "4bit", "nvfp4": "4bit", "fp8": "fp8", "int8": "int8"}
 
 

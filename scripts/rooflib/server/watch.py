@@ -1,5 +1,6 @@
 """What the server says while bench.py loads it: a /metrics timeline, the client-vs-server
-cross-check of TTFT and e2e, and a probe of a trivial endpoint that sizes network and proxy time.
+cross-check of TTFT and e2e with the time outside the engine by kind, and a probe of a trivial
+endpoint that splits that time into network and gateway.
 
 The timeline (bench JSON "timeline", read by other tools: keep the keys):
   {"interval_s": 2.0, "samples": [{"t_s", "running", "waiting", "kv_cache_usage_perc",
@@ -147,59 +148,163 @@ def timeline_samples(snapshots: Sequence[tuple[float, dict[str, Any]]]) -> list[
 # ---------------------------------------------------------------------------------------------
 # Client against server
 
-def cross_check(delta: dict[str, Any], client: dict[str, dict[str, Any]], loop_lag_p99: float | None,
+# A part of the time outside the engine smaller than this share of it is not named: noise.
+MATERIAL_SHARE = 0.2
+# A TTFT excess this close to the e2e one (relative) makes the two one fixed added latency.
+FIXED_AGREEMENT = 0.25
+
+
+def cross_check(delta: dict[str, Any], client: dict[str, Any], loop_lag_p99: float | None,
                 probe: dict[str, Any] | None) -> dict[str, Any]:
     """Client TTFT/e2e percentiles against the bucket of the server's histogram (same window)
     that holds the same percentile. Within the bucket: agreement. Above it at every
     percentile: time spent outside the engine, at least `excess_ms`; below it: the server's
-    histogram holds other requests too (other traffic) or the client lost time it should have
-    measured. `probe` (a trivial endpoint's round trip) splits the excess into network/proxy
-    and API-server time."""
-    checks, findings = {}, []
+    histograms hold other requests too (other traffic) or the client lost time it should have
+    measured. `client` holds bench's ttft_ms and e2e_ms summaries and `one_read`, the streams
+    that came in one read; `probe` (a trivial endpoint's round trip) splits the time outside
+    the engine (see outside_engine)."""
+    checks = {}
     for concept, key in (("ttft", "ttft_ms"), ("e2e", "e2e_ms")):
-        hist = delta["histograms"].get(concept)
-        if not hist or not hist.get("counts") or not client[key].get("n"):
-            continue
-        buckets = list(zip(hist["le"], hist["counts"]))
-        rows = {}
-        for p in PERCENTILES:
-            bounds = engine_metrics.quantile_bucket(int(p[1:]) / 100, buckets)
-            value = client[key][p]
-            if bounds is None or value is None:
-                continue
-            low, high = bounds[0] * 1e3, bounds[1] * 1e3
-            side = "above" if value > high else "below" if value < low else "within"
-            rows[p] = {"client": value, "server_bucket_ms": [low, None if high == float("inf") else high],
-                       "side": side, "excess_ms": value - high if side == "above" else
-                       (value - low if side == "below" else 0.0)}
-        if not rows:
-            continue
-        sides = {r["side"] for r in rows.values()}
-        checks[key] = rows
-        name = "TTFT" if concept == "ttft" else "e2e"
-        if sides == {"above"}:
-            excess = min(r["excess_ms"] for r in rows.values())
-            findings.append(outside_engine(name, excess, loop_lag_p99, probe))
-        elif sides == {"below"}:
-            findings.append(f"{name}: the client measured less than the engine at every percentile "
-                            f"(by at least {-max(r['excess_ms'] for r in rows.values()):.1f} ms): the server's "
-                            "histograms hold other traffic too, so they are not this run's")
-    return {"percentiles": checks, "findings": findings}
+        rows = _percentile_rows(delta["histograms"].get(concept), client[key])
+        if rows:
+            checks[key] = rows
+    return {"percentiles": checks, "findings": outside_engine(delta, client, checks, loop_lag_p99, probe)}
 
 
-def outside_engine(name: str, excess: float, loop_lag_p99: float | None, probe: dict[str, Any] | None) -> str:
-    """Which side is off when the client is slower than the engine by `excess` ms or more."""
-    text = (f"{name}: the client measured at least {excess:.1f} ms more than the engine at every "
-            "percentile: time outside the engine")
-    if loop_lag_p99 is not None and loop_lag_p99 >= excess:
-        return text + f"; the client's own loop lag (p99 {loop_lag_p99:.1f} ms) can explain it"
-    if probe and probe.get("p50_ms") is not None:
-        network = probe["p50_ms"]
-        rest = excess - network
-        return (text + f"; a trivial request ({probe['path']}) takes {network:.1f} ms round trip, so network "
-                f"and proxy explain about {min(network, excess):.1f} ms"
-                + (f" and the API server (HTTP, tokenizing, detokenizing) the other {rest:.1f} ms" if rest > 0 else ""))
-    return text + " (proxy, gateway, network, or the API server's HTTP and tokenizing): --probe sizes the network part"
+def _percentile_rows(hist: dict[str, Any] | None, summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    if not hist or not hist.get("counts") or not summary.get("n"):
+        return {}
+    buckets = list(zip(hist["le"], hist["counts"]))
+    rows = {}
+    for p in PERCENTILES:
+        bounds = engine_metrics.quantile_bucket(int(p[1:]) / 100, buckets)
+        value = summary[p]
+        if bounds is None or value is None:
+            continue
+        low, high = bounds[0] * 1e3, bounds[1] * 1e3
+        side = "above" if value > high else "below" if value < low else "within"
+        rows[p] = {"client": value, "server_bucket_ms": [low, None if high == float("inf") else high],
+                   "side": side, "excess_ms": value - high if side == "above" else
+                   (value - low if side == "below" else 0.0)}
+    return rows
+
+
+def _finding(cause: str | None, size_ms: float | None, evidence: str, confidence: str, remedy: str,
+             kind: str = "outside_engine") -> dict[str, Any]:
+    """A finding in the diagnosis' shape; outside the engine there is no server setting to name."""
+    return {"kind": kind, "cause": cause, "size_ms": size_ms, "evidence": evidence, "confidence": confidence,
+            "remedy": remedy, "caused_by": None, "setting": None, "current": None, "current_source": None}
+
+
+def _mean_excess(delta: dict[str, Any], client: dict[str, Any], concept: str, key: str) -> float | None:
+    """Client mean minus the engine's exact mean (its histogram's sum / count), in ms."""
+    hist, mean = delta["histograms"].get(concept), client[key].get("mean")
+    if not hist or not hist.get("count") or mean is None:
+        return None
+    return mean - hist["sum"] / hist["count"] * 1e3
+
+
+def outside_engine(delta: dict[str, Any], client: dict[str, Any], checks: dict[str, Any],
+                   loop_lag_p99: float | None, probe: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Time outside the engine by kind, each a finding of kind outside_engine with a `cause` and
+    its size in ms (differences of exact means; the percentile check is the gate):
+      buffering      streams that came in one read at the end: a proxy held the tokens back, so
+                     the first token waited for the last (TTFT excess beyond the e2e one);
+      fixed_latency  the client is later than the engine by about the same time at the first
+                     token and at the last: every request pays it once;
+      network        the part of it a trivial request's round trip (--probe) explains: the
+                     network and any proxy in the path;
+      gateway        the rest: what only real requests pay (a gateway's auth and routing, the
+                     API server's HTTP and tokenizing);
+      client         the client's own event-loop lag covers the gap;
+      unsplit        time outside the engine with no --probe to split it.
+    Client figures below the engine's at every percentile are kind other_traffic."""
+    found = _other_traffic(checks)
+    ttft_excess = _mean_excess(delta, client, "ttft", "ttft_ms")
+    e2e_excess = _mean_excess(delta, client, "e2e", "e2e_ms")
+    buffered, streams = client.get("one_read", 0), client["ttft_ms"].get("n") or 0
+    every_stream = buffered == streams > 0
+    if buffered and ttft_excess is not None:
+        found.append(_buffering(buffered, streams, ttft_excess, e2e_excess))
+    # With every stream buffered, TTFT is the stream's end: only e2e can show the rest.
+    gated = [key for key, rows in checks.items() if all(r["side"] == "above" for r in rows.values())
+             and not (every_stream and key == "ttft_ms")]
+    if not gated:
+        return found
+    floor = min(r["excess_ms"] for key in gated for r in checks[key].values())
+    if loop_lag_p99 is not None and loop_lag_p99 >= floor:
+        return found + [_finding("client", floor, (
+            f"the client measured at least {floor:.1f} ms more than the engine at every percentile, and its "
+            f"own loop lag (p99 {loop_lag_p99:.1f} ms) can explain it"), "medium: the lag covers the gap",
+            "rerun with fewer requests per client process (--workers) or on a quieter machine")]
+    probed = probe is not None and probe.get("p50_ms") is not None
+    # A fixed latency delays the first token (late at every percentile) as much as the last. Streams
+    # that came in one read make first tokens later still, never the last: with some, only the
+    # lower bound holds.
+    if ("ttft_ms" in gated and ttft_excess is not None and e2e_excess is not None and e2e_excess > 0
+            and ttft_excess >= (1 - FIXED_AGREEMENT) * e2e_excess
+            and (buffered or ttft_excess <= (1 + FIXED_AGREEMENT) * e2e_excess)):
+        size = e2e_excess
+        found.append(_finding("fixed_latency", size, (
+            f"every request is about {size:.0f} ms later at the client than in the engine: its last token "
+            f"{e2e_excess:.0f} ms over the engine's mean e2e, its first {ttft_excess:.0f} ms over the mean TTFT and "
+            "above the engine's bucket at every percentile: a fixed added latency"),
+            "high: the exact mean of the same window, and every percentile",
+            "find the hop that adds it: " + ("the network and gateway findings split it" if probed
+                                             else "rerun with --probe /health")))
+    else:
+        size = max((e2e_excess if buffered else ttft_excess) or 0.0, floor)
+        if not probed:
+            found.append(_finding("unsplit", size, (
+                f"the client measured about {size:.0f} ms more than the engine at every percentile: time outside "
+                "the engine (network, proxy, gateway, or the API server's HTTP and tokenizing)"),
+                "high: every percentile", "rerun with --probe /health to split the network from the gateway"))
+    return found + (_network_and_gateway(size, probe) if probed else [])
+
+
+def _other_traffic(checks: dict[str, Any]) -> list[dict[str, Any]]:
+    found = []
+    for key, rows in checks.items():
+        if all(r["side"] == "below" for r in rows.values()):
+            name = "TTFT" if key == "ttft_ms" else "e2e"
+            found.append(_finding(None, None, (
+                f"{name}: the client measured less than the engine at every percentile (by at least "
+                f"{-max(r['excess_ms'] for r in rows.values()):.1f} ms): the server's histograms hold other "
+                "traffic too, so they are not this run's"), "high: every percentile",
+                "compare on a server this run has to itself", kind="other_traffic"))
+    return found
+
+
+def _buffering(buffered: int, streams: int, ttft_excess: float, e2e_excess: float | None) -> dict[str, Any]:
+    return _finding("buffering", ttft_excess - (e2e_excess or 0.0), (
+        f"{buffered} of {streams} streams came in one read at the end: the first token waited for the "
+        f"last, TTFT {ttft_excess:.0f} ms above the engine's mean while e2e is {e2e_excess or 0:.0f} ms above"),
+        "high: every stream came in one read" if buffered == streams else
+        "medium: some streams only (a starved API server or a stalled client does that too)",
+        # nginx: proxy_buffering, and the X-Accel-Buffering header a response can send
+        # (https://nginx.org/en/docs/http/ngx_http_proxy_module.html#proxy_buffering).
+        "turn off response buffering on the streaming routes (nginx: proxy_buffering off, or send "
+        "X-Accel-Buffering: no)")
+
+
+def _network_and_gateway(size: float, probe: dict[str, Any]) -> list[dict[str, Any]]:
+    """`size` ms outside the engine split by a trivial request's round trip: what every request
+    pays (network) and what only real ones do (gateway); a part under MATERIAL_SHARE is not named."""
+    trivial = probe["p50_ms"]
+    network, rest = min(trivial, size), size - trivial
+    found = []
+    if network >= MATERIAL_SHARE * size:
+        found.append(_finding("network", network, (
+            f"a trivial request ({probe['path']}) takes {trivial:.1f} ms round trip, so the network and any proxy "
+            f"in the path explain about {network:.0f} of the {size:.0f} ms"), "medium: a trivial request's round trip",
+            "serve from nearer the clients, or find the proxy that delays every request (the trivial one too)"))
+    if rest >= MATERIAL_SHARE * size:
+        found.append(_finding("gateway", rest, (
+            f"real requests lose {rest:.0f} ms more than a trivial one ({probe['path']} {trivial:.1f} ms): a gateway "
+            "on the inference routes (auth, routing, rate limits) or the API server (HTTP, tokenizing) adds it"),
+            "medium: the difference of two round trips",
+            "bench the engine's own port: if the gap goes, the gateway adds it; if it stays, the API server"))
+    return found
 
 
 def probe(base_url: str, api_key: str | None, path: str, count: int = 20, timeout: float = 10.0) -> dict[str, Any]:

@@ -2,15 +2,16 @@
 
 Both CLIs (vram.py, roofline.py) import this module and physics; neither imports the other.
 
-The model is a catalog name (scripts/catalog/models.yaml, works offline), a Hugging Face repo id
+The model is a catalog name (scripts/rooflib/catalog/models.yaml, works offline), a Hugging Face repo id
 (config.json is fetched once with httpx, HF_TOKEN if set, and cached), or a local folder /
-config.json. The GPU is a catalog name (scripts/catalog/gpus.yaml) or a memory size.
+config.json. The GPU is a catalog name (scripts/rooflib/catalog/gpus.yaml) or a memory size.
 
 The accounting it follows, vLLM's and SGLang's, is stated for users in vram.py's --help; each
 function below cites the engine source it reproduces.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -228,7 +229,8 @@ def model_from_config(config: Mapping[str, Any], name: str, source: str,
         expert_intermediate=expert_intermediate, shared_intermediate=shared, moe_layers=moe_layers,
         dense_intermediate=dense_intermediate, linear_state=linear_state,
         extra_params=extra_params_b * 1e9, checkpoint_bytes=checkpoint_bytes, params_b=params_b,
-        multimodal=bool(config.get("vision_config") or extra_params_b))
+        multimodal=bool(config.get("vision_config") or extra_params_b
+                        or any("ForConditionalGeneration" in str(a) for a in config.get("architectures") or [])))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,14 +368,14 @@ def resolve_gpu(name: str | None, gpu_gb: float | None = None, gpu_gib: float | 
         label = f"{gpu_gib:g} GiB GPU" if gpu_gib is not None else f"{gpu_gb:g} GB GPU ({reported:.2f} GiB)"
         return {**base, "id": base.get("id", "custom"), "name": base.get("name", label), "memory_gib": reported}
     if not name:
-        raise UsageError("no GPU given: set GPU (e.g. h100, a100-80gb, l40s; see scripts/catalog/gpus.yaml), "
+        raise UsageError("no GPU given: set GPU (e.g. h100, a100-80gb, l40s; see scripts/rooflib/catalog/gpus.yaml), "
                          "GPU_GB (the marketed size, e.g. 80) or GPU_GIB (the total vLLM logs)")
     catalog = catalogs.load_catalog("gpus")
     try:
         key, entry = catalogs.find_in_catalog(catalog, name, "GPU")
     except UsageError as exc:
         known = ", ".join(sorted(catalog))
-        raise UsageError(str(exc) if "known:" in str(exc) else f"{exc} (known: {known}; or set GPU_GB or GPU_GIB)")
+        raise UsageError(f"{exc} (known: {known}; or set GPU_GB or GPU_GIB)")
     return {**entry, "id": key}
 
 
@@ -578,6 +580,14 @@ def kv_capacity(specs: Sequence[KVSpec], kv_space: float, max_len: int, max_num_
             "bytes_per_block": bytes_per_block}
 
 
+def block_bytes(inp: Inputs, block_size: int) -> int:
+    """Bytes one KV block takes on one GPU (of the first pipeline stage), as vLLM pages it: a
+    server's num_gpu_blocks times this is its KV pool."""
+    specs = layer_specs(inp.model, inp.tp, inp.pp, kv_dtype_bytes(inp.model, inp.kv_dtype), block_size,
+                        inp.kv_dtype.lower())
+    return kv_groups(specs)[0][1] * specs[0].page_bytes
+
+
 def max_len_that_fits(specs: Sequence[KVSpec], kv_space: float, limit: int, max_num_batched_tokens: int) -> int:
     """The largest max_model_len with concurrency >= 1 (vLLM's estimate_max_model_len)."""
     low, high, best = 1, limit, 0
@@ -616,6 +626,8 @@ class Inputs:
     sampler: str = "auto"       # top-k/top-p kernel of the profile run: pytorch, triton, flashinfer; auto = by version
     vllm_engine: str = "auto"   # v0 / v1; auto = by version (0.8-0.10 still ran V0 with VLLM_USE_V1=0 or on GPUs older than Ampere)
     expert_parallel: bool = False  # vLLM --enable-expert-parallel: experts split over the TP ranks instead of TP-sharded
+    wsl: bool = False           # the GPU runs under WSL2, shared with the Windows desktop
+    kv_space_offset_bytes: float | None = None  # a running server's pool minus the estimated KV space
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -830,10 +842,15 @@ def budget(inp: Inputs, stage: int = 0) -> dict[str, Any]:
         out["kv_space_bytes"] = float(inp.kv_cache_bytes)
     else:
         out["kv_space_bytes"] = requested - weights["per_gpu"] - out["activation_bytes"] - out["non_torch_bytes"] - out["cudagraph_bytes"]
+        out["kv_space_offset_bytes"] = inp.kv_space_offset_bytes or 0.0
+        out["kv_space_bytes"] += out["kv_space_offset_bytes"]
     return out
 
 
 def check_inputs(inp: Inputs) -> None:
+    """Bad inputs as one UsageError line. A CTX beyond the model's limit gets a YaRN hint over the
+    largest power of two within the limit: model cards state the native context so (Qwen3: 32,768
+    of its 40,960, "factor": 4.0 for 131,072, https://huggingface.co/Qwen/Qwen3-32B)."""
     m = inp.model
     for name, value in (("TP", inp.tp), ("PP", inp.pp)):
         if value < 1:
@@ -847,10 +864,12 @@ def check_inputs(inp: Inputs) -> None:
     if inp.pp > len(m.layers):
         raise UsageError(f"PP={inp.pp} is more than the {len(m.layers)} layers of {m.name}")
     if inp.ctx is not None and inp.ctx > m.max_len:
+        native = 1 << (m.max_len.bit_length() - 1)
+        factor = 1 << math.ceil(math.log2(inp.ctx / native))
         raise UsageError(f"CTX={inp.ctx} is beyond {m.name}'s limit of {m.max_len} tokens "
                          "(max_position_embeddings, and rope_scaling if any): lower CTX, or extend the context "
-                         "as vLLM's --hf-overrides would, e.g. ROPE_SCALING='{\"rope_type\":\"yarn\",\"factor\":4.0,"
-                         f"\"original_max_position_embeddings\":{m.max_len}}}'")
+                         "as vLLM's --hf-overrides would, e.g. ROPE_SCALING='{\"rope_type\":\"yarn\","
+                         f"\"factor\":{factor:.1f},\"original_max_position_embeddings\":{native}}}'")
     if inp.gpu_util is not None and not 0 < inp.gpu_util <= 1:
         raise UsageError(f"GPU_UTIL must be in (0, 1], got {inp.gpu_util}")
     if inp.engine not in ("vllm", "sglang"):
@@ -898,7 +917,8 @@ def estimate(inp: Inputs) -> dict[str, Any]:
         "weights_total_gib": b["weights_total_bytes"] / GIB, "weights_gib": b["weights_bytes"] / GIB,
         "activation_gib": b["activation_bytes"] / GIB, "non_torch_gib": b["non_torch_bytes"] / GIB,
         "cudagraph_gib": b["cudagraph_bytes"] / GIB, "kv_cache_gib": b["kv_space_bytes"] / GIB,
-        "kv_space_fixed": inp.kv_cache_bytes is not None, "pp_stage": stage,
+        "kv_space_fixed": inp.kv_cache_bytes is not None, "kv_space_offset_gib": b.get("kv_space_offset_bytes", 0.0) / GIB,
+        "pp_stage": stage,
         "kv_bytes_per_token": token_bytes * attention_layers,
         "attention_layers": attention_layers, "layer_kinds": sorted({layer.kind for layer in m.layers}),
     }
@@ -930,26 +950,114 @@ def estimate(inp: Inputs) -> dict[str, Any]:
     return result
 
 
-# How far the non-KV terms of a budget may be off, from the counted in-sample logs of
-# benchmarks/vram_accuracy.py (logged minus predicted "other" memory, and the weights against
-# "Model loading took"): 0.5% of the weights, 10% of the activation peak, non-torch and CUDA-graph
-# terms, plus 0.3 GiB. With that spread 50 of the 54 counted in-sample logs fall inside the range.
-SPREAD_OF_WEIGHTS = 0.005
-SPREAD_OF_OVERHEADS = 0.10
-SPREAD_FIXED = 0.3 * GIB
-# A multimodal checkpoint's profile run also encodes dummy images (vLLM's encoder cache budget,
-# gpu_model_runner "Encoder cache will be initialized with a budget of N tokens"); the Gemma 3
-# logs in the benchmark add ~0.3 GiB to the torch peak of their text-only Gemma 2 siblings.
-ENCODER_PROFILE_SPREAD = 0.3 * GIB
+@dataclass(frozen=True)
+class Spread:
+    """One reason the non-KV memory of a budget may differ from the estimate: by up to `more`
+    bytes more (fewer KV tokens) or `less` bytes less (more KV tokens). `outside`: a setup the
+    model does not cover, so the range, not the point, is the answer."""
+    source: str
+    more: float
+    less: float
+    why: str
+    outside: bool = False
 
 
-def non_kv_spread_bytes(inp: Inputs, b: Mapping[str, Any]) -> float:
-    """The +- spread of weights + activation + non-torch + CUDA graphs (0 when the KV space is fixed)."""
-    if inp.kv_cache_bytes is not None:
-        return 0.0
-    overheads = b["activation_bytes"] + b["non_torch_bytes"] + b["cudagraph_bytes"]
-    spread = SPREAD_OF_WEIGHTS * b["weights_bytes"] + SPREAD_OF_OVERHEADS * overheads + SPREAD_FIXED
-    return spread + (ENCODER_PROFILE_SPREAD if inp.model.multimodal and inp.engine == "vllm" else 0.0)
+# How far each non-KV term may be off, from what vLLM logs for it (the logs are cited in
+# tests/fixtures/vllm_startup_logs.yaml; benchmarks/vram_accuracy.py prints both figures per log).
+# Weights: "Model loading took" is within 0.5% of the computed size for 16- and 8-bit checkpoints;
+# 4-bit formats carry scales, zero points, layers kept in 16 bits and kernel padding that vary by
+# recipe, and their logs read 0-2.9% above it at TP 1 (4.4% for gpt-oss at TP 4).
+WEIGHTS_SPREAD = {"16-bit": (0.005, 0.005), "8-bit": (0.01, 0.01), "4-bit": (0.03, 0.01)}  # (more, less)
+# The activation peak is first-order (one profile batch and the sampler rows): +-15%.
+ACTIVATION_SPREAD = 0.15
+# Allocator rounding and what else the profiler sees grow: 0.3 GiB either way.
+FIXED_SPREAD = 0.3 * GIB
+# CUDA-graph memory vLLM >= 0.21 subtracts is its own estimate ("Estimated CUDA graph memory:
+# X GiB total"): 0.22-0.78 GiB for dense models in public logs, ~0.4-2 GiB for MoE and hybrid ones.
+CUDAGRAPH_SPREAD = {"dense": (0.3 * GIB, 0.3 * GIB), "moe": (1.0 * GIB, 0.6 * GIB)}  # (more, less)
+# With TP or PP every rank sizes its own pool and vLLM keeps the smallest (kv_cache_utils.
+# get_kv_cache_configs): vllm#21348 (TP4) logged 1.15% fewer tokens than its rank 0's KV GiB gives.
+RANKS_KV_SHARE = 0.015
+# --enforce-eager: no graphs, no torch.compile; the eager logs of the benchmark sit up to 0.5 GiB
+# either side of the estimate (vllm PR #20665's first stage: 0.48 GiB less).
+EAGER_SPREAD = 0.5 * GIB
+# A multimodal checkpoint's profile run also encodes dummy images at the encoder-cache budget
+# (gpu_model_runner "Encoder cache will be initialized with a budget of N tokens"), and the
+# vision tower's size is the model card's: the Gemma 3 logs read 0.4-0.6 GiB more weights and a
+# 0.3 GiB higher peak than their text-only Gemma 2 siblings.
+MULTIMODAL_SPREAD = (1.0 * GIB, 0.3 * GIB)
+# --enable-expert-parallel: the all-to-all buffers (DeepEP's VLLM_DEEPEP_BUFFER_SIZE_MB, 1024 by
+# default, vllm/envs.py) and, with graphs, larger CUDA graphs (~5 GiB estimated in TP4 + EP logs).
+EXPERT_PARALLEL_BUFFERS = 1.0 * GIB
+EXPERT_PARALLEL_CUDAGRAPHS = 5.0 * GIB
+# WSL2: the Windows desktop shares the card and WDDM moves memory in and out (the kvcache-lab
+# RTX 4080 log in the benchmark: 1.3 of 16 GiB in use by Windows at start-up).
+WSL_SPREAD = 1.0 * GIB
+# ROCm: the non-torch memory (hipBLASLt, RCCL, AITER workspaces) and graph memory of ROCm builds
+# are not modelled; the one ROCm log of the held-back check in the project's issue #24 held 30% of
+# the estimated KV cache, so the low end allows for that.
+ROCM_KV_SHARE = 0.3
+
+
+# gpu_memory_utilization the lever raises to: the headroom left (4 GiB of an 80 GB card) still
+# holds the CUDA context and NCCL buffers vLLM's budget leaves out (vllm/v1/worker/gpu_worker.py).
+HIGHER_GPU_UTIL = 0.95
+
+
+def _weights_class(quant: str) -> str:
+    return "4-bit" if QUANT_BYTES[quant] < 1 else "8-bit" if QUANT_BYTES[quant] == 1 else "16-bit"
+
+
+def spread_sources(inp: Inputs, b: Mapping[str, Any]) -> list[Spread]:
+    """Each reason the non-KV memory may be off, with its bytes either way (none when the KV
+    space is given or measured on a running server: then tokens and concurrency are exact)."""
+    if inp.kv_cache_bytes is not None or inp.kv_space_offset_bytes is not None:
+        return []
+    m, vllm = inp.model, inp.engine == "vllm"
+    kind = _weights_class(b["quant"])
+    more, less = WEIGHTS_SPREAD[kind]
+    out = [Spread("weights", more * b["weights_bytes"], less * b["weights_bytes"],
+                  f"{kind} weights: vLLM's loaded size against the computed one"),
+           Spread("fixed", FIXED_SPREAD, FIXED_SPREAD, "allocator rounding and start-up memory outside the terms")]
+    if b["activation_bytes"]:
+        spread = ACTIVATION_SPREAD * b["activation_bytes"]
+        out.append(Spread("activation", spread, spread, "the profile run's peak (forward of "
+                                                        "max_num_batched_tokens, sampler rows) is first-order"))
+    non_torch = b["non_torch_bytes"]
+    if inp.tp == 1:  # 0.05 or 0.25 GiB by release (non_torch_bytes): +-0.2 GiB covers either
+        out.append(Spread("non-torch", 0.2 * GIB, min(non_torch, 0.2 * GIB),
+                          "cuBLAS and attention workspaces vary by release"))
+    else:
+        # Custom all-reduce is off on more than two PCIe-only GPUs (vllm/distributed/device_communicators/
+        # custom_all_reduce.py), so its buffers may be absent; symmetric memory is 2.07-2.17 GiB when on.
+        spread = 0.3 * GIB if non_torch > 1.0 * GIB else non_torch
+        out.append(Spread("non-torch", spread, spread, "all-reduce buffers at TP > 1 depend on the interconnect"))
+    if inp.tp * inp.pp > 1:
+        out.append(Spread("ranks", RANKS_KV_SHARE * max(0.0, b["kv_space_bytes"]), 0.0,
+                          "the smallest rank's pool binds at TP or PP > 1"))
+    if b["cudagraph_bytes"]:
+        more, less = CUDAGRAPH_SPREAD["moe" if m.experts or m.linear_state else "dense"]
+        out.append(Spread("cuda-graphs", more, less, "vLLM subtracts its own CUDA-graph estimate (>= 0.21), "
+                                                     "0.2-2 GiB by model in public logs"))
+    elif vllm and inp.enforce_eager:
+        out.append(Spread("eager", EAGER_SPREAD, EAGER_SPREAD, "--enforce-eager: the profile run without graphs or "
+                                                               "torch.compile; eager logs sit up to 0.5 GiB either side"))
+    if vllm and m.multimodal:
+        out.append(Spread("multimodal", *MULTIMODAL_SPREAD, "the vision encoder's profile run (dummy images) and the "
+                          "vision tower's exact size are not modelled", outside=True))
+    if vllm and inp.expert_parallel:
+        graphs = EXPERT_PARALLEL_CUDAGRAPHS - b["cudagraph_bytes"] if b["cudagraph_bytes"] else 0.0
+        out.append(Spread("expert-parallel", EXPERT_PARALLEL_BUFFERS + graphs, 0.0, "expert-parallel all-to-all "
+                          "buffers (DeepEP: 1 GiB each by default) and its larger CUDA graphs are not modelled",
+                          outside=True))
+    if inp.wsl:
+        out.append(Spread("wsl", WSL_SPREAD, WSL_SPREAD, "WSL2: the Windows desktop shares the GPU and WDDM pages "
+                          "its memory", outside=True))
+    if inp.gpu.get("vendor") == "amd":
+        out.append(Spread("rocm", (1 - ROCM_KV_SHARE) * max(0.0, b["kv_space_bytes"]), 0.0,
+                          "ROCm: its non-torch and graph memory are not modelled; a ROCm log held 30% of the "
+                          "estimated KV cache", outside=True))
+    return out
 
 
 def uncertainty(inp: Inputs, b: Mapping[str, Any], result: Mapping[str, Any], capacity, longest_fitting) -> dict[str, Any]:
@@ -957,18 +1065,22 @@ def uncertainty(inp: Inputs, b: Mapping[str, Any], result: Mapping[str, Any], ca
     marginal: it flips inside that range or with a 0.01 change of gpu_memory_utilization (the
     setting that decides it is named, with a value that fits at the low end)."""
     space, total, util = b["kv_space_bytes"], b["total_bytes"], b.get("gpu_util") or 0.0
-    spread = non_kv_spread_bytes(inp, b)
+    sources = spread_sources(inp, b)
+    more, less = sum(s.more for s in sources), sum(s.less for s in sources)
 
     def verdict(kv_space: float) -> tuple[int, float, bool]:
         tokens, concurrency = capacity(kv_space)
         return tokens, concurrency, kv_space > 0 and concurrency >= 1
 
-    low, high = verdict(space - spread), verdict(space + spread)
+    low, high = verdict(space - more), verdict(space + less)
     out = {"kv_cache_tokens_low": low[0], "kv_cache_tokens_high": high[0], "max_concurrency_low": low[1],
-           "max_concurrency_high": high[1], "non_kv_spread_gib": spread / GIB, "marginal": False, "marginal_reason": None}
+           "max_concurrency_high": high[1], "non_kv_more_gib": more / GIB, "non_kv_less_gib": less / GIB,
+           "range_sources": [{"source": s.source, "more_gib": round(s.more / GIB, 3), "less_gib": round(s.less / GIB, 3),
+                              "why": s.why, "outside_model": s.outside} for s in sources],
+           "outside_model": [s.why for s in sources if s.outside], "marginal": False, "marginal_reason": None}
     reasons = []
     if low[2] != high[2]:
-        reasons.append(f"the verdict flips inside the estimate's range (+-{spread / GIB:.2f} GiB of non-KV memory)")
+        reasons.append(f"the verdict flips inside the estimate's range (-{more / GIB:.2f}/+{less / GIB:.2f} GiB of KV space)")
     if not result["kv_space_fixed"] and util:
         down, up = verdict(space - 0.01 * total), verdict(space + 0.01 * total)
         if down[2] != result["fits"] or up[2] != result["fits"]:
@@ -978,12 +1090,12 @@ def uncertainty(inp: Inputs, b: Mapping[str, Any], result: Mapping[str, Any], ca
     if reasons:
         safe = []
         if not result["kv_space_fixed"] and util:
-            need = _space_for_one_request(capacity, space + spread + total)
+            need = _space_for_one_request(capacity, space + more + total)
             if need is not None:
-                safe_util = math.ceil((util + (need + spread - space) / total) * 100) / 100
-                if safe_util <= 1:
+                safe_util = math.ceil((util + (need + more - space) / total) * 100) / 100
+                if safe_util <= HIGHER_GPU_UTIL:
                     safe.append(f"--gpu-memory-utilization {max(safe_util, util):.2f}")
-        fitting_len = longest_fitting(max(0.0, space - spread))
+        fitting_len = longest_fitting(max(0.0, space - more))
         if fitting_len and fitting_len < result["ctx"]:
             safe.append(f"--max-model-len {fitting_len}")
         out["marginal"] = True
@@ -1010,66 +1122,113 @@ def _gpu_has_fp8(gpu: Mapping[str, Any]) -> bool:
     return gpu.get("fp8_dense_tflops") is not None
 
 
-def lever_inputs(inp: Inputs, base: Mapping[str, Any]) -> list[tuple[str, str, Inputs]]:
-    """Candidate changes in the skill's order: max-model-len, fp8 KV, FP8 weights, TP, max-num-seqs."""
-    m = inp.model
-    ctx = base["ctx"]
+@dataclass(frozen=True)
+class Lever:
+    """One change to the deployment: the vLLM flag, the same setting for vram (task variables),
+    what it needs beyond the flag, what it gives up (`cost`: 1 a setting, 2 KV precision, 3
+    context or 8-bit weights, 6 4-bit weights, which the skill takes only when nothing else fits,
+    10 a GPU more) and the Inputs field it sets."""
+    name: str
+    flag: str
+    setting: str
+    cost: int
+    field: str
+    value: Any
+    needs: str = ""
+
+    def applied(self, inp: Inputs) -> Inputs:
+        return replace(inp, **{self.field: self.value})
+
+
+def lever_list(inp: Inputs, base: Mapping[str, Any]) -> list[Lever]:
+    """The changes that exist for this setup, cheapest first."""
+    m, vllm = inp.model, inp.engine == "vllm"
     out = []
-    if not base["fits"] and base.get("max_model_len_that_fits"):
-        fit = base["max_model_len_that_fits"]
-        out.append(("max-model-len", f"--max-model-len {fit}", replace(inp, ctx=fit)))
-    elif ctx >= 2:
-        out.append(("max-model-len", f"--max-model-len {ctx // 2}", replace(inp, ctx=ctx // 2)))
+    util = base.get("gpu_util")
+    if vllm and not base["kv_space_fixed"] and util and util < HIGHER_GPU_UTIL:
+        out.append(Lever("gpu-memory-utilization", f"--gpu-memory-utilization {HIGHER_GPU_UTIL}",
+                         f"GPU_UTIL={HIGHER_GPU_UTIL}", 1, "gpu_util", HIGHER_GPU_UTIL))
+    seqs = base.get("max_num_seqs")
+    if vllm and not base["kv_space_fixed"] and seqs and seqs > 64:
+        out.append(Lever("max-num-seqs", f"--max-num-seqs {seqs // 4}", f"MAX_NUM_SEQS={seqs // 4}", 1,
+                         "max_num_seqs", seqs // 4))
     if kv_dtype_bytes(m, inp.kv_dtype) > 1:
-        out.append(("kv-cache-dtype", "--kv-cache-dtype fp8", replace(inp, kv_dtype="fp8")))
+        out.append(Lever("kv-cache-dtype", "--kv-cache-dtype fp8", "KV_DTYPE=fp8", 2, "kv_dtype", "fp8"))
+    ctx = base["ctx"]
+    fit = base.get("max_model_len_that_fits")
+    shorter = fit if not base["fits"] and fit else ctx // 2
+    if shorter >= 1 and shorter < ctx:
+        out.append(Lever("max-model-len", f"--max-model-len {shorter}", f"CTX={shorter}", 3, "ctx", shorter))
     quant = weight_quant(m, inp.quant)
     if QUANT_BYTES[quant] > 1 and _gpu_has_fp8(inp.gpu):
-        out.append(("fp8-weights", "FP8 checkpoint (or --quantization fp8)", replace(inp, quant="fp8")))
+        out.append(Lever("fp8-weights", "--quantization fp8", "QUANT=fp8", 3, "quant", "fp8"))
+    if QUANT_BYTES[quant] > 0.6:
+        out.append(Lever("4-bit-weights", "--quantization awq_marlin", "QUANT=awq", 6, "quant", "awq",
+                         needs="an AWQ checkpoint of the model"))
     bigger_tp = inp.tp * 2
     if m.heads % bigger_tp == 0 and (m.mla or m.kv_heads % bigger_tp == 0 or bigger_tp % m.kv_heads == 0):
-        out.append(("tensor-parallel-size", f"--tensor-parallel-size {bigger_tp}", replace(inp, tp=bigger_tp)))
-    seqs = base.get("max_num_seqs")
-    if inp.engine == "vllm" and inp.kv_cache_bytes is None and seqs and seqs > 64:
-        out.append(("max-num-seqs", f"--max-num-seqs {seqs // 4}", replace(inp, max_num_seqs=seqs // 4)))
+        out.append(Lever("tensor-parallel-size", f"--tensor-parallel-size {bigger_tp}", f"TP={bigger_tp}", 10,
+                         "tp", bigger_tp, needs=f"{bigger_tp * inp.pp} GPUs"))
     return out
 
 
-def levers(inp: Inputs, base: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Each lever's computed effect on KV tokens and concurrency (per GPU), in the skill's order."""
+def levers(inp: Inputs, base: Mapping[str, Any], typical: int | None = None) -> list[dict[str, Any]]:
+    """Each lever alone, from this setup: its flag and setting, and its effect on KV tokens, max
+    concurrency and requests of `typical` tokens at once (per GPU)."""
     rows = []
-    for lever, change, variant in lever_inputs(inp, base):
+    for lever in lever_list(inp, base):
+        variant = lever.applied(inp)
         r = estimate(variant)
-        rows.append({"lever": lever, "change": change, "kv_cache_tokens": r["kv_cache_tokens"],
+        rows.append({"lever": lever.name, "change": lever.flag, "setting": lever.setting, "needs": lever.needs or None,
+                     "kv_cache_tokens": r["kv_cache_tokens"],
                      "kv_cache_tokens_delta": r["kv_cache_tokens"] - base["kv_cache_tokens"],
                      "ctx": r["ctx"], "max_concurrency": r["max_concurrency"], "fits": r["fits"],
+                     "typical_concurrency": concurrency_at(variant, r, typical) if typical else None,
                      "gpus": variant.tp * variant.pp})
     return rows
 
 
-def smallest_fix(inp: Inputs, base: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The first lever (in order) that makes it fit alone, else the first that fit combined."""
-    candidates = lever_inputs(inp, base)
-    for lever, change, variant in candidates:
-        if lever != "max-model-len" and estimate(variant)["fits"]:
-            return {"levers": [lever], "change": change}
-    combined, changes, names = inp, [], []
-    for lever, change, variant in candidates:
-        if lever == "max-model-len":
-            continue
-        combined = _apply(combined, lever, variant)
-        changes.append(change)
-        names.append(lever)
-        if estimate(combined)["fits"]:
-            return {"levers": names, "change": " ".join(changes)}
-    if base.get("max_model_len_that_fits"):
-        return {"levers": ["max-model-len"], "change": f"--max-model-len {base['max_model_len_that_fits']}"}
-    return None
+def concurrency_at(inp: Inputs, result: Mapping[str, Any], tokens: int) -> float | None:
+    """Requests of `tokens` tokens the same KV space holds at once (vLLM's block count per request)."""
+    if result["kv_cache_gib"] <= 0:
+        return None
+    space = int(result["kv_cache_gib"] * GIB)
+    return estimate(replace(inp, ctx=min(tokens, result["ctx"]), kv_cache_bytes=space))["max_concurrency"]
 
 
-def _apply(inp: Inputs, lever: str, variant: Inputs) -> Inputs:
-    attribute = {"kv-cache-dtype": "kv_dtype", "fp8-weights": "quant", "tensor-parallel-size": "tp",
-                 "max-num-seqs": "max_num_seqs"}[lever]
-    return replace(inp, **{attribute: getattr(variant, attribute)})
+def cheapest_fix(inp: Inputs, base: Mapping[str, Any], shortest_ctx: int = 1) -> dict[str, Any] | None:
+    """The combination of levers with the least cost (then the fewest) that fits one request: the
+    levers other than max-model-len together, each at most once and one weight format, then a
+    max-model-len cut to the longest that fits when the context alone is still too long (never
+    below `shortest_ctx`)."""
+    choices = [lever for lever in lever_list(inp, base) if lever.name != "max-model-len"]
+    best = None
+    for size in range(len(choices) + 1):
+        for combo in itertools.combinations(choices, size):
+            if sum(lever.field == "quant" for lever in combo) > 1:
+                continue
+            variant = inp
+            for lever in combo:
+                variant = lever.applied(variant)
+            result = estimate(variant)
+            picked = list(combo)
+            if not result["fits"]:
+                fit = result.get("max_model_len_that_fits") or 0
+                if fit < shortest_ctx:
+                    continue
+                cut = Lever("max-model-len", f"--max-model-len {fit}", f"CTX={fit}", 3, "ctx", fit)
+                variant, picked = cut.applied(variant), picked + [cut]
+                result = estimate(variant)
+            key = (sum(lever.cost for lever in picked), len(picked))
+            if best is None or key < best[0]:
+                best = (key, picked, variant, result)
+    if best is None:
+        return None
+    _, picked, variant, result = best
+    return {"levers": [lever.name for lever in picked], "change": " ".join(lever.flag for lever in picked),
+            "setting": " ".join(lever.setting for lever in picked),
+            "needs": "; ".join(lever.needs for lever in picked if lever.needs) or None,
+            "ctx": result["ctx"], "max_concurrency": result["max_concurrency"], "gpus": variant.tp * variant.pp}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1116,7 +1275,9 @@ def add_model_args(p) -> None:
                                           "limit becomes vLLM's: factor x original_max_position_embeddings for YaRN")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="vLLM --enable-expert-parallel: experts split over the TP ranks (same bytes per GPU); "
-                        "its all-to-all buffers are not modelled")
+                        "its all-to-all buffers are not modelled (the range widens)")
+    p.add_argument("--wsl", action="store_true",
+                   help="the GPU runs under WSL2, shared with the Windows desktop (the range widens)")
     p.add_argument("--language-model-only", action="store_true",
                    help="vLLM --language-model-only: a multimodal checkpoint without its vision tower and encoder profile")
     p.add_argument("--env-file", default=None, help="settings file (default ./inference.env)")
@@ -1187,4 +1348,4 @@ def inputs_from_args(args, transport: Any = None, server: ServerDefaults = Serve
         kv_cache_bytes=kv_bytes, block_size=cli.number("--block-size", args.block_size or server.block_size),
         platform=platform, vllm_version=args.vllm_version, enforce_eager=args.enforce_eager,
         entrypoint=args.entrypoint, vllm_engine=args.vllm_engine, sampler=args.sampler,
-        expert_parallel=args.enable_expert_parallel)
+        expert_parallel=args.enable_expert_parallel, wsl=args.wsl)

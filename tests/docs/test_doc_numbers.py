@@ -15,7 +15,7 @@ from markdown_doc import REPO, Doc
 
 from rooflib.core.catalogs import load_catalog
 from rooflib.quality import toolcalls
-from rooflib.server import engine_metrics
+from rooflib.server import diagnosis, engine_metrics
 from rooflib.sizing import physics
 
 SKILL = "SKILL.md"
@@ -43,6 +43,8 @@ def roofline(*args: str) -> dict:
 
 
 QWEN_H100 = ("--model", "qwen3-32b", "--gpu", "h100", "--ctx", "32768")
+# The skill's sliding-window example: kv_cache_tokens is not divided by a request length there.
+GEMMA_4090 = ("--model", "gemma-3-27b", "--gpu", "rtx-4090", "--quant", "awq", "--ctx", "16384")
 LLAMA_ROOFLINE = ("--model", "llama-3.1-8b", "--gpu", "h100", "--batch", "1", "--prompt-tokens", "2048")
 # The skill's worked example of "users" at a typical length: a 1,024-token prompt and 256 output tokens.
 TYPICAL_REQUEST_TOKENS = 1024 + 256
@@ -70,7 +72,11 @@ CLAIMS = [
     ("Qwen3-32B on one H100 at 32768 with GPU_UTIL=0.9: max concurrency (the marginal fit flips)", "0.99", [SKILL],
      lambda: round(vram(*QWEN_H100, "--gpu-util", "0.9")["max_concurrency"], 2)),
     ("Qwen3-32B on one H100 at 32768: requests of 1,280 tokens (1,024 in, 256 out) in its KV cache", "30", [SKILL],
-     lambda: vram(*QWEN_H100)["kv_cache_tokens"] // TYPICAL_REQUEST_TOKENS),
+     lambda: int(vram(*QWEN_H100, "--typical-tokens", str(TYPICAL_REQUEST_TOKENS))["typical"]["max_concurrency"])),
+    ("Gemma-3-27B AWQ on an RTX 4090 at 16384: KV tokens (concurrency x CTX)", "27301", [SKILL],
+     lambda: vram(*GEMMA_4090)["kv_cache_tokens"]),
+    ("Gemma-3-27B AWQ on an RTX 4090 at 16384: requests of 2,048 tokens at once", "4.0", [SKILL],
+     lambda: round(vram(*GEMMA_4090)["typical"]["max_concurrency"], 1)),
     ("the typical request of that example, tokens", "1280", [SKILL], lambda: TYPICAL_REQUEST_TOKENS),
     ("vLLM 0.32 default gpu_memory_utilization", "0.92", [SKILL, FLAGS],
      lambda: vram(*QWEN_H100)["gpu_util"]),
@@ -107,10 +113,10 @@ CLAIMS = [
     ("INT8 perplexity fail level, %", "3", [SKILL, QUANT], lambda: PPL_GATES["int8"]["fail_pct"]),
     ("4-bit perplexity warn level, %", "3", [SKILL, QUANT], lambda: PPL_GATES["4bit"]["warn_pct"]),
     ("4-bit perplexity fail level, %", "5", [SKILL, QUANT], lambda: PPL_GATES["4bit"]["fail_pct"]),
-    ("metrics: queue finding at this share of e2e, %", "20", [SKILL], lambda: engine_metrics.QUEUE_SHARE * 100),
-    ("metrics: KV cache counted full at, %", "90", [SKILL], lambda: engine_metrics.KV_FULL * 100),
-    ("metrics: low prefix-cache hit rate below, %", "20", [SKILL], lambda: engine_metrics.PREFIX_LOW * 100),
-    ("metrics: prefix finding from mean prompt tokens", "512", [SKILL], lambda: engine_metrics.PREFIX_LONG_PROMPT),
+    ("metrics: queue finding at this share of e2e, %", "20", [SKILL], lambda: diagnosis.QUEUE_SHARE * 100),
+    ("metrics: KV cache counted full at, %", "90", [SKILL], lambda: diagnosis.KV_FULL * 100),
+    ("metrics: low prefix-cache hit rate below, %", "20", [SKILL], lambda: diagnosis.PREFIX_LOW * 100),
+    ("metrics: prefix finding from mean prompt tokens", "512", [SKILL], lambda: diagnosis.PREFIX_LONG_PROMPT),
     ("smoke: a case passes at this share of repeats, %", "80", [QUANT], lambda: toolcalls.PASS_SHARE * 100),
     ("Qwen3-32B H100 expected decode at batch 1, AWQ, ms", "6.18", [QUANT],
      lambda: round(roofline(*QWEN_ROOFLINE, "--quant", "awq", "--batch", "1")["decode"]["step_ms_expected"], 2)),
@@ -127,7 +133,7 @@ CLAIMS = [
     ("W4A16 GEMM share of the 16-bit rate", "0.6", [QUANT, ROOFLINE], lambda: physics.W4A16_GEMM_SHARE),
     ("metrics: default TTFT p95 target, s", "2", [METRICS], lambda: engine_metrics.DEFAULT_TARGETS["ttft_p95_ms"] / 1000),
     ("metrics: default TPOT p95 target, ms", "50", [METRICS], lambda: engine_metrics.DEFAULT_TARGETS["tpot_p95_ms"]),
-    ("metrics: vLLM's smallest default max_num_seqs", "128", [METRICS], lambda: engine_metrics.VLLM_DEFAULT_MAX_NUM_SEQS[0]),
+    ("metrics: vLLM's smallest default max_num_seqs", "128", [METRICS], lambda: diagnosis.VLLM_DEFAULT_MAX_NUM_SEQS[0]),
     ("smoke: repeats per case by default", "3", [QUANT],
      lambda: smoke_toolcall.build_parser().get_default("repeat")),
 ]
@@ -143,7 +149,7 @@ def test_stated_number_is_what_the_tool_gives(claim, written, files, measure):
 
 
 def test_stated_fix_is_what_vram_gives():
-    """The skill's example of a model that does not fit names vram's smallest fix verbatim."""
+    """The skill's example of a model that does not fit names vram's cheapest fix verbatim."""
     answer = vram("--model", "qwen3-32b", "--gpu", "l40s", "--ctx", "32768")
     assert answer["fits"] is False
     for skill in ("roofline-perf", "roofline-perf-ru"):

@@ -137,11 +137,11 @@ def test_task_test_keeps_a_file_in_one_worker():
     """`task test` runs `-n 3 --dist loadgroup` with the groups tests/conftest.py gives: a file's
     tests in one worker, so its module-scoped servers start once (pytest 9.2 broke this once)."""
     result = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p", "no:cacheprovider",
-                             "tests/test_common.py"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                             "tests/core/test_common.py"], cwd=REPO, capture_output=True, text=True, timeout=300)
     passed = [line for line in result.stdout.splitlines() if " PASSED " in line]
     assert result.returncode == 0 and len(passed) > 2, result.stdout[-2000:]
     assert {line.split()[0] for line in passed} in ({"[gw0]"}, {"[gw1]"}), passed
-    assert all(line.rstrip().endswith("@tests/test_common.py") for line in passed), passed
+    assert all(line.rstrip().endswith("@tests/core/test_common.py") for line in passed), passed
 
 
 LONGEST_FUNCTION = 60  # lines, decorators not counted

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from rooflib.core.errors import UsageError
 from rooflib.load import analysis, asyncclient, benchrun, http1, promptgen, request_outcome, runner, sweeps
 from rooflib.server import engine_metrics
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -565,16 +566,37 @@ def test_sweep_finds_the_knee(calibration, capsys):
         sweeps.parse_levels("4,0")
 
 
+OTHER_PROCESSES = ("client event-loop lag p95 9.00 ms > 5.00 ms (10% of the smallest median measured); the client "
+                   "used only 12% of a core: other processes kept it waiting; run it on a quieter machine or core")
+
+
 def test_sweep_knee_stops_below_an_invalid_run():
-    points = [{"concurrency": 1, "verdict": "PASS"}, {"concurrency": 4, "verdict": "INVALID"},
-              {"concurrency": 8, "verdict": "PASS"}]
+    """The caveat gives the invalid point's own cause, as bench gave it (here other processes, not
+    a client that could not keep up)."""
+    points = [{"concurrency": 1, "verdict": "PASS", "reasons": []},
+              {"concurrency": 4, "verdict": "INVALID", "reasons": [OTHER_PROCESSES]},
+              {"concurrency": 8, "verdict": "PASS", "reasons": []}]
     found = sweeps.knee(points, True)
-    assert found == {"concurrency": 1, "verdict": "PASS"}
+    assert found["concurrency"] == 1
     caveat = sweeps.knee_caveat(points, found)
-    assert "C = 4 was INVALID" in caveat and "C = 8 are not counted" in caveat
+    assert caveat == (f"C = 4 was INVALID ({OTHER_PROCESSES}): the knee cannot be named above it; the passes at "
+                      "C = 8 are not counted; rerun that point")
     report = {"points": [], "knee": None, "knee_caveat": caveat, "slo_set": True, "interrupted": False}
-    assert "note: C = 4 was INVALID (the client could not keep up" in sweep.human(report)
+    assert f"note: C = 4 was INVALID ({OTHER_PROCESSES})" in sweep.human(report)
     assert sweeps.knee_caveat([{"concurrency": 1, "verdict": "PASS"}], found) is None
+
+
+def test_sweep_without_a_valid_point_says_so_not_that_the_slo_was_missed():
+    """Every point met the SLO but was INVALID: "no valid point" and the real cause."""
+    points = [{"concurrency": c, "verdict": "INVALID", "reasons": [OTHER_PROCESSES], "req_s": 1.0,
+               "output_tok_s": 1.0, "total_tok_s": 1.0, "ttft_ms": {"p50": 1.0, "p95": 1.0},
+               "tpot_ms": {"p50": 1.0, "p95": 1.0}} for c in (1, 4)]
+    report = {"points": points, "knee": None, "knee_caveat": sweeps.knee_caveat(points, None), "slo_set": True,
+              "interrupted": False}
+    assert sweep.human(report).splitlines()[-1] == f"Knee: none: no valid point: C = 1 was INVALID ({OTHER_PROCESSES})"
+    failed = [{"concurrency": 1, "verdict": "FAIL", "reasons": ["ttft_p95_ms 900.0 ms > 500 ms"]}, points[1]]
+    assert sweeps.no_knee_reason(failed) == "no concurrency met the SLO below C = 4"
+    assert sweeps.no_knee_reason(failed[:1]) == "no concurrency met the SLO"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -642,3 +664,11 @@ def test_real_vllm_chat_with_a_shared_prefix(vllm_server, capsys):
     assert result["server"]["info"]["max_model_len"] == 4096
     hit_rate = result["server"]["metrics"]["prefix_cache_hit_rate"]
     assert hit_rate is not None and hit_rate > 0.3  # the shared 200 tokens came from the cache
+
+
+def test_every_label_of_the_human_report_leaves_a_space_before_its_value():
+    """A label as wide as its 34-column field ran into the number ("... worst):731")."""
+    source = Path(bench.__file__).read_text()
+    labels = re.findall(r"\{'([^']+)':<34\}", source)
+    assert "Client stalls (n, total, worst):" in labels
+    assert all(len(label) < 34 for label in labels), [label for label in labels if len(label) >= 34]

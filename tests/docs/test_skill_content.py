@@ -108,7 +108,7 @@ def test_the_russian_skill_explains_the_english_output():
     english = dict(sections(ENGLISH, 2))["Reading the output"]
     assert "по-английски" in russian
     for line in ("`FITS`", "`DOES NOT FIT`", "`Diagnosis: no bottleneck found in these figures.`", "`Knee: C = ...`",
-                 "`INVALID`", "`NO SLO`", "`smallest change that fits`"):
+                 "`INVALID`", "`NO SLO`", "`cheapest change that fits`"):
         assert line in english and line in russian, line
 
 

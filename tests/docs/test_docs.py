@@ -169,3 +169,19 @@ def test_bench_log_example_follows_the_template(skill):
     assert re.findall(r"^### .+$", example, re.M) == re.findall(r"^### .+$", template, re.M)
     table_header = next(line for line in template.splitlines() if line.startswith("| metric"))
     assert table_header in example.splitlines()
+
+
+def test_readme_and_skills_list_every_exit_code_the_tools_use():
+    from rooflib.core import errors
+    codes = sorted(value for name, value in vars(errors).items() if name.startswith("EXIT_"))
+    readme = (REPO / "README.md").read_text(encoding="utf-8").split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    assert all(f"`{code}`" in readme for code in codes), (codes, readme)
+    for skill in SKILL_NAMES:
+        table = (SKILLS / skill / "SKILL.md").read_text(encoding="utf-8")
+        assert all(f"\n| {code} |" in table for code in codes), skill
+
+
+@pytest.mark.parametrize("task", ["vram", "roofline"])
+def test_task_list_marks_example_settings_as_optional_not_as_defaults(task):
+    desc = load_taskfile(TOOLBOX)["tasks"][task]["desc"]
+    assert "optional e.g. " in desc and "[" not in desc, desc

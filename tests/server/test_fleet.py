@@ -25,7 +25,7 @@ from prometheus_server import running_prometheus
 from test_metrics import QUEUEING_PROMPTS, send_load
 from vllm_server import ServerUnavailable
 
-from rooflib.server import engine_metrics
+from rooflib.server import diagnosis, engine_metrics
 from rooflib.server import fleet as fleet_findings
 from rooflib.serving import profiles
 
@@ -134,7 +134,7 @@ def queued_load(fleet, monkeypatch, capsys, servers: list, seed: int) -> tuple[M
         code, report, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", str(seconds))
         assert code == 0, err
         replicas = by_instance(report)
-        if all(fleet_findings.queued(replicas[instance(s.url)], engine_metrics.QUEUE_SHARE) for s in servers):
+        if all(fleet_findings.queued(replicas[instance(s.url)], diagnosis.QUEUE_SHARE) for s in servers):
             break
     return m, report, seconds
 
@@ -195,9 +195,13 @@ def assert_agrees(from_prometheus: dict, m: Measured, name: str) -> None:
                                                                          rel=stretch - 1, abs=0.01)
 
 
-def named(report: dict, bottleneck: str) -> dict:
-    found = [f for f in report["diagnosis"] if f["bottleneck"] == bottleneck]
-    assert found, (f"no {bottleneck} finding in {[f['bottleneck'] for f in report['diagnosis']]}; replicas: "
+def kinds(report: dict) -> list[str]:
+    return [f["kind"] for f in report["diagnosis"]["findings"]]
+
+
+def named(report: dict, kind: str) -> dict:
+    found = [f for f in report["diagnosis"]["findings"] if f["kind"] == kind]
+    assert found, (f"no {kind} finding in {kinds(report)}; replicas: "
                    f"{[(r['instance'], r['requests'], r['queue_ms'], r['waiting_peak']) for r in report['replicas']]}")
     return found[0]
 
@@ -213,7 +217,8 @@ class TestRealFleet:
         finding = named(r, "imbalance")
         assert finding["replicas"] == [instance(a.url), instance(b.url)]
         assert finding["per_replica"][instance(b.url)]["requests"] == 0
-        assert "add_replica" not in [f["bottleneck"] for f in r["diagnosis"]]
+        assert "add_replica" not in kinds(r)
+        assert r["diagnosis"]["root_cause"] == r["diagnosis"]["findings"][0]
         config = named(r, "config_mismatch")
         assert {"kv_cache_memory_bytes", "num_gpu_blocks"} <= set(config["per_replica"][instance(a.url)])
         assert config["per_replica"][instance(b.url)]["kv_cache_memory_bytes"] == str(KV_BYTES["b"])
@@ -228,8 +233,9 @@ class TestRealFleet:
         m, r, _ = queued_load(fleet, monkeypatch, capsys, servers, seed=12)
         finding = named(r, "add_replica")
         assert sorted(finding["replicas"]) == sorted(instance(s.url) for s in servers)
-        assert finding["levers"][0] == "add one replica (2 to 3) and measure again"
-        assert "imbalance" not in [f["bottleneck"] for f in r["diagnosis"]]
+        assert any(lever["text"].startswith("add one replica (2 to 3) and measure again")
+                   for lever in r["diagnosis"]["plan"])
+        assert "imbalance" not in kinds(r)
         replicas = by_instance(r)
         for name in m.direct:
             assert_agrees(replicas[name], m, name)
@@ -368,8 +374,8 @@ def test_sglang_label_set_through_prometheus():
     assert f'sum by (instance) (sglang:num_queue_reqs{ranks})' in asked
     assert asked[0].startswith("count by (__name__)") and not any("vllm:" in q for q in asked[1:])
     reports = [{**engine_metrics.report(r), **r["fleet"]} for r in snap["replicas"]]
-    found = metrics.fleet.findings(reports, engine_metrics.FLAGS["sglang"], engine_metrics.QUEUE_SHARE, engine_metrics.PREFIX_LONG_PROMPT)
-    assert [f["bottleneck"] for f in found] == ["config_mismatch", "imbalance"]
+    found = metrics.fleet.findings(reports, diagnosis.FLAGS["sglang"], diagnosis.QUEUE_SHARE, diagnosis.PREFIX_LONG_PROMPT)
+    assert [f["kind"] for f in found] == ["config_mismatch", "imbalance"]
     assert found[1]["replicas"] == ["r1:30000", "r2:30000"]
     assert "--mem-fraction-static" in found[0]["evidence"]
 
@@ -390,8 +396,8 @@ def test_lost_and_long_dead_targets_are_named_down():
     states = {r["fleet"]["instance"]: r["fleet"]["state"] for r in snap["replicas"]}
     assert states == {"r1:30000": "up", "r2:30000": "not_scraped", "r3:30000": "down"}
     reports = [{**engine_metrics.report(r), **r["fleet"]} for r in snap["replicas"]]
-    found = metrics.fleet.findings(reports, engine_metrics.FLAGS["sglang"], engine_metrics.QUEUE_SHARE, engine_metrics.PREFIX_LONG_PROMPT)
-    down = [f for f in found if f["bottleneck"] == "replica_down"]
+    found = metrics.fleet.findings(reports, diagnosis.FLAGS["sglang"], diagnosis.QUEUE_SHARE, diagnosis.PREFIX_LONG_PROMPT)
+    down = [f for f in found if f["kind"] == "replica_down"]
     assert [f["replicas"] for f in down] == [["r2:30000"], ["r3:30000"]]
     assert "no longer a scrape target" in down[0]["evidence"] and "up == 0" in down[1]["evidence"]
 

@@ -97,8 +97,15 @@ def test_find_in_catalog_suggests_close_names():
     catalog = {"h100-sxm": {}, "h200": {}, "a100-80": {}}
     with pytest.raises(UsageError, match="unknown GPU 'h100-sx': did you mean h100-sxm"):
         catalogs.find_in_catalog(catalog, "h100-sx", "GPU")
-    with pytest.raises(UsageError, match="known: a100-80, h100-sxm, h200"):
+    with pytest.raises(UsageError, match="nothing close; the nearest are "):
         catalogs.find_in_catalog(catalog, "tpu", "GPU")
+
+
+def test_an_unknown_model_lists_the_five_nearest_not_the_catalog():
+    with pytest.raises(UsageError) as caught:
+        catalogs.find_in_catalog(catalogs.load_catalog("models"), "zzz", "model")
+    names = str(caught.value).split("the nearest are ", 1)[1].split(", ")
+    assert len(names) == 5 and all(name in catalogs.load_catalog("models") for name in names)
 
 
 @pytest.mark.parametrize("listing, wanted, expected", [
@@ -125,6 +132,9 @@ def test_pick_model_errors_name_the_server_and_the_choices(listing, wanted, erro
 @pytest.mark.parametrize("argv, message", [
     (["--size", "big"], "error: argument --size: invalid int value: 'big' (see prog --help)"),
     (["--colour", "red"], "error: unrecognized arguments: --colour red (see prog --help)"),
+    (["--sise", "3"], "error: unrecognized arguments: --sise 3; did you mean --size? (see prog --help)"),
+    (["--kindd=a", "--sizz", "2"],
+     "error: unrecognized arguments: --kindd=a --sizz 2; did you mean --kind, --size? (see prog --help)"),
     (["--kind", "x"], "error: argument --kind: invalid choice: 'x' (choose from 'a', 'b') (see prog --help)"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(capsys, argv, message):
@@ -136,6 +146,49 @@ def test_bad_flags_are_one_line_and_exit_2(capsys, argv, message):
         p.parse_args(argv)
     err = capsys.readouterr().err
     assert stopped.value.code == EXIT_USAGE and err == message + "\n"
+
+
+def test_with_json_an_error_is_also_one_json_document_on_stdout(capsys):
+    """An agent that parses stdout gets {"error", "exit_code"}, whatever failed: a flag, the input, the server."""
+    @cli.entry
+    def main(argv):
+        p = cli.parser("Does a thing.\n")
+        printing.add_output_args(p)
+        p.add_argument("--fail", choices=["usage", "server"])
+        args = p.parse_args(argv)
+        problem = {"usage": UsageError("MODEL is not set"), "server": ServerError("cannot reach http://h:1")}
+
+        def body():
+            raise problem[args.fail]
+        return cli.run_main(body)
+
+    for argv, code, message in [(["--fail", "usage"], EXIT_USAGE, "MODEL is not set"),
+                                (["--fail", "server"], EXIT_SERVER, "cannot reach http://h:1")]:
+        assert main([*argv, "--json"]) == code
+        out, err = capsys.readouterr()
+        assert json.loads(out) == {"error": message, "exit_code": code} and err == f"error: {message}\n"
+        assert main(argv) == code and capsys.readouterr().out == ""      # without --json stdout stays empty
+    with pytest.raises(SystemExit) as stopped:
+        main(["--fial", "usage", "--json"])
+    out, err = capsys.readouterr()
+    assert stopped.value.code == EXIT_USAGE and out.count("\n") == 1
+    assert json.loads(out) == {"error": "unrecognized arguments: --fial usage; did you mean --fail? (see "
+                                        f"{err.split('(see ', 1)[1].split(')')[0]})", "exit_code": EXIT_USAGE}
+
+
+def test_help_describes_with_the_whole_first_paragraph():
+    description, epilog = cli.split_doc("Compares two runs: the change with a 95%\nbootstrap interval.\n\n"
+                                        "Examples:\n  prog a b\n")
+    assert description == "Compares two runs: the change with a 95%\nbootstrap interval."
+    assert epilog == "Examples:\n  prog a b"
+
+
+def test_connection_refused_names_the_url_and_says_to_check_the_server():
+    with pytest.raises(ServerError) as caught:
+        with http_client.client("http://127.0.0.1:9") as http, http_client.answered("http://127.0.0.1:9/v1/models", 5):
+            http.get("/v1/models")
+    assert str(caught.value).startswith("cannot reach http://127.0.0.1:9/v1/models (")
+    assert str(caught.value).endswith("): check that the server is up and listening at that address")
 
 
 def output_of(argv: list[str]) -> printing.Output:
@@ -188,3 +241,16 @@ def test_signal_hold_notes_signals_and_raises_one_on_release(capsys):
         hold.release()  # nothing held: nothing raised
         hold.start()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("bench", ["--env-file", "/nonexistent/inference.env"]),       # settings read before run_main
+    ("metrics", ["--file", "{html}"]),                               # a scrape that is not Prometheus text
+])
+def test_every_error_path_gives_the_json_document(script, argv, capsys, tmp_path):
+    import importlib
+    html = tmp_path / "page.html"
+    html.write_text("<html>not metrics</html>")
+    code = importlib.import_module(script).main([a.format(html=html) for a in argv] + ["--json"])
+    out, err = capsys.readouterr()
+    assert code != 0 and json.loads(out) == {"error": err.removeprefix("error: ").rstrip("\n"), "exit_code": code}

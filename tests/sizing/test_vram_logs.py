@@ -4,7 +4,8 @@ fixed logs holds, per split, so a change to the memory model (rooflib/sizing/est
 
 In-sample logs must meet the goal (90% within 5% of the logged KV tokens). The held-out logs meet
 the share (30 of 33) but not the bound on the worst error (one 0.49 GiB pool, -15.8%; see the
-fixture's held-out notes); their floor is today's count, so the held-out figure can only move up."""
+fixture's held-out notes); their floor is today's count, so the held-out figure can only move up.
+Both splits must have the logged value inside the printed range in 9 of 10 logs."""
 from __future__ import annotations
 
 import importlib.util
@@ -94,14 +95,31 @@ def test_held_out_accuracy_does_not_fall():
     assert part["within"] >= HELD_OUT_WITHIN_FLOOR, f"{part['within']}/{part['counted']} held-out logs within 5%"
     assert part["share"] >= 0.90, f"{part['within']}/{part['counted']} held-out logs within 5%"
     assert part["worst_abs_error"] <= HELD_OUT_WORST_CEILING, part["worst_abs_error"]
-    assert part["goal_met"] == (part["share"] >= 0.90 and part["worst_abs_error"] <= 0.15)
+    assert part["goals_missed"] == ([] if part["worst_abs_error"] <= 0.15 else
+                                    [f"worst |error| {part['worst_abs_error']:.1%} > 15%"])
 
 
-def test_the_range_holds_most_logged_values():
-    """low..high comes from the spread of the non-KV terms; it must bracket most of what was logged."""
+def test_the_printed_range_holds_nine_logged_values_in_ten():
+    """kv_cache_tokens_low..high, from the stated spread of each non-KV term, brackets what vLLM
+    logged in at least 9 of 10 counted logs of each split."""
     for name in ("in_sample", "held_out"):
         part = report()["summary"][name]
-        assert part["in_range"] >= 0.85 * part["counted"], (name, part["in_range"], part["counted"])
+        assert part["in_range"] >= 0.90 * part["counted"], (name, part["in_range"], part["counted"])
+
+
+def test_a_missed_goal_is_named_with_its_figure():
+    summary = {"counted": 10, "within": 8, "share": 0.8, "in_range": 7, "worst_abs_error": 0.2}
+    assert load_benchmark().goals_missed("held_out", summary) == [
+        "80% within 5% < 90%", "70% inside the range < 90%", "worst |error| 20.0% > 15%"]
+    rows = [{"id": "x", "split": "held_out", "logged_kv_tokens": 1, "predicted_kv_tokens": 1, "error": 0.0,
+             "predicted_kv_tokens_low": 1, "predicted_kv_tokens_high": 1, "logged_kv_gib": None, "held_back": None,
+             "predicted_kv_gib": 1.0, "logged_weights_gib": None, "predicted_weights_gib": 1.0,
+             "predicted_other_gib": 1.0, "ok": True}]
+    part = {**summary, "cases": 10, "held_back": 0, "mean_abs_error": 0.1, "sources": 1, "largest_source": ("s", 10),
+            "goals_missed": load_benchmark().goals_missed("held_out", summary)}
+    text = load_benchmark().render(rows, {"cases": 10, "sources": 1, "in_sample": {"counted": 0}, "held_out": part})
+    assert "range coverage 7/10 (70%, target 90%)" in text
+    assert "GOAL MISSED: 80% within 5% < 90%  GOAL MISSED: 70% inside the range < 90%" in text
 
 
 def test_a_case_whose_logged_gib_contradicts_its_tokens_is_held_back():

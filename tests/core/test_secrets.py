@@ -32,7 +32,7 @@ from fault_server import FAULTS, fault_server
 
 from rooflib.core import cli, printing, redaction
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 TOOLBOX = ROOT / "roofline-toolbox" / "Taskfile.yml"
 KEY = f"sk-roofline-test-{secrets.token_hex(12)}"

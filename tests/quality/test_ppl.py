@@ -175,7 +175,7 @@ def test_perplexity_through_the_api_equals_transformers(trained_vllm, capsys, wi
     assert perplexity.ids_sha256(sequence) == run_["token_ids_sha256"]
     plan = [[w["begin"], w["end"], w["end"] - w["scored"]] for w in run_["windows"]]
     job = {"model_dir": str(cache_dir() / "models" / "tiny-qwen3-trained"), "sequence": sequence, "windows": plan}
-    done = subprocess.run([str(setup_cpu_vllm.venv_python()), str(Path(__file__).with_name("hf_reference_nll.py"))],
+    done = subprocess.run([str(setup_cpu_vllm.venv_python()), str(Path(__file__).resolve().parents[1] / "hf_reference_nll.py")],
                           input=json.dumps(job), capture_output=True, text=True, check=True)
     reference_nll = sum(json.loads(done.stdout))
     reference_ppl = math.exp(reference_nll / run_["scored_tokens"])

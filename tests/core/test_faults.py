@@ -6,7 +6,7 @@ nowhere (stdout, stderr, written files), and no hang: a run past its bound fails
 (SIGALRM raises through whatever the script is doing, a busy loop included).
 
 vram is not in the table: the only server it asks is the Hugging Face Hub (a config.json),
-which tests/test_properties.py covers as a parser.
+which tests/core/test_properties.py covers as a parser.
 """
 from __future__ import annotations
 
@@ -116,13 +116,16 @@ def check_run(script: str, fault: str, code: int, out: str, err: str, tmp: Path)
     assert "Traceback" not in err, err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) <= 1, errors
-    if code in (2,) or (code == 3 and not out.strip()):
+    result = json.loads(out) if out.strip() else None  # valid JSON (no NaN), whatever the server sent
+    failed = result is not None and set(result) == {"error", "exit_code"}
+    if code in (2,) or (code == 3 and (result is None or failed)):
         assert errors, f"exit {code} without an error line: {err[-300:]}"
+    if failed:  # --json: the error is also the one document on stdout
+        assert result == {"error": errors[0].removeprefix("error: "), "exit_code": code}
     written = "".join(p.read_text(errors="replace") for p in tmp.iterdir() if p.is_file())
     for text in (out, err, written):
         assert KEY not in text
-    if out.strip():
-        result = json.loads(out)  # valid JSON (no NaN), whatever the server sent
+    if result is not None and not failed:
         if script == "bench":  # a printed result always has its records and log entry
             lines = (tmp / "records.jsonl").read_text().splitlines()
             assert len(lines) == result["requests"]["sent"] and all(json.loads(line) for line in lines)
@@ -166,7 +169,7 @@ def test_every_fault(script, tmp_path, monkeypatch, capsys):
 def test_running_out_of_file_descriptors_is_the_clients_fault(tmp_path):
     """bench under a limit of 64 open files with 100 streams: INVALID (exit 4) naming `ulimit -n`
     first, not the server unreachable. A busy host may stall the client too: that reason may follow
-    (tests/test_bench.py has a run with both)."""
+    (tests/load/test_bench.py has a run with both)."""
     def low_limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     # Each stream takes seconds, so the first sockets are still open when the client asks for

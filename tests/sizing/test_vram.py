@@ -242,7 +242,11 @@ def test_readme_command_answers_offline(capsys):
                 "max_concurrency", "fits", "levers", "roofline"):
         assert key in result
     assert [lever["lever"] for lever in result["levers"]] == \
-        ["max-model-len", "kv-cache-dtype", "fp8-weights", "tensor-parallel-size", "max-num-seqs"]
+        ["gpu-memory-utilization", "max-num-seqs", "kv-cache-dtype", "max-model-len", "fp8-weights", "4-bit-weights",
+         "tensor-parallel-size"]
+    assert [lever["change"] for lever in result["levers"]] == \
+        ["--gpu-memory-utilization 0.95", "--max-num-seqs 256", "--kv-cache-dtype fp8", "--max-model-len 16384",
+         "--quantization fp8", "--quantization awq_marlin", "--tensor-parallel-size 2"]
     fp8_kv = next(lever for lever in result["levers"] if lever["lever"] == "kv-cache-dtype")
     assert fp8_kv["kv_cache_tokens"] == pytest.approx(2 * result["kv_cache_tokens"], abs=16)
 
@@ -262,9 +266,17 @@ def test_task_vram_prints_a_human_answer():
     assert proc.returncode == 0, proc.stderr
     first = proc.stdout.splitlines()[0]
     # the issue-17 case: 1.19x at vLLM's default 0.92, 0.99x at 0.9
-    assert first.startswith("FITS (marginal): qwen3-32b on NVIDIA H100") and "max concurrency" in first
-    assert "requests of the full 32,768 tokens" in first
-    assert "at a typical 2,048 tokens per request (TYPICAL, default 2,048): 19.0 requests at once" in proc.stdout
+    assert first == "FITS (marginal): qwen3-32b on NVIDIA H100 SXM 80GB (TP=1), vllm: 1.19x requests of the full " \
+                    "32,768 tokens at once"
+    # What fits leads: weights, the full context, the longest context, the typical length; then the assumptions.
+    assert proc.stdout.splitlines()[1:7] == [
+        "  weights       fit: 61.02 GiB per GPU of a 72.85 GiB budget (bf16)",
+        "  full context  32,768 tokens: 1.19x requests at once (range 1.02-1.35x), fits",
+        "  longest fit   38,832 tokens for one request (--max-model-len 38832)",
+        "  typical       19.0 requests at once of 2,048 tokens (TYPICAL, default 2,048)",
+        "  assumes       vLLM 0.32 accounting (--vllm-version) and its defaults on this GPU: gpu_memory_utilization "
+        "0.92, max_num_seqs 1024, max_num_batched_tokens 8192",
+        "  assumes       memory, weights, KV bytes and tokens are per GPU"]
     assert "it does not fit at gpu_memory_utilization 0.9:" in proc.stdout
     assert "levers" in proc.stdout and "roofline" in proc.stdout
 
@@ -456,6 +468,12 @@ def test_real_vllm_url_sizes_the_served_model(vllm_server, capsys):
     assert result["kv_cache_tokens"] == dep["kv_cache_tokens"]
     assert result["max_concurrency"] == pytest.approx(dep["max_concurrency_at_max_model_len"], rel=0.01)
     assert result["server"]["deployment"]["max_num_seqs"] is None
+    # With a GPU named, the budget is estimated, then the server's own pool wins and the error is stated.
+    code, sized = run_json(["--url", vllm_server.url, "--gpu", "h100"], capsys)
+    check = sized["model_check"]
+    assert sized["kv_cache_tokens"] == check["server_kv_tokens"] == dep["kv_cache_tokens"]
+    assert check["server_num_gpu_blocks"] == dep["num_gpu_blocks"] == sized["num_blocks"]
+    assert check["error"] == pytest.approx(check["estimated_kv_tokens"] / dep["kv_cache_tokens"] - 1)
 
 
 def fake_vllm(root: str):
@@ -568,7 +586,9 @@ def test_language_model_only_drops_the_vision_tower(capsys):
     text = run_json(["--model", "gemma-3-27b", "--gpu", "h100", "--ctx", "8192", "--language-model-only"], capsys)[1]
     assert full["multimodal"] and not text["multimodal"]
     assert text["weights_gib"] < full["weights_gib"] and text["kv_cache_tokens"] > full["kv_cache_tokens"]
-    assert text["non_kv_spread_gib"] < full["non_kv_spread_gib"]
+    assert text["non_kv_more_gib"] < full["non_kv_more_gib"]
+    assert [s["source"] for s in full["range_sources"] if s["outside_model"]] == ["multimodal"]
+    assert not text["outside_model"]
 
 
 @pytest.mark.parametrize("gpu, tp, version, gib", [
@@ -595,3 +615,180 @@ def test_four_bit_moe_profiles_the_marlin_intermediate_caches():
     qkv = model.heads * model.head_dim + 2 * model.kv_heads * model.head_dim
     expected = tokens * (model.top_k * (max(2 * n, model.hidden) + n) + qkv / 4) * 2 + 0.15 * GIB
     assert marlin == pytest.approx(expected) and marlin > bf16
+
+
+# ---- issue 24: the range is honest, the answer leads with what fits, levers are command lines
+
+
+def human(argv) -> list[str]:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "vram.py"), *argv, "--no-roofline"],
+                          capture_output=True, text=True)
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_gpt_oss_120b_on_one_h100_leads_with_what_fits():
+    """CTX defaults to the model's 131,072: the full context does not fit, but the answer's first
+    lines say what does: the weights, 99,936 tokens per request, 26 requests of 2,048 tokens."""
+    lines = human(["--model", "gpt-oss-120b", "--gpu", "h100"])
+    assert lines[0] == ("DOES NOT FIT (marginal): gpt-oss-120b on NVIDIA H100 SXM 80GB (TP=1), vllm: the full 131,072 "
+                        "tokens per request do not fit (0.78x); up to 99,936 tokens per request do")
+    assert lines[1] == "  weights       fit: 65.82 GiB per GPU of a 72.85 GiB budget (mxfp4)"
+    assert lines[2].startswith("  full context  131,072 tokens: 0.78x requests at once (range ")
+    assert lines[3] == "  longest fit   99,936 tokens for one request (--max-model-len 99936)"
+    assert lines[4] == "  typical       26.3 requests at once of 2,048 tokens (TYPICAL, default 2,048)"
+    assert lines[5].startswith("  assumes       vLLM 0.32 accounting (--vllm-version) and its defaults on this GPU: "
+                               "gpu_memory_utilization 0.92")
+    assert "  cheapest change that fits: --gpu-memory-utilization 0.95  (GPU_UTIL=0.95: 1.27x at 131,072 on 1 GPU)" in lines
+
+
+def test_gemma_3_27b_on_an_rtx_4090_levers_are_command_lines_and_the_fix_keeps_one_card(capsys):
+    """BF16 weights (51 GiB) fit no 24 GB card; the cheapest fix is a 4-bit checkpoint on the one
+    card (1.67x at 16,384), not an FP8 KV cache plus FP8 plus a second GPU."""
+    code, result = run_json(["--model", "gemma-3-27b", "--gpu", "rtx-4090", "--ctx", "16384"], capsys)
+    assert code == EXIT_CHECK_FAILED
+    assert {lever["lever"]: (lever["change"], lever["setting"]) for lever in result["levers"]} == {
+        "gpu-memory-utilization": ("--gpu-memory-utilization 0.95", "GPU_UTIL=0.95"),
+        "max-num-seqs": ("--max-num-seqs 64", "MAX_NUM_SEQS=64"),
+        "kv-cache-dtype": ("--kv-cache-dtype fp8", "KV_DTYPE=fp8"),
+        "max-model-len": ("--max-model-len 8192", "CTX=8192"),
+        "fp8-weights": ("--quantization fp8", "QUANT=fp8"),
+        "4-bit-weights": ("--quantization awq_marlin", "QUANT=awq"),
+        "tensor-parallel-size": ("--tensor-parallel-size 2", "TP=2")}
+    fix = result["fix"]
+    assert (fix["levers"], fix["change"], fix["setting"], fix["gpus"]) == \
+        (["4-bit-weights"], "--quantization awq_marlin", "QUANT=awq", 1)
+    assert round(fix["max_concurrency"], 2) == 1.67 and fix["needs"] == "an AWQ checkpoint of the model"
+    assert human(["--model", "gemma-3-27b", "--gpu", "rtx-4090", "--ctx", "16384"])[-1] == (
+        "  cheapest change that fits: --quantization awq_marlin  (QUANT=awq: 1.67x at 16,384 on 1 GPU); "
+        "needs an AWQ checkpoint of the model")
+
+
+def test_the_cheapest_fix_prefers_fp8_to_4_bit_and_a_card_to_nothing(capsys):
+    """FP8 first, 4-bit only when nothing else fits on these GPUs, a GPU more last."""
+    qwen_l40s = run_json(["--model", "qwen3-32b", "--gpu", "l40s", "--ctx", "32768"], capsys)[1]["fix"]
+    assert qwen_l40s["levers"] == ["gpu-memory-utilization", "fp8-weights"] and qwen_l40s["gpus"] == 1
+    # Llama-3.1-405B on two H100s: no weight format fits two cards (4-bit: ~100 GiB each), so the
+    # GPUs come in, with the format that makes four enough.
+    big = run_json(["--model", "llama-3.1-405b", "--gpu", "h100", "--tp", "2", "--ctx", "8192"], capsys)[1]["fix"]
+    assert big["levers"] == ["4-bit-weights", "tensor-parallel-size"] and big["gpus"] == 4
+
+
+def test_sliding_window_tokens_are_not_divided_by_a_length(capsys):
+    """Gemma-3 AWQ: 27,301 tokens / 2,048 = 13.3, but vLLM holds 4.0 requests of 2,048 tokens at
+    once: the sliding layers cost the window plus one batch per request, whatever its length."""
+    _, gemma = run_json(["--model", "gemma-3-27b", "--gpu", "rtx-4090", "--quant", "awq", "--ctx", "16384"], capsys)
+    assert gemma["kv_cache_tokens"] == 27_301 and round(gemma["typical"]["max_concurrency"], 1) == 4.0
+    assert "not a pool to divide" in gemma["kv_cache_tokens_meaning"]
+    shorter = next(lever for lever in gemma["levers"] if lever["lever"] == "max-model-len")
+    assert shorter["kv_cache_tokens_delta"] < 0 and shorter["max_concurrency"] > gemma["max_concurrency"]
+    assert round(shorter["typical_concurrency"], 1) == 4.0          # the same pool: the same typical requests
+    _, llama = run_json(["--model", "llama-3.1-8b", "--gpu", "h100", "--ctx", "8192"], capsys)
+    assert "kv_cache_tokens / L" in llama["kv_cache_tokens_meaning"]
+    assert llama["typical"]["max_concurrency"] == pytest.approx(llama["kv_cache_tokens"] / 2048, rel=0.01)
+
+
+def test_assumptions_name_the_release_per_gpu_and_an_alias(capsys):
+    _, result = run_json(["--model", "llama-3.1-70b", "--gpu", "h100", "--tp", "2", "--ctx", "8192"], capsys)
+    assert result["model"] == "llama-3.3-70b"
+    said = result["assumptions"]
+    assert said[0] == ("vLLM 0.32 accounting (--vllm-version) and its defaults on this GPU: gpu_memory_utilization "
+                       "0.92, max_num_seqs 1024, max_num_batched_tokens 8192")
+    assert said[1].startswith("memory, weights, KV bytes and tokens are per GPU (each of the 2 GPUs")
+    assert said[2].startswith("MODEL llama-3.1-70b is sized as the catalog's llama-3.3-70b (an alias")
+    _, given = run_json(["--model", "llama-3.3-70b", "--gpu", "h100", "--tp", "2", "--ctx", "8192",
+                         "--gpu-util", "0.9", "--vllm-version", "0.19"], capsys)
+    assert given["assumptions"][0] == ("vLLM 0.19 accounting (--vllm-version) and its defaults on this GPU: "
+                                       "max_num_seqs 1024, max_num_batched_tokens 8192")
+    assert len(given["assumptions"]) == 2
+
+
+def test_every_range_source_states_its_bytes_and_why(capsys):
+    _, result = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "32768"], capsys)
+    sources = {s["source"]: s for s in result["range_sources"]}
+    assert list(sources) == ["weights", "fixed", "activation", "non-torch", "cuda-graphs"]
+    assert sum(s["more_gib"] for s in sources.values()) == pytest.approx(result["non_kv_more_gib"], abs=0.01)
+    assert sources["weights"]["more_gib"] == pytest.approx(0.005 * result["weights_gib"], abs=0.001)
+    assert all(s["why"] and not s["outside_model"] for s in sources.values()) and result["outside_model"] == []
+    eager = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "32768", "--enforce-eager"], capsys)[1]
+    assert "eager" in [s["source"] for s in eager["range_sources"]]
+    assert "cuda-graphs" not in [s["source"] for s in eager["range_sources"]]
+    fixed = run_json(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "32768", "--kv-cache-gib", "10"], capsys)[1]
+    assert fixed["range_sources"] == [] and fixed["kv_cache_tokens_low"] == fixed["kv_cache_tokens_high"]
+
+
+def test_an_amd_card_is_outside_the_model_the_range_widens_and_says_why(capsys):
+    """ROCm's non-torch and graph memory are not modelled: the low end allows the KV cache down to
+    30% of the estimate, the verdict is not firm, and the levers are still offered."""
+    argv = ["--model", "llama-3.3-70b", "--gpu", "mi300x", "--ctx", "131072"]
+    _, result = run_json(argv, capsys)
+    rocm = next(s for s in result["range_sources"] if s["source"] == "rocm")
+    assert rocm["outside_model"] and rocm["more_gib"] == pytest.approx(0.7 * result["kv_cache_gib"], abs=0.01)
+    assert result["kv_cache_tokens_low"] < 0.35 * result["kv_cache_tokens"] and result["marginal"]
+    assert result["outside_model"] == [rocm["why"]] and "ROCm" in rocm["why"]
+    lines = human(argv)
+    assert lines[0].startswith("FITS (marginal; not firm: rocm not modelled): llama-3.3-70b on AMD Instinct MI300X")
+    assert lines[2].startswith("  full context  131,072 tokens: 1.03x requests at once (range 0.26-")
+    assert any(line.startswith("            not modelled, the range widens: ROCm") for line in lines)
+    assert "    --kv-cache-dtype fp8" in "\n".join(lines) and "--quantization fp8" in "\n".join(lines)
+
+
+@pytest.mark.parametrize("flag, source", [("--wsl", "wsl"), ("--enable-expert-parallel", "expert-parallel")])
+def test_setups_outside_the_model_widen_the_range(flag, source, capsys):
+    argv = ["--model", "qwen3-30b-a3b", "--gpu", "h100", "--tp", "2", "--ctx", "32768"]
+    plain = run_json(argv, capsys)[1]
+    wide = run_json([*argv, flag], capsys)[1]
+    assert [s["source"] for s in wide["range_sources"] if s["outside_model"]] == [source]
+    assert wide["kv_cache_tokens_low"] < plain["kv_cache_tokens_low"]
+    assert wide["kv_cache_tokens"] == plain["kv_cache_tokens"]       # the point is the same; the range is honest
+
+
+def test_qwen3_context_hint_uses_its_native_32768(capsys):
+    code, err = run_error(["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "131072"], capsys)
+    assert code == EXIT_USAGE
+    assert '"factor":4.0,"original_max_position_embeddings":32768' in err
+
+
+def fake_vllm_blocks(blocks: int, block: int = 16):
+    """A vLLM with qwen3-32b whose cache_config_info says it allocated `blocks` blocks of `block`."""
+    from fake_http import serving
+    scrape = (REPO / "tests" / "fixtures" / "metrics" / "vllm-0.32-queue-after.txt").read_text()
+    scrape = re.sub(r'num_gpu_blocks="\d+"', f'num_gpu_blocks="{blocks}"', scrape)
+    scrape = re.sub(r'(?<![_a-z])block_size="\d+"', f'block_size="{block}"', scrape)
+    scrape = re.sub(r'kv_cache_size_tokens="\d+"', f'kv_cache_size_tokens="{blocks * block}"', scrape)
+
+    def handle(method, path, body):
+        if path == "/v1/models":
+            return 200, {"data": [{"id": "qwen3-32b", "root": "Qwen/Qwen3-32B", "max_model_len": 32768}]}
+        return (200, scrape) if path == "/metrics" else (404, {})
+
+    return serving(handle)
+
+
+def test_url_answers_from_the_servers_pool_and_states_the_models_error(capsys):
+    """The server allocated 2,300 blocks of 16 (36,800 tokens); the model estimated 38,832: the
+    answer rests on the 36,800 and says the estimate was 5.5% high, inside its range."""
+    with fake_vllm_blocks(2300) as url:
+        code, result = run_json(["--url", url, "--model", "qwen3-32b", "--gpu", "h100"], capsys)
+    check = result["model_check"]
+    assert code == EXIT_OK and result["kv_cache_tokens"] == check["server_kv_tokens"] == 36_800
+    assert result["num_blocks"] == check["server_num_gpu_blocks"] == 2300
+    assert check["estimated_kv_tokens"] == 38_832 and check["error"] == pytest.approx(38_832 / 36_800 - 1)
+    assert check["in_range"] and result["range_sources"] == []
+    assert result["assumptions"][0].startswith("the KV pool is the server's own")
+    fp8 = next(lever for lever in result["levers"] if lever["lever"] == "kv-cache-dtype")
+    assert fp8["kv_cache_tokens"] == pytest.approx(2 * 36_800, abs=16)   # levers move from the real pool
+    with fake_vllm_blocks(2300) as url:
+        vram.main(["--url", url, "--model", "qwen3-32b", "--gpu", "h100", "--no-roofline"])
+    out = capsys.readouterr().out
+    assert "allocated 36,800 KV tokens (2,300 blocks, 8.98 GiB); the model estimated 38,832 (+5.5%, range " in out
+    assert "inside); this answer uses the server's pool" in out
+
+
+def test_help_examples_are_one_command_per_line(capsys):
+    with pytest.raises(SystemExit):
+        vram.main(["--help"])
+    examples = capsys.readouterr().out.split("Examples:", 1)[1].split("Exit codes:", 1)[0]
+    commands = [line.strip() for line in examples.splitlines() if line.strip()]
+    assert commands and all(c.startswith(("vram.py ", "task ")) and "  " not in c and not c.endswith("\\")
+                            for c in commands), commands

@@ -18,7 +18,7 @@ from rooflib.core.errors import UsageError
 from rooflib.load import analysis, comparison, http1, promptgen, request_outcome, workloads
 from rooflib.server import watch
 
-DATA = Path(__file__).resolve().parent.parent / "scripts" / "data"
+DATA = Path(__file__).resolve().parents[2] / "scripts" / "data"
 SHAREGPT, PROMPTS, TRACE = DATA / "sharegpt-sample.json", DATA / "prompts-sample.jsonl", DATA / "trace-sample.jsonl"
 
 
@@ -258,31 +258,90 @@ def test_timeline_samples_follow_the_contract():
     assert samples[2]["generation_tok_s"] == 200.0
 
 
-def _delta(le_s: list[float], counts: list[int]) -> dict:
-    hist = {"le": [*le_s, float("inf")], "counts": [*counts, counts[-1]]}
-    return {"histograms": {"ttft": hist, "e2e": hist}}
+def _hist(le_s: list[float], counts: list[int], mean_s: float) -> dict:
+    return {"le": [*le_s, float("inf")], "counts": [*counts, counts[-1]], "sum": mean_s * counts[-1], "count": counts[-1]}
 
 
-def test_cross_check_names_time_outside_the_engine():
-    delta = _delta([0.05, 0.1, 0.2], [0, 90, 100])  # the engine: 90% within 50..100 ms, the rest below 200
-    client = {"p50": 160.0, "p95": 260.0, "p99": 300.0, "n": 100}
-    checked = watch.cross_check(delta, {"ttft_ms": client, "e2e_ms": {"n": 0}}, 0.1,
-                                       {"path": "/health", "p50_ms": 20.0, "n": 20})
+# The engine: TTFT 90% within 50..100 ms, the rest below 200 (mean 80 ms); e2e within 0.5..2 s (mean 800 ms).
+ENGINE = {"histograms": {"ttft": _hist([0.05, 0.1, 0.2], [0, 90, 100], 0.08),
+                         "e2e": _hist([0.5, 1.0, 2.0], [0, 90, 100], 0.8)}}
+LATE_TTFT = {"p50": 160.0, "p95": 260.0, "p99": 300.0, "mean": 180.0, "n": 100}  # 100 ms over the engine's mean
+
+
+def _client(ttft: dict, e2e_mean: float, one_read: int = 0) -> dict:
+    return {"ttft_ms": ttft, "e2e_ms": {"p50": 900.0, "p95": 1500.0, "p99": 1900.0, "mean": e2e_mean, "n": 100},
+            "one_read": one_read}
+
+
+def _by_cause(checked: dict) -> dict:
+    return {f["cause"]: f for f in checked["findings"]}
+
+
+def test_a_fixed_latency_is_split_into_network_and_gateway_by_the_probe():
+    checked = watch.cross_check(ENGINE, _client(LATE_TTFT, 905.0), 0.1, {"path": "/health", "p50_ms": 25.0, "n": 20})
     assert checked["percentiles"]["ttft_ms"]["p50"]["side"] == "above"
     assert checked["percentiles"]["ttft_ms"]["p50"]["excess_ms"] == pytest.approx(60.0)
-    finding = checked["findings"][0]
-    assert "at least 60.0 ms more than the engine" in finding and "/health" in finding
-    assert "the other 40.0 ms" in finding
-    agree = watch.cross_check(delta, {"ttft_ms": {"p50": 80.0, "p95": 150.0, "p99": 190.0, "n": 100},
-                                             "e2e_ms": {"n": 0}}, 0.1, None)
-    assert agree["findings"] == [] and agree["percentiles"]["ttft_ms"]["p95"]["side"] == "within"
+    assert checked["percentiles"]["e2e_ms"]["p50"]["side"] == "within"
+    found = _by_cause(checked)
+    assert list(found) == ["fixed_latency", "network", "gateway"]
+    assert {cause: f["size_ms"] for cause, f in found.items()} == pytest.approx(
+        {"fixed_latency": 105.0, "network": 25.0, "gateway": 80.0})
+    assert all(f["kind"] == "outside_engine" and f["setting"] is None for f in found.values())
+    assert ("its last token 105 ms over the engine's mean e2e, its first 100 ms over the mean TTFT and above the "
+            "engine's bucket at every percentile") in found["fixed_latency"]["evidence"]
+    assert "(/health) takes 25.0 ms round trip" in found["network"]["evidence"]
+    assert "real requests lose 80 ms more than a trivial one" in found["gateway"]["evidence"]
+
+
+def test_a_network_that_explains_it_all_names_no_gateway():
+    found = _by_cause(watch.cross_check(ENGINE, _client(LATE_TTFT, 905.0), 0.1,
+                                               {"path": "/health", "p50_ms": 97.0, "n": 20}))
+    assert list(found) == ["fixed_latency", "network"] and found["network"]["size_ms"] == pytest.approx(97.0)
+
+
+def test_without_a_probe_the_fixed_latency_says_how_to_split_it():
+    found = _by_cause(watch.cross_check(ENGINE, _client(LATE_TTFT, 905.0), 0.1, None))
+    assert list(found) == ["fixed_latency"] and "--probe /health" in found["fixed_latency"]["remedy"]
+
+
+def test_a_late_first_token_alone_is_not_a_fixed_latency():
+    # e2e only 10 ms over the engine's: the first token is late, the last is not.
+    found = _by_cause(watch.cross_check(ENGINE, _client(LATE_TTFT, 810.0), 0.1, None))
+    assert list(found) == ["unsplit"] and found["unsplit"]["size_ms"] == pytest.approx(100.0)
+
+
+def test_streams_in_one_read_are_buffering_and_only_e2e_sizes_the_rest():
+    # Every first token came with the last: TTFT is the engine's e2e, e2e 5 ms over it.
+    buffered = {"p50": 780.0, "p95": 1400.0, "p99": 1800.0, "mean": 805.0, "n": 100}
+    found = _by_cause(watch.cross_check(ENGINE, _client(buffered, 805.0, one_read=100), 0.1,
+                                               {"path": "/health", "p50_ms": 1.0, "n": 20}))
+    assert list(found) == ["buffering"]
+    assert found["buffering"]["size_ms"] == pytest.approx(720.0)  # TTFT 725 ms over, e2e 5 ms
+    assert found["buffering"]["confidence"].startswith("high") and "proxy_buffering off" in found["buffering"]["remedy"]
+
+
+def test_a_few_streams_in_one_read_leave_a_fixed_latency_visible():
+    # A starved API server sent 10 streams in one read: their first tokens are late, the last are not.
+    late = {"p50": 165.0, "p95": 300.0, "p99": 420.0, "mean": 200.0, "n": 100}
+    found = _by_cause(watch.cross_check(ENGINE, _client(late, 905.0, one_read=10), 0.1, None))
+    assert list(found) == ["buffering", "fixed_latency"]
+    assert found["buffering"]["confidence"].startswith("medium: some streams only")
+    assert found["fixed_latency"]["size_ms"] == pytest.approx(105.0)
 
 
 def test_client_lag_explains_a_gap_it_covers():
-    delta = _delta([0.05, 0.1], [0, 100])
-    checked = watch.cross_check(delta, {"ttft_ms": {"p50": 120.0, "p95": 125.0, "p99": 130.0, "n": 9},
-                                               "e2e_ms": {"n": 0}}, 40.0, None)
-    assert "client's own loop lag" in checked["findings"][0]
+    checked = watch.cross_check(ENGINE, _client(LATE_TTFT, 905.0), 70.0, None)
+    assert [(f["cause"], f["size_ms"]) for f in checked["findings"]] == [("client", pytest.approx(60.0))]
+    assert "own loop lag (p99 70.0 ms)" in checked["findings"][0]["evidence"]
+
+
+def test_a_client_faster_than_the_engine_is_other_traffic_and_agreement_is_silent():
+    early = {"p50": 30.0, "p95": 40.0, "p99": 45.0, "mean": 35.0, "n": 100}
+    checked = watch.cross_check(ENGINE, _client(early, 800.0), 0.1, None)
+    assert [f["kind"] for f in checked["findings"]] == ["other_traffic"]
+    agree = watch.cross_check(ENGINE, _client({"p50": 80.0, "p95": 150.0, "p99": 190.0, "mean": 82.0, "n": 100},
+                                                     801.0), 0.1, None)
+    assert agree["findings"] == [] and agree["percentiles"]["ttft_ms"]["p95"]["side"] == "within"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,6 +391,20 @@ def test_compare_cli_bad_files(tmp_path, capsys):
     bad.write_text('{"verdict": "PASS"}')
     assert compare.main([str(bad), str(bad)]) == 2
     assert "not a bench or sweep result" in capsys.readouterr().err
+
+
+def test_compare_without_b_names_what_is_missing(tmp_path, capsys):
+    """The task passes B even when it is not set: an empty name, not a file that "does not exist"."""
+    assert compare.main([str(tmp_path / "a.json"), ""]) == 2
+    assert capsys.readouterr().err == ("error: B is not given: pass two files written by bench.py --json or "
+                                       "sweep.py --json (task compare A=base.json B=candidate.json)\n")
+
+
+def test_compare_help_describes_before_the_options(capsys):
+    with pytest.raises(SystemExit):
+        compare.main(["--help"])
+    text = capsys.readouterr().out
+    assert text.index("bootstrap confidence interval, and a plain verdict") < text.index("positional arguments")
 
 
 # ---------------------------------------------------------------------------------------------

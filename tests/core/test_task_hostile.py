@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOOLBOX = ROOT / "roofline-toolbox" / "Taskfile.yml"
 HOSTILE = "it's \"q\" $(touch {d}/PWNED1) `touch {d}/PWNED2`; touch {d}/PWNED3 | x & y\nline2 *"
 PAIR = re.compile(r"(--?[\w-]+) \{\{\.(\w+)(?: \| default \"[^\"]*\")? \| q\}\}")

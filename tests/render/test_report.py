@@ -24,7 +24,7 @@ from rooflib.load import analysis, request_outcome, sweeps
 from rooflib.render import report_html
 from rooflib.server.engine_metrics import Targets
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts" / "report"
 HOSTILE = '<script>window.__pwned=1</script><img src="x" onerror="window.__pwned=2">tiny'
 WORKLOAD = {"input_tokens": 128, "output_tokens": 16, "endpoint": "completions"}
@@ -66,6 +66,13 @@ def render(tmp_path: Path, capsys, name: str, *argv: str) -> tuple[Path, str]:
     captured = capsys.readouterr()
     assert code == 0, captured.err
     return out, captured.out
+
+
+def past_answers(text: str) -> str:
+    """The text summary after its first section, the answers."""
+    head, rest = text.split("\n\n", 1)
+    assert head.startswith("== Answers\n")
+    return rest
 
 
 def write(tmp_path: Path, name: str, doc) -> str:
@@ -201,12 +208,13 @@ def test_real_acceptance_run_renders_verdict_first(vllm_server, browser, capsys,
                         "--bench-n", "4", "--bench-c", "2", "--bench-in", "32", "--bench-out", "8", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["kind"] == "accept", result["reasons"]
-    html, text = render(tmp_path, capsys, "real-accept", write(tmp_path, "acceptance.json", result))
+    html, text = render(tmp_path, capsys, "real-accept", write(tmp_path, "accept.json", result))
     page = browse(browser, html)
     chart = charts(page)["accept"]
     assert chart["intervals"] == 4 and chart["rows"] == len(result["rows"])
     assert page["text"].index(result["verdict"]) < page["text"].index("Candidate against base")
-    assert text.startswith(f"== Acceptance: tiny-qwen3 → tiny-qwen3: {result['verdict']}")
+    assert text.splitlines()[1].startswith(f"  accept acceptance  {result['verdict']}")
+    assert past_answers(text).startswith(f"== Acceptance: tiny-qwen3 → tiny-qwen3: {result['verdict']}")
 
 
 # ---------------------------------------------------------------- documents per the contracts
@@ -218,7 +226,10 @@ def test_comparison_puts_the_verdict_first_with_intervals(browser, capsys, tmp_p
     assert chart["intervals"] == 4 and chart["whiskers"] == 3 * 3 and chart["rows"] == 4
     assert page["text"].index("mixed") < page["text"].index("ttft_ms.p95")
     assert "not measured" in page["text"]  # the metric without a value is named, not dropped
-    assert text.splitlines()[0] == "== Comparison: compare: mixed"
+    assert text.splitlines()[:2] == [
+        "== Answers", "  compare compare  B (fp8) against A (bf16): mixed; largest change ttft_ms.p95 -10.6% (95% CI "
+        "-14.0..-6.9%); weigh the metrics that moved against each other"]
+    assert past_answers(text).splitlines()[0] == "== Comparison: compare: mixed"
     assert "    tpot_ms.p95   20   22   +10.0%  +4.0% .. +16.0%  worse" in text
     faster = compare_doc()  # every change below zero: "not measured" must stay inside the chart
     faster["metrics"] = [m for m in faster["metrics"] if m["name"] in ("ttft_ms.p95", "e2e_ms.p99")]
@@ -276,7 +287,7 @@ def test_failed_and_invalid_points_are_shown_not_hidden(browser, capsys, tmp_pat
     assert p95["name"] == "p95" and p95["total"] == 5
     assert p95["crosses"] == 1  # C=16: nothing measured, a cross on the axis
     assert p95["dots"] == 4 and p95["hollow"] == 2  # C=4 invalid, C=8 with failed requests
-    facts = dict(line.strip().split("  ", 1) for line in text.splitlines()[1:5])
+    facts = dict(line.strip().split("  ", 1) for line in past_answers(text).splitlines()[1:5])
     assert facts["knee"].strip().startswith("C = 2: ")
     assert "invalid or failing points  C = 4, 8, 16" in text and "    sweep  8            77.1" in text
 
@@ -303,13 +314,17 @@ def test_sizing_shows_the_budget_and_the_levers(browser, capsys, tmp_path):
     found = charts(browse(browser, html))
     assert found["sizing-budget"]["segments"] == len(report_html.BUDGET) + 1
     assert found["sizing-levers"]["columns"] == len(doc["levers"]) + 1
-    assert f"KV cache tokens                  {doc['kv_cache_tokens']:,}" in text
+    assert re.search(rf"\n  KV cache tokens +{doc['kv_cache_tokens']:,}\n", text)
+    assert re.search(r"\n  marginal +1\.19x requests of the full context", text)
+    assert re.search(rf"\n  requests of 2,048 tokens at once +{report_html.fmt(doc['typical']['max_concurrency'])}\n", text)
     assert vram.main(["--model", "qwen3-32b", "--gpu", "l4", "--json"]) == 1
     short = json.loads(capsys.readouterr().out)
     html, text = render(tmp_path, capsys, "sizing-short", write(tmp_path, "short.json", short))
     assert charts(browse(browser, html))["sizing-budget"]["segments"] == len(report_html.BUDGET) + 1
-    assert text.startswith("== Sizing: qwen3-32b on NVIDIA L4: does not fit\n")
-    assert f"  smallest change that fits        {short['fix']['change']}\n" in text
+    assert past_answers(text).startswith("== Sizing: qwen3-32b on NVIDIA L4: does not fit\n")
+    assert f"  cheapest change that fits        {short['fix']['change']}\n" in text
+    assert f"does not fit: 0 requests of 40,960 tokens at once; cheapest change that fits: {short['fix']['change']}" \
+        in text.splitlines()[1]
     assert f"(short by {-short['kv_cache_gib']:.2f} GiB: it does not fit)" in text
 
 
@@ -365,7 +380,8 @@ def test_text_summary_and_json(capsys, tmp_path):
     path = write(tmp_path, "bench.json", doc)
     assert report.main([path, "--format", "text"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith(f"== Bench run: bench: {doc['verdict']}\n")
+    assert past_answers(text).startswith(f"== Bench run: bench: {doc['verdict']}\n")
+    assert text.splitlines()[1].startswith(f"  bench bench  {doc['verdict']}: TTFT p95 ")
     assert f"  TTFT ms     p50 {report_html.fmt(doc['ttft_ms']['p50'])}, p95 {report_html.fmt(doc['ttft_ms']['p95'])}" in text
     assert report.main([path, "--out", str(tmp_path / "r.html"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -373,7 +389,7 @@ def test_text_summary_and_json(capsys, tmp_path):
     os.umask(umask)
     assert (tmp_path / "r.html").stat().st_mode & 0o777 == 0o666 & ~umask
     assert summary["out"] == str(tmp_path / "r.html") and summary["inputs"] == [{"file": path, "kind": "bench"}]
-    assert summary["sections"][0]["verdict"] == doc["verdict"]
+    assert summary["sections"][0]["title"] == "Answers" and summary["sections"][1]["verdict"] == doc["verdict"]
 
 
 def test_help_has_examples(capsys):
@@ -387,11 +403,14 @@ def test_server_metrics_show_their_diagnosis(browser, capsys, tmp_path):
 
     fixtures = REPO / "tests" / "fixtures" / "metrics"
     assert metrics.main(["--file", str(fixtures / "vllm-0.32-queue-before.txt"),
-                         "--file", str(fixtures / "vllm-0.32-queue-after.txt"), "--window", "30", "--json"]) == 0
+                         "--file", str(fixtures / "vllm-0.32-queue-after.txt"), "--window", "17.87", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     html, text = render(tmp_path, capsys, "metrics", write(tmp_path, "metrics.json", doc))
     browse(browser, html)
-    assert text.startswith("== Server metrics: metrics\n  - queue: requests wait for a slot: queue p95 14.3 s")
+    assert text.startswith("== Server metrics: metrics\n  - running_limit: --max-num-seqs is probably 2 (inferred: ")
+    assert "\n  - queue: requests wait for a slot: queue mean 7.24 s" in text
+    assert "\n  - plan 1: --max-num-seqs: 2 -> 16 (current: inferred)" in text
+    assert "\n  - verify: task infer:compare A=before.json B=after.json\n" in text
     assert re.search(r"\n  TTFT ms +p50 7,500, p95 18,667, p99 19,733\n", text) and "\n  queue ms " in text
 
 
@@ -411,3 +430,46 @@ def test_two_sweeps_share_the_charts_and_open_loop_runs_make_a_curve(browser, ca
     text = capsys.readouterr().out
     assert "  -- TTFT against rate (req/s)\n    run         rate (req/s)  p50" in text
     assert [line.split()[2] for line in text.splitlines() if line.startswith("    bench runs")][:3] == ["0.5", "1", "2"]
+
+
+def test_answers_come_first_one_sentence_per_result(browser, capsys, tmp_path):
+    """Each result's verdict, the figure behind it and what to do, before any chart; a roofline
+    set against a sweep of another model is said to compare two models, there and in its section."""
+    sweep_file = write(tmp_path, "sweep.json", sweep_doc())
+    roof = roofline_doc(capsys)                                   # qwen3-0.6b; the sweep measured tiny-qwen3
+    files = [sweep_file, write(tmp_path, "roofline.json", roof)]
+    assert report.main([*files, "--format", "text"]) == 0
+    text = capsys.readouterr().out
+    answers = text.split("\n\n", 1)[0].splitlines()
+    assert answers[0] == "== Answers"
+    assert answers[1] == ("  sweep sweep        knee at C = 2: " + report_html.fmt(sweep_doc()["knee"]["total_tok_s"])
+                          + " total tok/s at TPOT p95 " + report_html.fmt(sweep_doc()["knee"]["tpot_ms"]["p95"])
+                          + " ms; serve at most 2 concurrent requests per replica at this workload")
+    assert answers[2].startswith("  roofline roofline  decode at batch 1 takes at least ")
+    warning = ("the roofline is for qwen3-0.6b, but sweep measured tiny-qwen3: measured / bound compares two "
+               "different models unless they are the same one under another name")
+    assert answers[3] == f"  warning            {warning}"
+    assert re.search(r"== Physics: measured against the roofline\n(  .*\n)*  warning +" + re.escape(warning), text)
+    html, _ = render(tmp_path, capsys, "answers", *files, write(tmp_path, "compare.json", compare_doc()))
+    page = browse(browser, html)
+    assert page["text"].index("Answers") < page["text"].index("knee at C = 2") < page["text"].index("Comparison")
+    same = sweep_doc(model="Qwen/Qwen3-0.6B")
+    assert report_html.model_mismatch(report_html.Result("roofline", "r.json", roof),
+                                      [report_html.Result("sweep", "s.json", same)]) == []
+
+
+def test_a_sweep_without_a_valid_point_says_so_in_the_report(capsys, tmp_path):
+    doc = sweep_doc()
+    doc["points"] = [p for p in doc["points"] if p["verdict"] in ("INVALID", "ERROR")]
+    doc["knee"] = None
+    assert report.main([write(tmp_path, "sweep.json", doc), "--format", "text"]) == 0
+    text = capsys.readouterr().out
+    cause = f"C = 4 was INVALID ({doc['points'][0]['reasons'][0]})"
+    assert text.splitlines()[1] == f"  sweep sweep  no knee: no valid point: {cause}; rerun on a quieter client machine"
+    assert f"  knee                       none: no valid point: {cause}\n" in text
+
+
+def test_the_progress_line_counts_in_words(capsys, tmp_path):
+    assert report.main([write(tmp_path, "compare.json", compare_doc()), "--out", str(tmp_path / "r.html")]) == 0
+    assert capsys.readouterr().err == f"report: 2 sections, 1 chart written to {tmp_path / 'r.html'}\n"
+    assert report.plural(1, "section") == "1 section" and report.plural(0, "chart") == "0 charts"

@@ -130,7 +130,7 @@ def test_stream_that_differs_from_the_plain_answer_is_named(capsys):
 def test_server_without_tool_calling_is_a_configuration_error(capsys):
     with fake_toolcall_server("no_tool_parser") as url:
         code, report, err = run(capsys, url)
-    assert code == 2 and report is None
+    assert code == 2 and report == {"error": err.removeprefix("error: ").rstrip("\n"), "exit_code": 2}
     assert err.count("\n") == 1
     assert err.startswith('error: the server does not have tool calling enabled (HTTP 400: "auto" tool choice requires '
                           "--enable-auto-tool-choice and --tool-call-parser to be set): restart the server")

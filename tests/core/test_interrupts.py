@@ -32,7 +32,7 @@ import pytest
 from fault_server import Action, fault_server, paced
 from vllm_server import ServerUnavailable, task_exe
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 TOOLBOX = ROOT / "roofline-toolbox" / "Taskfile.yml"
 BOUND_S = 60  # a run that outlives this after the signal is a hang

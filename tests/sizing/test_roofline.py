@@ -98,7 +98,7 @@ def test_expected_runs_linear_layers_and_attention_one_after_the_other():
 
 
 def test_roofline_bench_checks_the_fp8_vs_4bit_direction(tmp_path, capsys):
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "roofline_bounds.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "roofline_bounds.py"
     spec = importlib.util.spec_from_file_location("roofline_bounds", path)
     roofline_bounds = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(roofline_bounds)

@@ -1,0 +1,127 @@
+"""What a running server says about its own settings beyond /metrics, so that the diagnosis
+(scripts/diagnosis.py) checks each lever against what is already set.
+
+vLLM: GET /server_info?config_format=json, served only when the server runs with
+VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/serve/dev/server_info/api_router.py, vLLM 0.32.0): the
+whole VllmConfig. SGLang: GET /get_server_info (python/sglang/srt/entrypoints/http_server.py,
+sgl-project/sglang main): its ServerArgs (python/sglang/srt/server_args.py) and the scheduler's
+info. Both: /v1/models gives max_model_len. A route that does not answer is skipped: the setting
+stays for the diagnosis to infer from the metrics, or unknown. Only the named fields are read;
+nothing else of these answers (SGLang's holds the API key) is kept or printed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import httpx
+
+from rooflib.core import http_client
+from rooflib.core.errors import ServerError, UsageError
+from rooflib.server import model_listing
+
+EXPORTED, INFERRED, UNKNOWN = "exported", "inferred", "unknown"
+
+
+@dataclass(frozen=True)
+class Known:
+    """A deployment setting: its value (None when unknown), whether the server exported it, the
+    diagnosis inferred it from the metrics, or neither, and how: the endpoint or metric that
+    gave it, or the evidence it was inferred from."""
+    value: Any
+    source: str
+    how: str
+
+
+@dataclass(frozen=True)
+class Served:
+    """A live server: its base URL and the settings it exported about itself."""
+    url: str
+    settings: Mapping[str, Known]
+
+
+# setting -> (section, field) of vLLM's VllmConfig as /server_info gives it (vllm/config/scheduler.py,
+# cache.py, model.py, parallel.py of vLLM 0.32.0).
+VLLM_FIELDS = {
+    "max_num_seqs": ("scheduler_config", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler_config", "max_num_batched_tokens"),
+    "prefix_caching": ("cache_config", "enable_prefix_caching"),
+    "block_size": ("cache_config", "block_size"),
+    "max_model_len": ("model_config", "max_model_len"),
+    "tensor_parallel_size": ("parallel_config", "tensor_parallel_size"),
+}
+# setting -> SGLang ServerArgs field. The radix cache is SGLang's prefix cache: on unless
+# --disable-radix-cache; chunked_prefill_size plays max_num_batched_tokens' part (tokens
+# prefilled per step); mem_fraction_static that of gpu_memory_utilization.
+SGLANG_FIELDS = {
+    "max_num_seqs": "max_running_requests",
+    "max_num_batched_tokens": "chunked_prefill_size",
+    "prefix_caching": "disable_radix_cache",
+    "block_size": "page_size",
+    "max_model_len": "context_length",
+    "tensor_parallel_size": "tp_size",
+    "gpu_memory_utilization": "mem_fraction_static",
+}
+# What each setting must be to be read at all (a bool is not a count).
+FRACTIONS = {"gpu_memory_utilization"}
+BOOLEANS = {"prefix_caching"}
+
+
+def _checked(setting: str, value: Any) -> Any:
+    """The value if it has the setting's type, else None (the setting then stays unread)."""
+    if setting in BOOLEANS:
+        return value if isinstance(value, bool) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if setting in FRACTIONS:
+        return float(value) if 0 < value <= 1 else None
+    return int(value) if value >= 1 and value == int(value) else None
+
+
+def from_vllm(info: Any) -> dict[str, Known]:
+    """The settings in a vLLM /server_info?config_format=json answer."""
+    config = info.get("vllm_config") if isinstance(info, dict) else None
+    found = {}
+    for setting, (section, field) in VLLM_FIELDS.items():
+        part = config.get(section) if isinstance(config, dict) else None
+        value = _checked(setting, part.get(field) if isinstance(part, dict) else None)
+        if value is not None:
+            found[setting] = Known(value, EXPORTED, f"vLLM /server_info {section}.{field}")
+    return found
+
+
+def from_sglang(info: Any) -> dict[str, Known]:
+    """The settings in an SGLang /get_server_info answer (max_running_requests and
+    context_length are null there when SGLang chose them: those stay unread)."""
+    found = {}
+    for setting, field in SGLANG_FIELDS.items():
+        raw = info.get(field) if isinstance(info, dict) else None
+        if setting == "prefix_caching" and isinstance(raw, bool):
+            raw = not raw
+        value = _checked(setting, raw)
+        if value is not None:
+            found[setting] = Known(value, EXPORTED, f"SGLang /get_server_info {field}")
+    return found
+
+
+def server_settings(url: str, engine: str, api_key: str | None = None, timeout: float = 30.0,
+                    transport: httpx.BaseTransport | None = None) -> Served:
+    """What the server at `url` says about its settings (see the module's doc); routes that do
+    not answer are skipped."""
+    found: dict[str, Known] = {}
+    with http_client.client(url, api_key, timeout, max_connections=1, transport=transport) as http:
+        try:
+            entry = model_listing.served_model(http)
+            length = model_listing.max_model_len(entry, url)
+            if length:
+                found["max_model_len"] = Known(length, EXPORTED, "/v1/models max_model_len")
+        except (ServerError, UsageError):
+            pass
+        try:
+            if engine == "vllm":
+                found.update(from_vllm(http_client.get_json(http, "/server_info", params={"config_format": "json"})))
+            else:
+                found.update(from_sglang(http_client.get_json(http, "/get_server_info")))
+        except ServerError:  # vLLM without VLLM_SERVER_DEV_MODE=1 answers 404
+            pass
+    return Served(url, found)

@@ -1,0 +1,392 @@
+"""diagnosis.py: one root cause, what it causes, one plan that never contradicts itself nor asks for
+what is already set, and verify commands that run as printed. On the saved scrapes of
+tests/fixtures/metrics and on window snapshots built here, one per kind of finding, in the shape
+engine_metrics.difference() gives; deployment.py on the answers vLLM's /server_info and SGLang's
+/get_server_info give (their shapes from the engines' source), and on a real vLLM.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import httpx
+import metrics
+import pytest
+from vllm_server import task_exe
+
+from rooflib.core import conf, printing
+from rooflib.load import benchrun
+from rooflib.server import deployment, diagnosis, engine_metrics
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
+REPO = Path(__file__).resolve().parents[2]
+FINDING_KEYS = {"kind", "evidence", "confidence", "caused_by", "setting", "current", "current_source"}
+LEVER_KEYS = {"setting", "current", "current_source", "proposed", "reason", "effect", "text"}
+
+# vLLM 0.32's bucket bounds (vllm/v1/metrics/loggers.py and buckets.py).
+TTFT_BOUNDS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BOUNDS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+REQUEST_BOUNDS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                  480.0, 960.0, 1920.0, 7680.0]
+TOKEN_BOUNDS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+STEP_BOUNDS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def fixture_report(*names: str, seconds: float | None = None) -> dict:
+    snaps = [engine_metrics.snapshot((FIXTURES / name).read_text(), name) for name in names]
+    if len(snaps) == 1:
+        return engine_metrics.report(snaps[0])
+    snaps[0]["time"], snaps[1]["time"] = 0.0, seconds
+    return engine_metrics.report(engine_metrics.difference(*snaps))
+
+
+def histogram(metric: str, observations: list[float], bounds: list[float]) -> dict:
+    return {"metric": metric, "le": [*map(float, bounds), math.inf],
+            "counts": [float(sum(1 for o in observations if o <= le)) for le in bounds] + [float(len(observations))],
+            "sum": float(sum(observations)), "count": float(len(observations))}
+
+
+CACHE_CONFIG = {"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True",
+                "gpu_memory_utilization": "0.9", "kv_cache_memory_bytes": "None", "num_gpu_blocks": "20000",
+                "kv_cache_size_tokens": "320000", "kv_cache_max_concurrency": "40.0"}
+
+
+def window(*, n: int = 60, seconds: float = 60.0, queue: float = 0.0, prefill: float = 0.1, decode: float = 2.0,
+           itl: list[float] | None = None, tpot: float = 0.02, prompt: int = 1600, output: int = 100,
+           prompt_counter: float | None = None, steps: list[float] | None = None, hits: float = 0.5,
+           running: tuple[float, float] = (0, 0), waiting: tuple[float, float] = (0, 0), kv: float = 0.1,
+           preemptions: float = 0, plateau: tuple[float, ...] = (), cache_config: dict | None = None,
+           endpoint: str = "completion") -> dict:
+    """A vLLM window of `n` requests finished in `seconds`, each queued, prefilled and decoded
+    for the given seconds, with the given lengths; gauges as (last value, peak)."""
+    ttft = queue + prefill
+    hists = {
+        "ttft": histogram("vllm:time_to_first_token_seconds", [ttft] * n, TTFT_BOUNDS),
+        "itl": histogram("vllm:inter_token_latency_seconds", itl or [tpot] * (n * (output - 1)), ITL_BOUNDS),
+        "tpot": histogram("vllm:request_time_per_output_token_seconds", [tpot] * n, ITL_BOUNDS),
+        "e2e": histogram("vllm:e2e_request_latency_seconds", [queue + prefill + decode] * n, REQUEST_BOUNDS),
+        "queue": histogram("vllm:request_queue_time_seconds", [queue] * n, REQUEST_BOUNDS),
+        "prefill": histogram("vllm:request_prefill_time_seconds", [prefill] * n, REQUEST_BOUNDS),
+        "decode": histogram("vllm:request_decode_time_seconds", [decode] * n, REQUEST_BOUNDS),
+        "prompt_len": histogram("vllm:request_prompt_tokens", [prompt] * n, TOKEN_BOUNDS),
+        "output_len": histogram("vllm:request_generation_tokens", [output] * n, TOKEN_BOUNDS),
+        "step_tokens": histogram("vllm:iteration_tokens_total", steps or [8.0] * 100, STEP_BOUNDS),
+    }
+    queried = prompt_counter if prompt_counter is not None else float(prompt * n)
+    counters = {"prompt_tokens": queried, "generation_tokens": float(output * n), "preemptions": float(preemptions),
+                "prefix_queries": queried, "prefix_hits": queried * hits,
+                f"{endpoint}_requests": float(n)}
+    gauges = {"running": running, "waiting": waiting, "kv_cache_usage": (kv, kv)}
+    return {"engine": "vllm", "source": "synthetic", "models": ["m"], "engines": 1, "time": seconds,
+            "seconds": seconds, "start_time": 0.0, "warnings": [], "cache_config": cache_config or CACHE_CONFIG,
+            "histograms": hists,
+            "counters": {k: {"metric": k, "value": v, "series": 1} for k, v in counters.items()},
+            "gauges": {k: {"metric": k, "value": v[0], "max": v[1], "peak_value": v[1], "samples": 30}
+                       for k, v in gauges.items()},
+            "running_while_waiting": list(plateau)}
+
+
+def diagnosed(snap: dict, slo=engine_metrics.Targets(), served: deployment.Served | None = None) -> dict:
+    r = engine_metrics.report(snap, slo=slo, served=served)
+    assert_one_plan(r)
+    return r
+
+
+def kinds(r: dict) -> list[str]:
+    return [f["kind"] for f in r["diagnosis"]["findings"]]
+
+
+def assert_one_plan(r: dict) -> None:
+    """The contract: the root first, findings and levers with exactly the agreed keys, causes that
+    are findings, one lever per setting (no "raise" and "lower" of one), none for what is set."""
+    d = json.loads(printing.json_text(r["diagnosis"]))
+    assert set(d) == {"root_cause", "findings", "plan", "verify"}
+    assert d["root_cause"] == (d["findings"][0] if d["findings"] else None)
+    for finding in d["findings"]:
+        assert set(finding) == FINDING_KEYS and finding["evidence"] and finding["confidence"]
+        assert finding["caused_by"] is None or finding["caused_by"] in {f["kind"] for f in d["findings"]}
+        assert finding["current_source"] in ("exported", "inferred", "unknown", None)
+    settings = [lever["setting"] for lever in d["plan"] if lever["setting"]]
+    assert len(settings) == len(set(settings)), settings
+    for lever in d["plan"]:
+        assert set(lever) == LEVER_KEYS and lever["text"] and lever["reason"] and lever["effect"]
+        if lever["setting"]:
+            assert lever["current"] is None or lever["proposed"] != lever["current"], lever["text"]
+            assert lever["text"].startswith(f"{lever['setting']}: ") and f"(current: {lever['current_source']})" in lever["text"]
+    caching = r["settings"]["prefix_caching"]["value"]
+    assert not any("prefix caching is on" in lever["text"] for lever in d["plan"])
+    if caching:
+        assert not any(lever["setting"] in ("--enable-prefix-caching", "--disable-radix-cache") for lever in d["plan"])
+    assert (d["verify"] == []) == (d["root_cause"] is None)
+
+
+# --------------------------------------------------------------------------------------------
+# The saved scrapes
+
+@pytest.mark.parametrize("names, seconds, root, setting, current", [
+    # KV 97% full with 12 retractions: no "raise --max-running-requests" beside "lower" it.
+    (("sglang-0.5-tp2.txt",), None, "kv_cache", "--mem-fraction-static", None),
+    (("vllm-0.32-preempt-after.txt",), None, "kv_cache", "--kv-cache-memory-bytes", 4194304),
+    (("vllm-0.32-preempt-before.txt", "vllm-0.32-preempt-after.txt"), 11.92, "kv_cache", "--kv-cache-memory-bytes",
+     4194304),
+    (("vllm-0.32-queue-before.txt", "vllm-0.32-queue-after.txt"), 17.87, "running_limit", "--max-num-seqs", 2),
+    (("vllm-0.32-queue-after.txt",), None, "queue", None, None),
+    (("vllm-v0.txt",), None, "kv_cache", "--gpu-memory-utilization", None),
+])
+def test_saved_scrapes_lead_with_the_right_root_and_one_plan(names, seconds, root, setting, current):
+    r = fixture_report(*names, seconds=seconds)
+    assert_one_plan(r)
+    found = r["diagnosis"]["root_cause"]
+    assert (found["kind"], found["setting"], found["current"]) == (root, setting, current)
+    first = next(line for line in engine_metrics.format_report(r).splitlines() if line.startswith(("Root", "Diag")))
+    assert first.startswith(f"Root cause: [{root}] " + (f"{setting} is " if setting else ""))
+
+
+@pytest.mark.parametrize("names, seconds", [(("sglang-0.5-tp2.txt",), None),
+                                            (("vllm-0.32-preempt-after.txt",), None),
+                                            (("vllm-0.32-preempt-before.txt", "vllm-0.32-preempt-after.txt"), 11.92)])
+def test_a_full_kv_cache_never_asks_for_more_running_requests(names, seconds):
+    """The before-stop review: [queue] said raise the running cap, [decode] and [preemptions]
+    lower it. The queue is the full cache's consequence: the plan grows the cache, and lowers
+    the cap only to what the cache holds."""
+    r = fixture_report(*names, seconds=seconds)
+    assert kinds(r)[:3] == ["kv_cache", "preemptions", "queue"]
+    caps = [lever for lever in r["diagnosis"]["plan"] if lever["setting"] in ("--max-num-seqs", "--max-running-requests")]
+    assert all(lever["proposed"] is not None and lever["proposed"] <= 2 for lever in caps), caps
+    assert not any("make sure prefix caching" in lever["text"] or "raise --max" in lever["text"]
+                   for lever in r["diagnosis"]["plan"])
+
+
+def test_sglang_low_hits_under_a_full_cache_are_evictions_not_a_switch_to_turn_on():
+    r = fixture_report("sglang-0.5-tp2.txt")
+    evicted = next(f for f in r["diagnosis"]["findings"] if f["kind"] == "prefix_evicted")
+    assert evicted["caused_by"] == "kv_cache" and "evicted" in evicted["evidence"]
+    assert r["settings"]["prefix_caching"] == {"value": True, "source": "inferred",
+                                               "how": "prompts hit the prefix cache (5.0% of prompt tokens)"}
+
+
+def test_quantiles_are_shown_as_the_bucket_they_lie_in():
+    """The queue window's TTFT p95 interpolates to 18.7 s inside the 10-20 s bucket while e2e p99
+    is 14.9 s: as buckets, 10-20 s and 10-15 s, they no longer contradict each other."""
+    r = fixture_report("vllm-0.32-queue-before.txt", "vllm-0.32-queue-after.txt", seconds=17.87)
+    assert r["ttft_ms"]["p95"] == pytest.approx(18666.7, abs=0.1) and r["e2e_ms"]["p99"] == pytest.approx(14900)
+    assert diagnosis.quantile_text(r["ttft_ms"], "p95") == "10-20 s"
+    assert diagnosis.quantile_text(r["e2e_ms"], "p99") == "10-15 s"
+    assert diagnosis.quantile_text(r["itl_ms"], "p50") == "<=10 ms"
+    row = next(line for line in engine_metrics.format_report(r).splitlines() if line.startswith("  TTFT"))
+    assert row.split()[1:4] == ["5-7.5", "s", "10-20"]
+
+
+def test_lengths_come_from_the_finished_requests():
+    """vLLM counts prompt tokens when it prefills them: 15 prefilled, 6 finished gave
+    "4,000-token prompts" for 1,600-token ones. The request histograms count finished ones."""
+    r = diagnosed(window(n=6, prompt=1600, prompt_counter=15 * 1600.0))
+    assert r["prompt_tokens_mean"] == 1600 and r["output_tokens_mean"] == 100
+    assert r["lengths_from"] == "vllm:request_prompt_tokens" and r["tokens_per_request"] == 1700
+    assert "of 1,600 prompt + 100 output tokens on average" in engine_metrics.format_report(r)
+
+
+# --------------------------------------------------------------------------------------------
+# Each kind, on a window built for it
+
+def test_a_healthy_window_has_no_finding_and_says_so():
+    r = diagnosed(window())
+    assert kinds(r) == [] and r["diagnosis"]["plan"] == []
+    assert engine_metrics.format_report(r).endswith("Diagnosis: no bottleneck found in these figures.")
+
+
+def stalled(**extra) -> dict:
+    """The user's case: 1,600-token prompts with a shared system prompt and prefix caching off,
+    1-3 running, TTFT p95 over 2 s, and tokens stalled behind the long prefills."""
+    itl = [0.02] * 5000 + [1.2] * 300  # most gaps 20 ms, one in 18 a prefill's 1.2 s
+    config = {**CACHE_CONFIG, "enable_prefix_caching": "False"}
+    return window(n=50, prefill=2.2, decode=8.0, itl=itl, tpot=0.08, running=(2, 3), hits=0.0,
+                  cache_config=config, **extra)
+
+
+def test_prefix_caching_off_is_the_root_of_slow_prefill_and_token_stalls():
+    r = diagnosed(stalled())
+    assert kinds(r) == ["prefix_cache_off", "prefill", "decode"]
+    off, prefill, decode = r["diagnosis"]["findings"]
+    assert (off["setting"], off["current"], off["current_source"]) == ("--enable-prefix-caching", False, "exported")
+    assert prefill["caused_by"] == "prefix_cache_off" and decode["caused_by"] == "prefill"
+    assert "tokens stall behind prefills" in decode["evidence"] and "ITL p95 1-2.5 s" in decode["evidence"]
+    lever = r["diagnosis"]["plan"][0]
+    assert lever["text"].startswith("--enable-prefix-caching: False -> True (current: exported)")
+    # no "lower --max-num-seqs" for slow tokens with 2 running
+    assert "--max-num-seqs" not in [lever["setting"] for lever in r["diagnosis"]["plan"]]
+    after = r["diagnosis"]["verify"][1]
+    assert "--shared-prefix 800" in after and "--shared-prefix" not in r["diagnosis"]["verify"][0]
+
+
+def test_caching_on_with_no_hit_is_the_clients_prompts_not_a_switch():
+    r = diagnosed(window(hits=0.0))
+    assert kinds(r) == ["prefix_unstable"]
+    unstable = r["diagnosis"]["root_cause"]
+    assert unstable["setting"] is None and "first 16-token block" in unstable["evidence"]
+    assert r["diagnosis"]["plan"][0]["text"].startswith("make the prompts' start stable (client side)")
+
+
+def test_exported_cap_with_room_in_the_kv_cache_is_the_running_limit():
+    served = deployment.Served("http://h:8000", {
+        "max_num_seqs": deployment.Known(4, "exported", "vLLM /server_info scheduler_config.max_num_seqs"),
+        "max_num_batched_tokens": deployment.Known(8, "exported", "vLLM /server_info scheduler_config.max_num_batched_tokens")})
+    r = diagnosed(window(n=60, queue=6.0, prompt=200, running=(4, 4), waiting=(20, 24)), served=served)
+    assert kinds(r) == ["running_limit", "queue"]
+    root = r["diagnosis"]["root_cause"]
+    assert (root["current"], root["current_source"]) == (4, "exported") and root["confidence"].startswith("high")
+    seqs, batched = r["diagnosis"]["plan"][:2]
+    # 60 requests in 60 s, each 8.1 s in the server: about 8.1 in flight -> 16
+    assert (seqs["setting"], seqs["current"], seqs["proposed"]) == ("--max-num-seqs", 4, 16)
+    assert (batched["setting"], batched["current"], batched["proposed"]) == ("--max-num-batched-tokens", 8, 16)
+    assert r["diagnosis"]["verify"][0].startswith("task infer:bench INFER_URL=http://h:8000 BENCH_IN=200 BENCH_OUT=100 "
+                                                  "BENCH_C=9 BENCH_N=36 -- ")
+
+
+def test_a_plateau_of_running_requests_while_others_wait_names_the_cap():
+    r = diagnosed(window(queue=6.0, prompt=200, running=(2, 2), waiting=(9, 9), plateau=(2, 2, 2)))
+    root = r["diagnosis"]["root_cause"]
+    assert (root["kind"], root["current"], root["current_source"]) == ("running_limit", 2, "inferred")
+    assert "--max-num-seqs is probably 2 (inferred: running at most 2 in the 3 gauge samples where requests " \
+           "waited, KV usage at most 10.0%)" in root["evidence"]
+
+
+def test_requests_filling_the_kv_cache_are_the_kv_limit_not_the_cap():
+    r = diagnosed(window(queue=6.0, prompt=8000, output=1000, running=(30, 30), waiting=(10, 10), kv=0.95))
+    assert kinds(r)[:2] == ["kv_cache", "queue"]
+    assert r["diagnosis"]["root_cause"]["setting"] == "--gpu-memory-utilization"
+    levers = {lever["setting"]: lever for lever in r["diagnosis"]["plan"]}
+    assert (levers["--gpu-memory-utilization"]["current"], levers["--gpu-memory-utilization"]["proposed"]) == (0.9, 0.93)
+    assert levers["--kv-cache-dtype"]["proposed"] == "fp8" and "--max-num-seqs" not in levers
+
+
+def test_an_fp8_kv_cache_is_not_proposed_again():
+    r = diagnosed(window(queue=6.0, prompt=8000, output=1000, running=(30, 30), waiting=(10, 10), kv=0.95,
+                         cache_config={**CACHE_CONFIG, "cache_dtype": "fp8"}))
+    assert "--kv-cache-dtype" not in [lever["setting"] for lever in r["diagnosis"]["plan"]]
+
+
+def test_slow_tokens_of_a_large_batch_trade_batch_size():
+    r = diagnosed(window(n=600, tpot=0.08, decode=8.0, prompt=300))
+    assert kinds(r) == ["decode"]
+    decode = r["diagnosis"]["root_cause"]
+    assert decode["setting"] == "--max-num-seqs" and "TPOT p95 75-100 ms" in decode["evidence"]
+    assert "with 81 requests running" in decode["evidence"]  # Little's law: 600 x 8.1 s in 60 s
+    assert r["diagnosis"]["plan"][0]["text"].startswith("--max-num-seqs: unknown -> 64 (current: unknown)")
+
+
+def test_slow_tokens_of_a_small_batch_are_memory_bound():
+    r = diagnosed(window(tpot=0.08, decode=0.8, n=6, prompt=300))
+    decode = r["diagnosis"]["root_cause"]
+    assert decode["setting"] is None and "decode is bound by reading weights and KV per step" in decode["evidence"]
+    assert [lever["text"].split(":")[0] for lever in r["diagnosis"]["plan"]] == [
+        "speculative decoding (--speculative-config)", "FP8 weights (--quantization fp8)"]
+
+
+def test_the_largest_engine_step_shows_max_num_batched_tokens():
+    """4,000-token prompts prefilled in chunks: the largest steps fill the 1,024-2,048 bucket."""
+    r = diagnosed(window(prompt=4000, prefill=3.0, steps=[2048.0] * 40 + [8.0] * 400))
+    assert r["settings"]["max_num_batched_tokens"]["value"] == 2048
+    assert r["settings"]["max_num_batched_tokens"]["source"] == "inferred"
+    assert kinds(r) == ["prefill"]
+    lever = r["diagnosis"]["plan"][0]
+    assert lever["text"].startswith("--max-num-batched-tokens: 2,048 -> 4,096 (current: inferred): prompts of 4,000 "
+                                    "tokens take 2 steps each")
+
+
+def test_a_root_outside_the_engine_comes_first():
+    outside = diagnosis._finding("outside_engine", "the client saw 300 ms more than the engine", "high: both sides")
+    queue = diagnosis._finding("queue", "requests wait", "low")
+    found = diagnosis.ordered([queue, outside])
+    assert [f["kind"] for f in found] == ["outside_engine", "queue"]
+    plan = diagnosis.plan(found, {"engine": "vllm"}, {})
+    assert [lever["text"].split(": ")[0] for lever in plan] == [
+        "split the gap from where the users are", "task infer:metrics WINDOW=30 while the load is on",
+        "add replicas or data-parallel engines (--data-parallel-size)"]
+
+
+# --------------------------------------------------------------------------------------------
+# The verify commands run as printed
+
+def task_command(line: str) -> list[str]:
+    """The script command `task --dry` runs for a printed `task infer:...` line."""
+    result = subprocess.run([task_exe(), "--verbose", "--dry", *shlex.split(line)[1:]], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    ran = re.search(r'task: \[infer:\w+\] (.+)', result.stderr + result.stdout)[1]
+    return shlex.split(ran)
+
+
+def test_verify_commands_are_real_bench_and_compare_runs():
+    r = diagnosed(stalled(endpoint="chat"), slo=engine_metrics.Targets(1500, 40))
+    before, after, compare = r["diagnosis"]["verify"]
+    for line in (before, after):
+        argv = task_command(line)
+        args = benchrun.build_parser().parse_args(argv[argv.index(str(REPO / "scripts" / "bench.py")) + 1:])
+        options = benchrun.make_options(args, conf.settings_from_args(args))
+        assert (options.input_tokens, options.output_tokens, options.slo.ttft_p95_ms) == (1600, 100, 1500)
+    assert args.output.file == "after.json" and args.shared_prefix == "800" and args.endpoint == "chat"
+    assert task_command(compare)[-2:] == ["before.json", "after.json"]
+
+
+# --------------------------------------------------------------------------------------------
+# What the server says about itself
+
+VLLM_SERVER_INFO = {"vllm_config": {
+    "scheduler_config": {"max_num_seqs": 2, "max_num_batched_tokens": 2048},
+    "cache_config": {"enable_prefix_caching": False, "block_size": 128},
+    "model_config": {"max_model_len": 4096}, "parallel_config": {"tensor_parallel_size": 1}},
+    "vllm_env": {}, "system_env": {}}
+# SGLang answers its ServerArgs with the scheduler's info: the API key among them.
+SGLANG_SERVER_INFO = {"max_running_requests": None, "chunked_prefill_size": 8192, "disable_radix_cache": False,
+                      "page_size": 1, "context_length": None, "tp_size": 2, "mem_fraction_static": 0.88,
+                      "api_key": "sk-secret", "max_total_num_tokens": 262144, "internal_states": [], "version": "0.5.0"}
+
+
+def server(answers: dict) -> httpx.MockTransport:
+    def answer(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        return httpx.Response(200, json=answers[path]) if path in answers else httpx.Response(404, text="Not Found")
+    return httpx.MockTransport(answer)
+
+
+def test_vllm_server_info_gives_the_settings_no_metric_exports():
+    served = deployment.server_settings("http://h:8000", "vllm", transport=server({
+        "/v1/models": {"data": [{"id": "m", "max_model_len": 4096}]}, "/server_info": VLLM_SERVER_INFO}))
+    assert {k: v.value for k, v in served.settings.items()} == {
+        "max_num_seqs": 2, "max_num_batched_tokens": 2048, "prefix_caching": False, "block_size": 128,
+        "max_model_len": 4096, "tensor_parallel_size": 1}
+    assert served.settings["max_num_seqs"].how == "vLLM /server_info scheduler_config.max_num_seqs"
+
+
+def test_without_dev_mode_vllm_says_only_its_max_model_len():
+    served = deployment.server_settings("http://h:8000", "vllm", transport=server({
+        "/v1/models": {"data": [{"id": "m", "max_model_len": 4096}]}}))
+    assert list(served.settings) == ["max_model_len"]
+
+
+def test_sglang_server_info_is_read_field_by_field_and_its_key_never_kept():
+    served = deployment.server_settings("http://h:30000", "sglang", transport=server({
+        "/v1/models": {"data": [{"id": "m"}]}, "/get_server_info": SGLANG_SERVER_INFO}))
+    assert {k: v.value for k, v in served.settings.items()} == {
+        "max_num_batched_tokens": 8192, "prefix_caching": True, "block_size": 1, "tensor_parallel_size": 2,
+        "gpu_memory_utilization": 0.88}
+    assert "sk-secret" not in repr(served)
+
+
+@pytest.mark.real_vllm
+def test_a_real_vllm_in_dev_mode_exports_its_cap_and_the_diagnosis_uses_it(vllm_factory, capsys):
+    with vllm_factory(sets=["max_num_seqs=2", "enable_prefix_caching=false"], env={"VLLM_SERVER_DEV_MODE": "1"}) as srv:
+        assert metrics.main(["--url", srv.url, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    settings = r["settings"]
+    assert settings["max_num_seqs"] == {"value": 2, "source": "exported",
+                                        "how": "vLLM /server_info scheduler_config.max_num_seqs"}
+    assert settings["prefix_caching"]["value"] is False and settings["max_model_len"]["value"] == 4096
+    assert settings["max_num_batched_tokens"]["source"] == "exported"
+    assert r["deployment"]["max_num_seqs"] == 2
