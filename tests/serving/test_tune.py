@@ -3,10 +3,10 @@ intervals, the bracket-and-bisect search, the budget, the outputs; then the loop
 vLLM from profiles with one setting made wrong on purpose, and its interrupts, crashes and
 failed starts.
 
-tests/fixtures/tune/diagnosis-*.json are diagnosis documents (metrics --json "diagnosis") the
-diagnosis wrote for the saved scrapes tests/fixtures/metrics/vllm-0.32-queue-*.txt (running
-limit), vllm-0.32-preempt-*.txt (KV cache), vllm-0.32-before/after.txt (healthy) and a window
-with prefix caching off.
+The diagnoses tune reads are engine_metrics' own, of the saved scrapes in tests/fixtures/metrics
+(a running limit, a small KV cache, a healthy window), and of a window with prefix caching off
+(tests/fixtures/tune/diagnosis-prefix-cache-off.json, written by the diagnosis from
+test_diagnosis.stalled()).
 """
 from __future__ import annotations
 
@@ -37,12 +37,23 @@ from rooflib.serving import levers, profiles, trials
 from rooflib.serving import tune as tuning
 from rooflib.sizing import estimate
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = REPO / "tests" / "fixtures"
 MIB = 1 << 20
 
 
+# Saved scrapes of the real CPU vLLM, before and after a load, 30 s apart (tests/server/test_diagnosis.py).
+SCRAPES = {"running-limit": "vllm-0.32-queue", "kv-cache": "vllm-0.32-preempt", "healthy": "vllm-0.32"}
+
+
 def diagnosis(name: str) -> dict:
-    return json.loads((FIXTURES / "tune" / f"diagnosis-{name}.json").read_text())
+    """The diagnosis of a saved window, as metrics --json gives it; prefix caching off has no saved
+    scrape, so its diagnosis (of a synthetic window, test_diagnosis.stalled) is kept as JSON."""
+    if name not in SCRAPES:
+        return json.loads((FIXTURES / "tune" / f"diagnosis-{name}.json").read_text())
+    snaps = [engine_metrics.snapshot((FIXTURES / "metrics" / f"{SCRAPES[name]}-{when}.txt").read_text(), when)
+             for when in ("before", "after")]
+    snaps[0]["time"], snaps[1]["time"] = 0.0, 30.0
+    return engine_metrics.report(engine_metrics.difference(*snaps))["diagnosis"]
 
 
 def cpu_profile(**settings) -> dict:
