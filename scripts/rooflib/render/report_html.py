@@ -656,7 +656,8 @@ VERDICT_CLASS = {"better": "better", "worse": "worse", "no significant differenc
 # ---------------------------------------------------------------- tune
 
 # A trial's decision (rooflib/serving/trials.py) as the colour of its interval.
-TRIAL_CLASS = {"kept": "better", "trade-off": "mixed", "did not start": "worse", "engine crashed": "worse"}
+TRIAL_CLASS = {"kept": "better", "trade-off": "mixed", "did not start": "worse", "engine crashed": "worse",
+               "run failed": "worse"}
 SLO_WORDS = {"ttft_p95_ms": "TTFT p95", "tpot_p95_ms": "TPOT p95"}
 
 

@@ -20,8 +20,9 @@ from rooflib.server.engine_metrics import Targets
 from rooflib.serving.levers import RANGES
 
 KEPT, REVERTED, TRADE_OFF = "kept", "reverted", "trade-off"
-NO_START, CRASHED, NOT_RUN, INTERRUPTED = "did not start", "engine crashed", "not run", "interrupted"
-TOO_FAR = (TRADE_OFF, NO_START, CRASHED)
+NO_START, CRASHED, RUN_FAILED = "did not start", "engine crashed", "run failed"
+NOT_RUN, INTERRUPTED = "not run", "interrupted"
+TOO_FAR = (TRADE_OFF, NO_START, CRASHED, RUN_FAILED)
 
 # SLO name (bench's "slo" section) -> (the run's section, statistic, words); compare names the row "ttft_ms.p95".
 FIGURES = {"ttft_p95_ms": ("ttft_ms", "p95", "TTFT p95"), "tpot_p95_ms": ("tpot_ms", "p95", "TPOT p95")}

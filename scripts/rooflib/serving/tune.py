@@ -125,6 +125,16 @@ def stop_engine(engine: Engine) -> bool:
         return bool(hold.noted)
 
 
+def exited(engine: Engine, within_s: float = 5.0) -> bool:
+    """Whether the engine has exited: a process being killed resets its connections before it is
+    gone, so a client can see the failure first; it is given a moment."""
+    try:
+        engine.proc.wait(within_s)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
 def log_tail(engine: Engine) -> str:
     lines = engine.log.read_text(errors="replace").strip().splitlines()
     return lines[-1] if lines else "no output"
@@ -287,10 +297,11 @@ class Runner:
         except KeyboardInterrupt:
             return trial_row(n, change, trials.INTERRUPTED, "interrupted: not judged", **facts), best
         except (ServerError, UsageError) as exc:  # it did not start, died, or the workload no longer fits it
-            died = self.engine is not None and self.engine.proc.poll() is not None
-            self.show(f"{name}: {change.describe()}: " + ("the engine crashed" if died else "it did not start or run"))
+            decision = trials.NO_START if self.engine is None else \
+                trials.CRASHED if exited(self.engine) else trials.RUN_FAILED
+            self.show(f"{name}: {change.describe()}: {decision}")
             self.stop()
-            return trial_row(n, change, trials.CRASHED if died else trials.NO_START, str(exc), **facts), best
+            return trial_row(n, change, decision, str(exc), **facts), best
         facts.update(run=f"{name}.json", bench_s=self.show.bench_s[-1], figures=trials.figures(None, result))
         if result["interrupted"]:
             return trial_row(n, change, trials.INTERRUPTED, "interrupted during the run: not judged", **facts), best
