@@ -466,6 +466,12 @@ def test_with_nothing_wrong_nothing_is_kept_and_it_says_the_slo_holds(cpu_vllm, 
     assert [row["decision"] for row in doc["trials"]] == ["baseline"]
 
 
+def foreground_signals() -> None:
+    """Ctrl-C as a foreground job gets it: a job a shell started in the background (`cmd &`, as a
+    test run under flock may be) ignores SIGINT, and its children inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def started_trial(proc: subprocess.Popen, name: str) -> list[str]:
     """Read tune's progress until the run of trial `name` begins: the lines so far."""
     lines = []
@@ -480,7 +486,7 @@ def started_trial(proc: subprocess.Popen, name: str) -> list[str]:
 def test_ctrl_c_mid_trial_keeps_the_finished_trials_and_stops_the_engine(cpu_vllm, tmp_path):
     port, out = profiles.free_port(), tmp_path / "out"
     proc = subprocess.Popen(tune_command(tune_vs_grid.CASES["running_limit"], out, port), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=foreground_signals)
     started_trial(proc, "trial-1")
     proc.send_signal(signal.SIGINT)
     stdout, _ = proc.communicate(timeout=600)
