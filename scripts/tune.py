@@ -152,7 +152,7 @@ def figure_text(figure: dict[str, Any]) -> str:
     return text
 
 
-def human(doc: dict[str, Any]) -> str:
+def human_text(doc: dict[str, Any]) -> str:
     names = list(doc["slo"])
     head = "".join(f"{trials.FIGURES[n][2] + ' ms':<28}" for n in names)
     lines = [f"SLO: {', '.join(f'{trials.FIGURES[n][2]} <= {t:g} ms' for n, t in doc['slo'].items())}; load: {doc['load']}",
@@ -191,14 +191,14 @@ def human(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def files_of(doc: dict[str, Any], setup_profile: bool) -> list[tuple[str, str, str]]:
+def files_of(doc: dict[str, Any], tuned: bool) -> list[tuple[str, str, str]]:
     out = Path(doc["out"])
     result = report_html.Result("tune", str(out / "tune.json"), doc)
     sections = report_html.build_sections([result], None)
     stamp = doc["started_at"]
     files = [("--out", str(out / "tune.json"), printing.json_text(doc)),
              ("--out", str(out / "report.html"), report_html.render_html(sections, [result], stamp))]
-    if setup_profile:
+    if tuned:
         files += [("--out", str(out / "profile.yaml"), tuning.profile_yaml(doc["winning_profile"])),
                   ("--out", str(out / "profile.diff"), doc["diff"])]
     return files
@@ -221,7 +221,7 @@ def run(args: Any, settings: conf.Settings, server: Any) -> int:
         doc = tuning.measure(server.base_url, server.api_key, options, out)
     with signals.SignalHold("tune") as hold:  # the trials are written whatever comes now
         hold.start()
-        printed = printing.emit(doc, human(doc), args.output)
+        printed = printing.emit(doc, human_text(doc), args.output)
         files = files_of(doc, doc["mode"] == "tune")
         if options.log:
             files.append(("--log", options.log, fileio.log_with_entry(options.log,

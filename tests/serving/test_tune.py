@@ -294,7 +294,7 @@ def test_the_report_draws_every_trial_on_one_chart_with_its_decision():
 def test_the_console_table_names_each_change_its_interval_and_the_decision():
     import tune as tune_cli
 
-    text = tune_cli.human(tune_document())
+    text = tune_cli.human_text(tune_document())
     assert "max_num_seqs 1 -> 8" in text and "1000.0 (-75% [-80, -70])" in text and "kept" in text
     assert "Kept: max_num_seqs 1 -> 8" in text and "+max_num_seqs: 8" in text
     assert "Stopped: the SLO holds" in text and "Not tried: --kv-cache-dtype" in text
