@@ -83,6 +83,14 @@ def start_profile(case: Case) -> dict[str, Any]:
     return profiles.validate(profile)
 
 
+def set_up_engine() -> None:
+    """The CPU vLLM and the tiny model (cached after the first time), as `task setup-cpu-vllm` does."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / "setup_cpu_vllm.py"), "--models", "tiny-qwen3"],
+                          stdout=subprocess.DEVNULL)
+    if done.returncode:
+        raise ServerError("setting up the CPU vLLM failed: run `task infer:setup-cpu-vllm` to see why")
+
+
 def run_tune(case: Case, out: Path) -> dict[str, Any]:
     cmd = [sys.executable, str(SCRIPTS / "tune.py"), "--profile", "cpu-tiny", "--json", "--out", str(out),
            "--budget-runs", str(case.runs), *[arg for item in case.sets for arg in ("--set", item)], *case.load, *COMMON]
@@ -148,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown = [name for name in names if name not in CASES]
         if unknown:
             raise UsageError(f"unknown case {unknown[0]!r}: use {', '.join(CASES)}")
+        set_up_engine()
         rows = []
         for name in names:
             case, out = CASES[name], Path(args.out) / name
