@@ -557,3 +557,14 @@ def test_a_kv_size_that_does_not_start_is_bisected_and_the_precision_lever_is_on
     search.record(search.next_change(best), trials.REVERTED)
     assert search.next_change(best) is None
     assert any("--kv-cache-dtype" in line and "not tried" in line for line in search.passed_over)
+
+
+def test_a_failed_start_is_told_by_the_engines_first_exception_not_its_last_warning(tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_text("INFO starting\n(EngineCore pid=1) ERROR core.py:1510] ValueError: in the worker's prefix\n"
+                   "ValueError: To serve at least one request with the model's max seq len (4096), ...\n"
+                   "RuntimeError: Engine core initialization failed. See root cause above.\n"
+                   "  warnings.warn('resource_tracker: There appear to be %d '\n")
+    assert profiles.why_it_stopped(log).startswith("ValueError: To serve at least one request")
+    log.write_text("usage: api_server.py ...\napi_server.py: error: unrecognized arguments: --no-such-flag\n")
+    assert profiles.why_it_stopped(log) == "api_server.py: error: unrecognized arguments: --no-such-flag"

@@ -135,11 +135,6 @@ def exited(engine: Engine, within_s: float = 5.0) -> bool:
         return False
 
 
-def log_tail(engine: Engine) -> str:
-    lines = engine.log.read_text(errors="replace").strip().splitlines()
-    return lines[-1] if lines else "no output"
-
-
 # ---------------------------------------------------------------------------------------------
 # One run
 
@@ -272,7 +267,7 @@ class Runner:
         run = self.bench(BASELINE)
         if engine.proc.poll() is not None:
             raise ServerError(f"the engine exited with status {engine.proc.returncode} during the baseline run: "
-                              f"{log_tail(engine)} (log {engine.log})")
+                              f"{profiles.why_it_stopped(engine.log)} (log {engine.log})")
         return Measured(self.setup.profile, run, f"{BASELINE}.json")
 
     def trial(self, n: int, change: levers.Change, best: Measured, target: str) -> tuple[dict[str, Any], Measured]:
@@ -309,7 +304,7 @@ class Runner:
             self.show(f"{name}: {change.describe()}: the engine crashed")
             self.stop()
             return trial_row(n, change, trials.CRASHED, f"the engine exited with status {engine.proc.returncode} "
-                                                        f"during the run: {log_tail(engine)}", **facts), best
+                                                        f"during the run: {profiles.why_it_stopped(engine.log)}", **facts), best
         doc = compared(best.run, result, (best.file, f"{name}.json"))
         verdict = trials.judge(doc, best.run, result, target)
         facts["figures"] = trials.figures(doc, result)
