@@ -23,7 +23,10 @@ replayed on its own absolute schedule, --speed; the schedule lag is reported). R
 when sent, from words the tokenizer counts as one token each (a sample is checked first), so a
 100,000-request run starts at once. Reasoning models: TTFT of the first answer token and the
 reasoning/answer split of tokens and TPOT. /metrics is scraped every --timeline-interval seconds
-("timeline"), and the client's TTFT/e2e are checked against the server's histograms.
+("timeline"), and the client's TTFT/e2e are checked against the server's histograms. With
+--prometheus (or $PROMETHEUS) the GPUs' DCGM exporter series over the run's window are read from
+it as `metrics --prometheus` reads them ("server"."gpu_telemetry": each GPU's activity, memory,
+power and clock, and the GPU findings), or the report says why there are none.
 
 Examples:
   bench.py --url http://127.0.0.1:8000 -n 32 -c 8 --input-tokens 2048 --output-tokens 256
@@ -35,6 +38,7 @@ Examples:
   bench.py --trace scripts/data/trace-sample.jsonl --speed 2 --json > run.json
   bench.py -n 1000 -c 64 --json-out run.json     # the table on stdout, the JSON document in run.json
   bench.py --input-dist lognormal:400,2000 --output-dist uniform:64,512 -n 200 -c 16
+  bench.py -n 256 -c 32 --prometheus http://prometheus:9090 --json-out run.json
 
 Exit codes: 0 SLO met (or no SLO set and every request completed), 1 SLO missed or requests
 failed, 2 usage error, 3 server unreachable or every request failed, 4 run invalid (the client
@@ -52,6 +56,7 @@ from typing import Any, Sequence
 from rooflib.core import cli, conf, fileio, printing, signals
 from rooflib.core.errors import EXIT_OK
 from rooflib.load import analysis, asyncclient, benchrun
+from rooflib.server import gpu_telemetry
 
 
 def human_text(result: dict[str, Any]) -> str:
@@ -114,6 +119,8 @@ def _server_lines(result: dict[str, Any]) -> list[str]:
     timeline = result.get("timeline")
     if timeline and timeline["samples"]:
         lines.append(f"{'Server timeline:':<34}{timeline_line(timeline)}")
+    if server.get("gpu_telemetry"):
+        lines += gpu_telemetry.format_lines(server["gpu_telemetry"])
     probe = server.get("probe")
     if probe:
         lines.append(f"{'Probe ' + probe['path'] + ':':<34}" + (f"{probe['p50_ms']:.2f} ms round trip (p50 of {probe['n']})"

@@ -46,7 +46,12 @@ With --prometheus the window is a PromQL range (rate/increase, histogram_quantil
 buckets) for the fleet and `by (instance)` for each replica, and fleet findings come first:
 replica_down, config_mismatch, imbalance, add_replica, prefix_split (rooflib/server/fleet.py). A path
 prefix goes in the URL (http://host/prometheus); basic auth comes from PROMETHEUS_USER and
-PROMETHEUS_PASSWORD, never from a flag, and is never printed.
+PROMETHEUS_PASSWORD, never from a flag, and is never printed. The same Prometheus is asked about the
+GPUs: NVIDIA's DCGM exporter series, joined to each replica by pod or host, give each GPU's
+activity, memory, power, clock and errors and the GPU findings (gpu_xid, gpu_throttled,
+gpu_memory_other_process, gpu_memory_bound, gpu_idle_queue; rooflib/server/gpu_telemetry.py), or
+say plainly that there is no GPU telemetry; fields the exporter does not export are listed, not
+guessed.
 
 Examples:
   metrics.py --url http://127.0.0.1:8000
@@ -81,7 +86,8 @@ source: exported/inferred/unknown, and how), slo, slo_source, diagnosis: {root_c
 setting, current, current_source, proposed, reason, effect, text), verify (commands)}, warnings.
 With --prometheus also: fleet (prometheus, window_s, replicas, up, down), replicas (each
 replica's report plus instance, job, model, state, config), and fleet findings first in
-diagnosis.findings (scope "fleet", cause, replicas, per_replica), their levers first in the plan.
+diagnosis.findings (scope "fleet", cause, replicas, per_replica), their levers first in the plan;
+gpu_telemetry (exported, note, absent, replicas with their GPUs and figures, findings, plan).
 
 Exit codes: 0 report printed (with or without findings), 2 usage error (bad flag, missing
 file, unknown GPU, a --match Prometheus rejects as PromQL, series without the instance or
@@ -103,7 +109,7 @@ from typing import Any, Mapping, Sequence
 
 from rooflib.core import catalogs, cli, conf, fileio, printing, signals
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, UsageError
-from rooflib.server import deployment, diagnosis, engine_metrics, fleet, prefix_probe
+from rooflib.server import deployment, diagnosis, engine_metrics, fleet, gpu_telemetry, prefix_probe
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -266,8 +272,12 @@ def fleet_results(opts: Options) -> tuple[dict[str, Any], str]:
                       "up": sum(1 for r in replicas if r["state"] == "up"),
                       "down": [r["instance"] for r in replicas if r["state"] != "up"]}
     total["diagnosis"] = diagnosis.with_fleet(found, total["diagnosis"])
+    total["gpu_telemetry"] = gpu_telemetry.from_prometheus(
+        opts.prometheus, opts.prometheus_auth, snap["seconds"], {r["instance"]: r for r in replicas}, snap["engine"],
+        opts.match, opts.timeout)
+    total["diagnosis"] = gpu_telemetry.in_chain(total["gpu_telemetry"], total["diagnosis"], snap["engine"])
     text = engine_metrics.format_report(total) + "\nPer replica:\n" + "\n".join(engine_metrics.format_replica_line(r) for r in replicas)
-    return total, text
+    return total, text + "\n" + "\n".join(gpu_telemetry.format_lines(total["gpu_telemetry"]))
 
 
 def _merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:

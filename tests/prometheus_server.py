@@ -13,7 +13,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import bcrypt
 import httpx
@@ -38,9 +38,12 @@ class PrometheusServer:
 
 @contextmanager
 def running_prometheus(work_dir: Path, targets: Sequence[str], scrape_interval_s: int = 1,
-                       prefix: str = "/prom", user: str = "fleet", password: str = "s3cret-fleet"
+                       prefix: str = "/prom", user: str = "fleet", password: str = "s3cret-fleet",
+                       target_labels: Mapping[str, str] | None = None, more_jobs: Sequence[dict] = ()
                        ) -> Iterator[PrometheusServer]:
-    """A real Prometheus scraping `targets` (host:port of the replicas) as job "vllm"."""
+    """A real Prometheus scraping `targets` (host:port of the replicas) as job "vllm", with
+    `target_labels` on them (as Kubernetes service discovery adds pod and namespace), and
+    `more_jobs` (scrape_configs entries, e.g. a DCGM exporter's)."""
     binary = shutil.which("prometheus")
     if not binary:
         raise ServerUnavailable("prometheus is not installed: run sh tests/install_prometheus.sh")
@@ -49,7 +52,9 @@ def running_prometheus(work_dir: Path, targets: Sequence[str], scrape_interval_s
     # scrape (up == 0), which the tests wait out (tests/server/test_fleet.py, scraped_since).
     config = {"global": {"scrape_interval": f"{scrape_interval_s}s", "scrape_timeout": f"{scrape_interval_s}s",
                          "evaluation_interval": f"{scrape_interval_s}s"},
-              "scrape_configs": [{"job_name": "vllm", "static_configs": [{"targets": list(targets)}]}]}
+              "scrape_configs": [{"job_name": "vllm", "static_configs": [
+                  {"targets": list(targets), **({"labels": dict(target_labels)} if target_labels else {})}]},
+                  *more_jobs]}
     (work_dir / "prometheus.yml").write_text(yaml.safe_dump(config))
     hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(4)).decode()
     (work_dir / "web.yml").write_text(yaml.safe_dump({"basic_auth_users": {user: hashed}}))

@@ -272,8 +272,9 @@ def test_options_are_recorded_as_the_config_saved_results_carry(monkeypatch, tmp
     options = _options(["--slo-tpot-p95-ms", "50", "--extra-body", '{"top_k": 1}'], monkeypatch, tmp_path)
     assert options.slo == engine_metrics.Targets(None, 50.0) and options.extra_body == {"top_k": 1}
     recorded = options.recorded()
-    # Every setting is recorded but those that only steer the run: a new one must reach `config`.
-    steering = {"num_requests_given", "warmup_given", "extra_body", "slo"}
+    # Every setting is recorded but those that only steer the run (and credentials, never
+    # recorded): a new one must reach `config`.
+    steering = {"num_requests_given", "warmup_given", "extra_body", "slo", "prometheus_auth"}
     assert set(recorded) == {f.name for f in dataclasses.fields(options)} - steering | {"slo_ttft_p95_ms", "slo_tpot_p95_ms"}
     assert (recorded["slo_ttft_p95_ms"], recorded["slo_tpot_p95_ms"], recorded["concurrency"], recorded["warmup"]) \
         == (None, 50.0, 8, 8)

@@ -213,7 +213,7 @@ def test_real_acceptance_run_renders_verdict_first(vllm_server, browser, capsys,
     chart = charts(page)["accept"]
     assert chart["intervals"] == 4 and chart["rows"] == len(result["rows"])
     assert page["text"].index(result["verdict"]) < page["text"].index("Candidate against base")
-    assert text.splitlines()[1].startswith(f"  accept acceptance  {result['verdict']}")
+    assert text.splitlines()[1].startswith(f"  accept accept  {result['verdict']}")
     assert past_answers(text).startswith(f"== Acceptance: tiny-qwen3 → tiny-qwen3: {result['verdict']}")
 
 
@@ -407,7 +407,8 @@ def test_server_metrics_show_their_diagnosis(browser, capsys, tmp_path):
     doc = json.loads(capsys.readouterr().out)
     html, text = render(tmp_path, capsys, "metrics", write(tmp_path, "metrics.json", doc))
     browse(browser, html)
-    assert text.startswith("== Server metrics: metrics\n  - running_limit: --max-num-seqs is probably 2 (inferred: ")
+    assert text.splitlines()[1].startswith("  metrics metrics  root cause running_limit: --max-num-seqs is probably 2")
+    assert past_answers(text).startswith("== Server metrics: metrics\n  - running_limit: --max-num-seqs is probably 2 (inferred: ")
     assert "\n  - queue: requests wait for a slot: queue mean 7.24 s" in text
     assert "\n  - plan 1: --max-num-seqs: 2 -> 16 (current: inferred)" in text
     assert "\n  - verify: task infer:compare A=before.json B=after.json\n" in text

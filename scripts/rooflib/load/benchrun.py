@@ -9,8 +9,9 @@ import hashlib
 import json
 import random
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -21,7 +22,7 @@ from rooflib.load.analysis import analyse
 from rooflib.load.asyncclient import ENDPOINTS, Target
 from rooflib.load.promptgen import WORDS, TokenCounter, build_prompts, fallback_counter, payload, server_counter
 from rooflib.load.runner import Plan, RequestSource, RunResult, run_in_loop, run_workers
-from rooflib.server import watch
+from rooflib.server import fleet, gpu_telemetry, watch
 from rooflib.server.engine_metrics import Targets
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "render" / "templates" / "bench_log_entry.md.j2"
@@ -104,6 +105,8 @@ class BenchOptions:
     output_dist: str | None
     log: str | None
     extra_body: dict[str, Any]
+    prometheus: str | None = None  # read the GPUs' DCGM series there after the run
+    prometheus_auth: fleet.Credentials = field(default_factory=fleet.Credentials, repr=False)  # never recorded
 
     def recorded(self) -> dict[str, Any]:
         """The settings as the result's `config` records them (saved results and compare.py read
@@ -116,7 +119,8 @@ class BenchOptions:
                 "timeout_s": self.timeout_s, "seed": self.seed, "speed": self.speed,
                 "trace_block_tokens": self.trace_block_tokens, "timeline_interval_s": self.timeline_interval_s,
                 "probe": self.probe, "endpoint": self.endpoint, "workload": self.workload, "dataset": self.dataset,
-                "input_dist": self.input_dist, "output_dist": self.output_dist, "log": self.log}
+                "input_dist": self.input_dist, "output_dist": self.output_dist, "log": self.log,
+                "prometheus": self.prometheus}
 
     def at_concurrency(self, concurrency: int, num_requests: int) -> "BenchOptions":
         """The same run at another concurrency (a sweep's point), checked: the warm-up follows
@@ -141,6 +145,7 @@ def read_options(args: Any, settings: conf.Settings) -> BenchOptions:
         raise UsageError(f"--{sources[0]} and --{sources[1]} both give the requests: choose one")
     c_default = None if rate or args.trace else 8
     c = cli.number("-c/--concurrency (BENCH_C)", settings.get("BENCH_C", args.concurrency), int, 1, LIMITS["concurrency"], default=c_default)
+    prometheus = settings.get("PROMETHEUS", args.prometheus, "")
     return BenchOptions(
         num_requests=n, num_requests_given=n_given not in (None, ""), concurrency=c, rate=rate,
         input_tokens=cli.number("--input-tokens (BENCH_IN)", settings.get("BENCH_IN", args.input_tokens), int, 1, LIMITS["input_tokens"], default=2048),
@@ -167,7 +172,9 @@ def read_options(args: Any, settings: conf.Settings) -> BenchOptions:
         input_dist=args.input_dist or None,
         output_dist=args.output_dist or None,
         log=settings.get("BENCH_LOG", args.log, None),
-        extra_body=parse_extra_body(args.extra_body))
+        extra_body=parse_extra_body(args.extra_body),
+        prometheus=prometheus or None,
+        prometheus_auth=fleet.credentials(settings) if prometheus else fleet.Credentials())
 
 
 def parse_extra_body(text: str) -> dict[str, Any]:
@@ -252,6 +259,9 @@ def build_parser():
     p.add_argument("--workers", default="", help="client processes sharing the load, when one core cannot keep up (default 1)")
     p.add_argument("--timeline-interval", default="", help="seconds between /metrics scrapes during the run (default 2; 0: none, "
                    "as each scrape costs the server a moment)")
+    p.add_argument("--prometheus", default="", help="Prometheus base URL (else $PROMETHEUS): after the run, read the "
+                   "GPUs' DCGM exporter series over the run's window (basic auth from $PROMETHEUS_USER and "
+                   "$PROMETHEUS_PASSWORD)")
     p.add_argument("--probe", default="", help="time a trivial GET (e.g. /health) to split client-vs-engine gaps into network and server")
     p.add_argument("--seed", default="", help="seed for prompts and arrivals (default 0)")
     p.add_argument("--extra-body", default="", help="JSON object merged into every request body")
@@ -396,6 +406,8 @@ def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, qui
     result["server"]["probe"] = probed
     if before is not None and after is not None and first_sent is not None:
         result["server"]["cross_check"] = cross_check(before, after, during, result, probed)
+        if options.prometheus:
+            result["server"]["gpu_telemetry"] = gpu_side(options, before, after, during, target.base_url)
     result["warnings"] += other_traffic(result["server"]["metrics"], all_tokens)
     result["records"] = [o.record() for o in run.outcomes]
     # One held since the load ended (during the last scrape, say) ends the run all the same.
@@ -457,6 +469,22 @@ def cross_check(before: dict[str, Any], after: dict[str, Any], during: Sequence[
     return watch.cross_check(delta, {"ttft_ms": result["ttft_ms"], "e2e_ms": result["e2e_ms"],
                                      "one_read": result["requests"]["one_read"]},
                              result["client"]["loop_lag_ms"]["p99"], probed)
+
+
+def gpu_side(options: BenchOptions, before: dict[str, Any], after: dict[str, Any],
+             during: Sequence[dict[str, Any]], base_url: str) -> dict[str, Any]:
+    """The GPUs under the run's load, from the DCGM exporter series in options.prometheus over the
+    run's window (rooflib/server/gpu_telemetry.py); when Prometheus cannot be read, why not: the
+    run's result stands either way."""
+    from rooflib.server import engine_metrics
+
+    report = engine_metrics.report(engine_metrics.difference(before, after, during))
+    try:
+        return gpu_telemetry.from_prometheus(options.prometheus, options.prometheus_auth, report["seconds"],
+                                             {urllib.parse.urlsplit(base_url).netloc: report}, report["engine"],
+                                             timeout=options.timeout_s)
+    except (ServerError, UsageError, fleet.UnusableAnswer) as exc:
+        return gpu_telemetry.unread(f"GPU telemetry not read: {exc}")
 
 
 def other_traffic(metrics: dict[str, Any] | None, all_tokens: int) -> list[str]:
