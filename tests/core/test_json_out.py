@@ -44,11 +44,12 @@ def arguments(script: str, url: str, tmp: Path) -> list[str]:
         "install_skills": ["--target", str(tmp / "skills")],
         "setup_cpu_vllm": [],  # everything cached already (see run)
         "serve": ["--profile", "cpu-tiny", "--dry-run"],
+        "tune": [*load, "--slo-ttft-p95-ms", "60000", "--out", str(tmp / "tune")],  # --url: measured only
     }[script]
 
 
 SCRIPT_NAMES = ["bench", "sweep", "metrics", "ppl", "smoke_toolcall", "accept", "vram", "roofline", "compare",
-                "report", "install_skills", "setup_cpu_vllm", "serve"]
+                "report", "install_skills", "setup_cpu_vllm", "serve", "tune"]
 
 
 def run(script: str, args: list[str], tmp: Path) -> subprocess.CompletedProcess:

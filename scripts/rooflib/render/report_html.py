@@ -14,7 +14,8 @@ from rooflib.core.stats import percentile, summarize
 from rooflib.load import sweeps
 
 TEMPLATE = Path(__file__).resolve().parent / "templates" / "report.html.j2"
-SCHEMA_VERSIONS = {"bench": 1, "sweep": 1, "accept": 1, "metrics": 1, "vram": 1, "roofline": 1, "compare": 1}
+SCHEMA_VERSIONS = {"bench": 1, "sweep": 1, "accept": 1, "metrics": 1, "vram": 1, "roofline": 1, "compare": 1,
+                   "tune": 1}
 # Older files carry no "kind": each kind is known by keys no other result has.
 KIND_KEYS = [("compare", ("metrics", "verdict", "a", "b")), ("accept", ("ppl_change", "base", "candidate")),
              ("sweep", ("points", "levels")), ("bench", ("ttft_ms", "throughput", "requests")),
@@ -649,7 +650,55 @@ def compare_chart(result: Result) -> Chart:
 
 VERDICT_CLASS = {"better": "better", "worse": "worse", "no significant difference": "neutral", "mixed": "mixed",
                  "PASS": "better", "WARN": "mixed", "FAIL": "worse", "INVALID": "worse", "ERROR": "worse",
-                 "fits": "better", "does not fit": "worse"}
+                 "fits": "better", "does not fit": "worse", "SLO holds": "better", "SLO missed": "worse"}
+
+
+# ---------------------------------------------------------------- tune
+
+# A trial's decision (rooflib/serving/trials.py) as the colour of its interval.
+TRIAL_CLASS = {"kept": "better", "trade-off": "mixed", "did not start": "worse", "engine crashed": "worse",
+               "run failed": "worse"}
+SLO_WORDS = {"ttft_p95_ms": "TTFT p95", "tpot_p95_ms": "TPOT p95"}
+
+
+def tune_chart(result: Result) -> Chart:
+    """Every trial on one chart: the change of each SLO figure against the configuration it would
+    replace, with its 95% interval, coloured by what tune decided."""
+    rows, table = [], []
+    for trial in result.doc.get("trials") or []:
+        if trial.get("setting") is None:
+            continue
+        name = f"{trial.get('n')}. {trial.get('setting')} → {fmt(trial.get('to'))}"
+        for slo, figure in (trial.get("figures") or {"": {}}).items():
+            ci = figure.get("ci95_pct")
+            rows.append({"name": f"{name}: {SLO_WORDS.get(slo, slo)}" if slo else name,
+                         "change": number(figure.get("change_pct")),
+                         "ci": [number(v) for v in ci] if ci and None not in ci else None,
+                         "cls": TRIAL_CLASS.get(str(trial.get("decision")), "neutral")})
+            table.append([str(trial.get("n")), str(trial.get("setting")), f"{fmt(trial.get('from'))} → {fmt(trial.get('to'))}",
+                          SLO_WORDS.get(slo, slo or "-"), fmt(figure.get("measured")),
+                          signed_pct(number(figure.get("change_pct"))),
+                          " .. ".join(signed_pct(number(v)) for v in ci) if ci else "-", str(trial.get("decision")),
+                          str(trial.get("why"))])
+    svg = {**interval_chart(rows), "x_label": "change from the configuration the trial would replace (%)"}
+    table, note = cap_rows(table)
+    return Chart("tune", "Trials: each change with its 95% interval", f"{result.doc.get('load')}; lower is better",
+                 ["#", "setting", "change", "SLO figure", "ms", "change", "95% CI", "decision", "why"], table, svg,
+                 [{"name": "kept", "cls": "better"}, {"name": "trade-off", "cls": "mixed"},
+                  {"name": "reverted or not run", "cls": "neutral"}, {"name": "did not start or crashed", "cls": "worse"}],
+                 note)
+
+
+def tune_section(result: Result) -> Section:
+    doc = result.doc
+    kept = ", ".join(f"{c.get('setting')} {fmt(c.get('from'))} → {fmt(c.get('to'))}" for c in doc.get("changes") or [])
+    facts = [("profile", str((doc.get("profile") or {}).get("source", doc.get("url")))), ("load", str(doc.get("load"))),
+             ("SLO", ", ".join(f"{SLO_WORDS.get(k, k)} <= {fmt(v)} ms" for k, v in (doc.get("slo") or {}).items())),
+             ("stopped", str((doc.get("stopped") or {}).get("text", doc.get("mode")))), ("kept", kept or "nothing"),
+             ("runs", f"{fmt(doc.get('runs'))} in {fmt(doc.get('wall_s'))} s")]
+    facts += [("not tried", line) for line in doc.get("passed_over") or []]
+    return Section("tune", "Tune: one change at a time", facts, [tune_chart(result)],
+                   "SLO holds" if doc.get("slo_holds") else "SLO missed")
 
 
 def accept_chart(result: Result) -> Chart:
@@ -932,7 +981,7 @@ def build_sections(results: Sequence[Result], records: Sequence[dict[str, Any]] 
         by_kind.setdefault(r.kind, []).append(r)
     if records is not None and len(by_kind.get("bench", [])) != 1:
         raise UsageError("--records belongs to one bench run: pass exactly one bench result with it")
-    sections = []
+    sections = [tune_section(r) for r in by_kind.get("tune", [])]
     for r in by_kind.get("compare", []):
         sections.append(compare_section(r, len(sections)))
     for r in by_kind.get("accept", []):

@@ -295,6 +295,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# A Python exception's own line, `ValueError: To serve at least one request ...`: the first one in an
+# engine's log is the root cause (vLLM's front end re-raises it as "Engine core initialization
+# failed. See root cause above."), while the last line is often a shutdown warning.
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception): ")
+
+
+def why_it_stopped(log_path: Path) -> str:
+    """The line of an engine's log that says why it stopped: its first exception, else its last line."""
+    lines = log_path.read_text(errors="replace").strip().splitlines() or ["no output"]
+    return next((line for line in lines if EXCEPTION_LINE.match(line)), lines[-1])
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
     """Poll /health until it answers 200; a ServerError if the process exits or time runs out."""
     import httpx
@@ -302,9 +314,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: P
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            tail = (log_path.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
             raise ServerError(f"the server exited with status {proc.returncode} while starting: "
-                                     f"{tail} (log {log_path})")
+                              f"{why_it_stopped(log_path)} (log {log_path})")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return

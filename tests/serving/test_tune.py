@@ -1,0 +1,570 @@
+"""tune: which lever becomes which profile change, the keep/revert/trade-off judgement on compare's
+intervals, the bracket-and-bisect search, the budget, the outputs; then the loop on the real CPU
+vLLM from profiles with one setting made wrong on purpose, and its interrupts, crashes and
+failed starts.
+
+The diagnoses tune reads are engine_metrics' own, of the saved scrapes in tests/fixtures/metrics
+(a running limit, a small KV cache, a healthy window), and of a window with prefix caching off
+(tests/fixtures/tune/diagnosis-prefix-cache-off.json, written by the diagnosis from
+test_diagnosis.stalled()).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tune_vs_grid
+import vllm_server
+from fault_server import fault_server
+from vllm_server import REPO
+
+from rooflib.core import stats
+from rooflib.load import analysis, comparison
+from rooflib.render import report_html
+from rooflib.server import engine_metrics
+from rooflib.server.engine_metrics import Targets
+from rooflib.serving import levers, profiles, trials
+from rooflib.serving import tune as tuning
+from rooflib.sizing import estimate
+
+FIXTURES = REPO / "tests" / "fixtures"
+MIB = 1 << 20
+
+
+# Saved scrapes of the real CPU vLLM, before and after a load, 30 s apart (tests/server/test_diagnosis.py).
+SCRAPES = {"running-limit": "vllm-0.32-queue", "kv-cache": "vllm-0.32-preempt", "healthy": "vllm-0.32"}
+
+
+def diagnosis(name: str) -> dict:
+    """The diagnosis of a saved window, as metrics --json gives it; prefix caching off has no saved
+    scrape, so its diagnosis (of a synthetic window, test_diagnosis.stalled) is kept as JSON."""
+    if name not in SCRAPES:
+        return json.loads((FIXTURES / "tune" / f"diagnosis-{name}.json").read_text())
+    snaps = [engine_metrics.snapshot((FIXTURES / "metrics" / f"{SCRAPES[name]}-{when}.txt").read_text(), when)
+             for when in ("before", "after")]
+    snaps[0]["time"], snaps[1]["time"] = 0.0, 30.0
+    return engine_metrics.report(engine_metrics.difference(*snaps))["diagnosis"]
+
+
+def cpu_profile(**settings) -> dict:
+    profile = profiles.load_profile(profiles.find_profile("cpu-tiny"))
+    return profiles.validate({**profile, **settings})
+
+
+# --------------------------------------------------------------------------------------------
+# From a diagnosis to one profile change
+
+def test_the_running_limit_lever_becomes_the_profiles_max_num_seqs():
+    choice = levers.first_change(diagnosis("running-limit"), cpu_profile(max_num_seqs=1), done=[])
+    assert (choice.change.key, choice.change.current, choice.change.proposed) == ("max_num_seqs", 1, 8)
+    assert choice.change.flag == "--max-num-seqs" and choice.passed_over == ()
+    assert choice.change.describe() == "max_num_seqs 1 -> 8"
+
+
+def test_the_kv_lever_is_tried_and_precision_and_gpus_are_left_to_the_user():
+    profile = cpu_profile(env={}, kv_cache_memory_bytes=4 * MIB, max_model_len=1024)
+    choice = levers.first_change(diagnosis("kv-cache"), profile, done=[])
+    assert (choice.change.key, choice.change.proposed) == ("kv_cache_memory_bytes", 8 * MIB)
+    assert choice.change.describe() == "kv_cache_memory_bytes 4 MiB -> 8 MiB"
+    after = levers.first_change(diagnosis("kv-cache"), profile, done=["kv_cache_memory_bytes"])
+    assert after.change is None
+    passed = " | ".join(after.passed_over)
+    assert "--kv-cache-dtype: auto -> fp8" in passed and "changes the model's numbers" in passed
+    assert "--tensor-parallel-size" in passed and "needs more GPUs" in passed
+    assert "(not a server setting: yours to do)" in passed
+
+
+def test_prefix_caching_off_becomes_on_for_vllm_and_for_sglang():
+    choice = levers.first_change(diagnosis("prefix-cache-off"), cpu_profile(enable_prefix_caching=False), done=[])
+    assert (choice.change.key, choice.change.current, choice.change.proposed) == ("enable_prefix_caching", False, True)
+    sglang = diagnosis("prefix-cache-off")
+    sglang["plan"][0].update(setting="--disable-radix-cache", proposed="drop the flag")
+    profile = {"engine": "sglang", "model": "m", "enable_prefix_caching": False}
+    assert levers.first_change(sglang, profile, done=[]).change.proposed is True
+
+
+def test_a_healthy_diagnosis_and_no_diagnosis_give_no_change():
+    for d in (diagnosis("healthy"), None):
+        assert levers.first_change(d, cpu_profile(), done=[]) == levers.Choice(None, ())
+
+
+def test_a_lever_the_profile_refuses_is_passed_over_with_the_profiles_reason():
+    choice = levers.first_change(diagnosis("running-limit"), cpu_profile(max_num_seqs=1, max_num_batched_tokens=4), [])
+    assert choice.change is None
+    assert "the profile refuses it: max_num_batched_tokens (4) must be >= max_num_seqs (8)" in choice.passed_over[0]
+
+
+# --------------------------------------------------------------------------------------------
+# The vram model's word on a changed profile
+
+def tiny_sizing(gpu=None) -> levers.Sizing:
+    return levers.Sizing(estimate.resolve_model(profiles.expand(cpu_profile()["model"])), gpu)
+
+
+def test_a_kv_space_too_small_for_one_request_will_not_start():
+    fixed = cpu_profile(env={}, kv_cache_memory_bytes=4 * MIB, max_model_len=1024)
+    fits = levers.start_check(fixed, tiny_sizing())
+    assert fits.fits is True and fits.text.startswith("2,048 KV tokens, 2.00 requests of 1,024 tokens")
+    longer = levers.start_check({**fixed, "max_model_len": 4096}, tiny_sizing())
+    assert longer.fits is False and not longer.marginal and "0.50 requests of 4,096 tokens" in longer.text
+
+
+def test_the_cpu_kv_space_variable_replaces_kv_cache_memory_bytes_and_no_gpu_means_not_checked():
+    profile = cpu_profile(kv_cache_memory_bytes=4 * MIB)  # VLLM_CPU_KVCACHE_SPACE=1 wins on the CPU build
+    assert levers.kv_space_bytes(profile) == 1 << 30
+    assert levers.start_check(cpu_profile(env={}), tiny_sizing()).fits is None
+    assert levers.start_check(profile, None).text.startswith("not checked")
+
+
+def test_on_a_gpu_a_utilization_that_leaves_no_kv_room_will_not_start():
+    model = estimate.resolve_model("qwen3-32b")
+    sizing = levers.Sizing(model, estimate.resolve_gpu("h100"))
+    profile = {"engine": "vllm", "model": "Qwen/Qwen3-32B", "max_model_len": 8192}
+    assert levers.start_check({**profile, "gpu_memory_utilization": 0.9}, sizing).fits is True
+    low = levers.start_check({**profile, "gpu_memory_utilization": 0.5}, sizing)
+    assert low.fits is False and not low.marginal and low.text.startswith("0 KV tokens")
+    # BF16 weights leave about one 32k request at 0.90: inside the model's own error, so tune tries it
+    edge = levers.start_check({**profile, "gpu_memory_utilization": 0.9, "max_model_len": 32768}, sizing)
+    assert edge.fits is False and edge.marginal and "fits at the low end with --gpu-memory-utilization 0.92" in edge.text
+
+
+# --------------------------------------------------------------------------------------------
+# Keep, revert, or a trade-off: compare's intervals on the SLO figure
+
+SLO = Targets(ttft_p95_ms=1000, tpot_p95_ms=50)
+
+
+def run_doc(ttft: list[float], tpot: list[float], failed: int = 0) -> dict:
+    """A bench result as analysis makes it, with the SLO section judged against SLO."""
+    p95 = {"ttft_ms": stats.percentile(sorted(ttft), 95), "tpot_ms": stats.percentile(sorted(tpot), 95)}
+    return {"kind": "bench", "workload": {"requests": len(ttft)}, "verdict": "PASS", "interrupted": False,
+            "requests": {"completed": len(ttft), "failed": failed}, "throughput": {"req_s": 1.0, "output_tok_s": 1.0},
+            "samples": {"ttft_ms": ttft, "tpot_ms": tpot, "e2e_ms": [a + b for a, b in zip(ttft, tpot)]},
+            "ttft_ms": {"p95": p95["ttft_ms"]}, "tpot_ms": {"p95": p95["tpot_ms"]},
+            "slo": analysis.slo_check(p95["ttft_ms"], p95["tpot_ms"], SLO), "config": {"model": "m", "url": "u"}}
+
+
+def spread(centre: float, n: int = 32, seed: int = 0) -> list[float]:
+    rng = random.Random(seed)
+    return [centre * rng.uniform(0.9, 1.1) for _ in range(n)]
+
+
+def judged(before: dict, after: dict) -> trials.Verdict:
+    doc = comparison.compare(before, after, ("a.json", "b.json"), ("a", "b"))
+    return trials.judge(doc, before, after, trials.worst(before))
+
+
+def test_a_change_whose_interval_lies_below_zero_is_kept():
+    before, after = run_doc(spread(4000), spread(20)), run_doc(spread(500, seed=1), spread(22, seed=1))
+    assert trials.worst(before) == "ttft_p95_ms" and trials.missed(after) == []
+    verdict = judged(before, after)
+    assert verdict.decision == trials.KEPT and verdict.why.startswith("TTFT p95 -8")
+
+
+def test_a_change_within_the_noise_is_reverted():
+    verdict = judged(run_doc(spread(4000), spread(20)), run_doc(spread(4000, seed=1), spread(20, seed=1)))
+    assert verdict.decision == trials.REVERTED and "does not lie wholly below 0" in verdict.why
+
+
+def test_a_change_that_breaks_another_slo_figure_is_a_trade_off_not_kept():
+    verdict = judged(run_doc(spread(4000), spread(20)), run_doc(spread(500, seed=1), spread(80, seed=1)))
+    assert verdict.decision == trials.TRADE_OFF
+    assert "but TPOT p95" in verdict.why and "> target 50 ms" in verdict.why
+
+
+def test_a_run_with_failed_requests_is_never_kept():
+    verdict = judged(run_doc(spread(4000), spread(20)), run_doc(spread(500, seed=1), spread(20, seed=1), failed=3))
+    assert verdict == trials.Verdict(trials.REVERTED, "3 of 35 requests failed")
+
+
+def test_the_worst_figure_is_the_one_furthest_over_its_target():
+    assert trials.worst(run_doc(spread(1500), spread(200))) == "tpot_p95_ms"
+    assert trials.worst(run_doc(spread(500), spread(20))) is None
+    assert trials.targets(Targets(tpot_p95_ms=50)) == {"tpot_p95_ms": 50}
+
+
+# --------------------------------------------------------------------------------------------
+# The search of a range setting
+
+def search(key, start, proposed, outcomes: dict) -> list:
+    """The values next_value tries when each value's decision is outcomes[value] (else reverted)."""
+    tried = []
+    while (value := trials.next_value(key, start, proposed, tried)) is not None:
+        tried.append(trials.Tried(value, outcomes.get(value, trials.REVERTED)))
+        assert len(tried) < 20
+    return [t.value for t in tried]
+
+
+def test_kept_values_are_bracketed_until_one_brings_nothing():
+    assert search("max_num_seqs", 1, 8, {8: trials.KEPT, 16: trials.KEPT}) == [8, 16, 32]
+
+
+def test_a_value_that_goes_too_far_is_bisected_back_towards_the_last_kept():
+    assert search("max_num_seqs", 1, 64, {64: trials.TRADE_OFF, 8: trials.KEPT, 23: trials.TRADE_OFF}) == [64, 8, 23, 14]
+    assert search("kv_cache_memory_bytes", 4 * MIB, 64 * MIB, {64 * MIB: trials.NO_START}) == [64 * MIB, 16 * MIB]
+    assert search("gpu_memory_utilization", 0.8, 0.95, {0.95: trials.CRASHED, 0.88: trials.KEPT}) == [0.95, 0.88, 0.92]
+
+
+def test_a_first_value_without_gain_ends_the_search_and_a_switch_is_tried_once():
+    assert search("max_num_seqs", 1, 8, {}) == [8]
+    assert search("enable_prefix_caching", False, True, {True: trials.KEPT}) == [True]
+
+
+def test_the_bracket_stays_in_range():
+    assert search("gpu_memory_utilization", 0.85, 0.9, {0.9: trials.KEPT, 0.95: trials.KEPT}) == [0.9, 0.95]
+    assert search("max_model_len", 4, 2, {2: trials.KEPT, 1: trials.KEPT}) == [2, 1]
+
+
+# --------------------------------------------------------------------------------------------
+# Budget, live traffic, outputs
+
+def test_the_budget_counts_runs_and_minutes_with_the_engine_start():
+    runs = tuning.Budget(runs=6, minutes=None)
+    assert runs.spent(5, 0, 60) is None and runs.spent(6, 0, 60) == "the budget of 6 bench runs is spent"
+    assert runs.eta_s(2, 100, 60) == 240
+    minutes = tuning.Budget(runs=None, minutes=10)
+    assert minutes.spent(3, 500, 60) is None
+    assert "would pass the budget of 10 minutes (9.0 spent)" in minutes.spent(3, 540, 61)
+    assert minutes.eta_s(3, 540, 61) == 60 and tuning.Budget(None, None).eta_s(1, 0, 60) is None
+
+
+def test_like_the_live_traffic_takes_lengths_and_in_flight_from_a_metrics_window():
+    snaps = [engine_metrics.snapshot((FIXTURES / "metrics" / f"vllm-0.32-queue-{name}.txt").read_text(), name)
+             for name in ("before", "after")]
+    snaps[0]["time"], snaps[1]["time"] = 0.0, 30.0
+    report = engine_metrics.window(*snaps)
+    shape = tuning.traffic_shape(report)
+    assert shape["input_tokens"] == round(report["prompt_tokens"] / report["requests"])
+    assert shape["concurrency"] == round(report["running_mean"] + report["waiting_mean"]) >= 1
+    assert shape["output_tokens"] >= 1
+    with pytest.raises(Exception, match="no request finished in the window"):
+        tuning.traffic_shape(engine_metrics.report(snaps[1]))
+
+
+def test_the_diff_names_only_what_changed():
+    diff = tuning.profile_diff(cpu_profile(max_num_seqs=1), cpu_profile(max_num_seqs=8))
+    assert [line for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("---", "+++")] == \
+        ["-max_num_seqs: 1", "+max_num_seqs: 8"]
+
+
+def tune_document() -> dict:
+    """A tune document as tune.json holds it: a baseline, a kept change, a trade-off, a failed start."""
+    def figure(measured, change=None, ci=None):
+        return {"ttft_p95_ms": {"measured": measured, "target": 1000.0, "met": measured <= 1000, "change_pct": change,
+                                "ci95_pct": ci}}
+    rows = [tuning.trial_row(0, None, "baseline", "misses TTFT p95 4000.0 ms > 1000 ms", figures=figure(4000.0)),
+            tuning.trial_row(1, levers.Change("max_num_seqs", "--max-num-seqs", 1, 8, "lever"), trials.KEPT,
+                             "TTFT p95 -75.0% (95% CI -80.0% .. -70.0%)", figures=figure(1000.0, -75.0, [-80.0, -70.0])),
+            tuning.trial_row(2, levers.Change("max_num_seqs", "--max-num-seqs", 8, 16, "lever"), trials.TRADE_OFF,
+                             "TTFT p95 -20.0%, but TPOT p95 80 ms > target 50 ms", figures=figure(800.0, -20.0, [-30.0, -10.0])),
+            tuning.trial_row(3, levers.Change("max_num_seqs", "--max-num-seqs", 8, 11, "lever"), trials.NO_START,
+                             "the server exited with status 1 while starting")]
+    return {"kind": "tune", "schema_version": 1, "mode": "tune", "started_at": "2025-01-01T00:00:00+00:00",
+            "profile": {"source": "cpu-tiny", "engine": "vllm", "model": "m"}, "workload": None,
+            "load": "closed loop, 16 in flight, 16 requests", "slo": {"ttft_p95_ms": 1000.0},
+            "budget": {"runs": 6, "minutes": None}, "trials": rows,
+            "changes": [{"setting": "max_num_seqs", "from": 1, "to": 8}], "winning_profile": cpu_profile(max_num_seqs=8),
+            "diff": tuning.profile_diff(cpu_profile(max_num_seqs=1), cpu_profile(max_num_seqs=8)), "slo_holds": True,
+            "stopped": {"reason": "slo_met", "text": "the SLO holds"}, "passed_over": ["--kv-cache-dtype ... (not tried)"],
+            "runs": 4, "wall_s": 200.0, "engine_start_s": 30.0, "interrupted": False, "out": "tune-out"}
+
+
+def test_the_report_draws_every_trial_on_one_chart_with_its_decision():
+    result = report_html.parse_result(json.dumps(tune_document()), "tune.json")
+    sections = report_html.build_sections([result], None)
+    assert [s.title for s in sections] == ["Tune: one change at a time"] and sections[0].verdict == "SLO holds"
+    chart = sections[0].charts[0]
+    assert [m["cls"] for m in chart.svg["marks"]] == ["better", "mixed", "worse"]
+    assert chart.svg["marks"][2]["x"] is None  # a failed start has no figure
+    text = report_html.render_text(sections)
+    assert "max_num_seqs  1 → 8" in text and "trade-off" in text and "did not start" in text
+    assert "<svg" in report_html.render_html(sections, [result], "now")
+
+
+def test_the_console_table_names_each_change_its_interval_and_the_decision():
+    import tune as tune_cli
+
+    text = tune_cli.human_text(tune_document())
+    assert "max_num_seqs 1 -> 8" in text and "1000.0 (-75% [-80, -70])" in text and "kept" in text
+    assert "Kept: max_num_seqs 1 -> 8" in text and "+max_num_seqs: 8" in text
+    assert "Stopped: the SLO holds" in text and "Not tried: --kv-cache-dtype" in text
+
+
+def test_the_log_entry_lists_the_trials_and_what_was_kept():
+    from rooflib.core import printing
+
+    entry = printing.render_log_entry(tune_document(), tuning.TEMPLATE)
+    assert entry.startswith("## 2025-01-01T00:00:00+00:00 · tune cpu-tiny · SLO holds")
+    assert "| 1 | max_num_seqs | 1 | 8 | kept | TTFT p95 -75.0% (95% CI -80.0% .. -70.0%) |" in entry
+    assert "- Kept: max_num_seqs 1 -> 8" in entry and "- not tried: --kv-cache-dtype" in entry
+
+
+# --------------------------------------------------------------------------------------------
+# The command line's one-line errors, before any engine starts
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "tune.py"), *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def one_error_line(done: subprocess.CompletedProcess) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--profile", "cpu-tiny"], "tune needs an SLO to judge changes by"),
+    (["--profile", "cpu-tiny", "--url", "http://127.0.0.1:9", "--slo-ttft-p95-ms", "100"],
+     "give --profile (tune starts and restarts it) or --url (measured only), not both"),
+    (["--profile", "no-such-profile", "--slo-ttft-p95-ms", "100"], "unknown profile 'no-such-profile'"),
+    (["--profile", "cpu-tiny", "--set", "max_num_seqs=0", "--slo-ttft-p95-ms", "100"],
+     "profile key max_num_seqs must be a positive integer"),
+    (["--profile", "cpu-tiny", "--slo-ttft-p95-ms", "100", "--budget-runs", "0"], "--budget-runs (TUNE_RUNS) must be"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 2 and message in one_error_line(done)
+
+
+def test_a_port_in_use_is_one_line_and_no_engine_starts(tmp_path):
+    # A catalog model and a fixed KV space: the vram model needs no download, and nothing is served.
+    profile = tmp_path / "p.yaml"
+    profile.write_text("engine: vllm\nmodel: Qwen/Qwen3-32B\nenv: {VLLM_CPU_KVCACHE_SPACE: '1'}\n"
+                       "python: /nonexistent/python\n")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = run_cli("--profile", str(profile), "--port", str(port), "--slo-ttft-p95-ms", "100",
+                       "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert done.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in one_error_line(done)
+
+
+def test_like_a_server_whose_window_holds_no_request_is_one_line(tmp_path):
+    with fault_server() as url:  # the same recorded scrape each time: nothing finished in between
+        done = run_cli("--profile", "cpu-tiny", "--like", url, "--like-window", "1", "--slo-ttft-p95-ms", "100",
+                       cwd=tmp_path)
+    assert done.returncode == 2 and "no request finished in the window" in done.stderr.splitlines()[-1]
+
+
+# --------------------------------------------------------------------------------------------
+# The real CPU vLLM: from a profile with one setting made wrong on purpose (the cases of
+# benchmarks/tune_vs_grid.py, which `task bench:tune` runs against a grid), tune finds and keeps
+# the fix within 6 bench runs; with nothing wrong it keeps nothing; interrupts, a crash and a
+# profile that cannot start leave no engine behind.
+
+def process_groups() -> set[int]:
+    """The process group of every live process (/proc/PID/stat: state, ppid, pgrp after the name;
+    a zombie only waits for its parent to read its status)."""
+    groups = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit():
+                state, _, group = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+                if state != "Z":
+                    groups.add(int(group))
+        except (OSError, ValueError):
+            continue
+    return groups
+
+
+def assert_no_engine_left(port: int, out: Path) -> None:
+    """Nothing listens on the port, and no process is left of any engine tune started: each ran in
+    its own process group, led by the API server whose pid its log names. A process SIGKILL
+    reached as tune ended may take a moment to go."""
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, f"something still listens on {port}"
+    leaders = {int(pid) for log in out.glob("engine-*.log")
+               for pid in re.findall(r"Started server process \[(\d+)\]", log.read_text(errors="replace"))}
+    deadline = time.monotonic() + 10
+    while leaders & process_groups() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not leaders & process_groups(), "a process of an engine tune started outlived it"
+
+
+@pytest.fixture(scope="module")
+def cpu_vllm() -> None:
+    """The CPU vLLM and its tiny model, built: tune starts and stops the engines itself. Where it
+    cannot be set up the test skips, which CI counts as a failure (conftest)."""
+    try:
+        vllm_server.setup()
+    except vllm_server.ServerUnavailable as exc:
+        pytest.skip(f"real vLLM unavailable: {exc}")
+
+
+def tune_command(case: tune_vs_grid.Case, out: Path, port: int, *extra: str) -> list[str]:
+    return [sys.executable, str(REPO / "scripts" / "tune.py"), "--profile", "cpu-tiny", "--port", str(port),
+            "--json", "--out", str(out), "--budget-runs", str(case.runs),
+            *[arg for item in case.sets for arg in ("--set", item)], *case.load, *tune_vs_grid.COMMON, *extra]
+
+
+def tuned(case: tune_vs_grid.Case, tmp_path: Path, *extra: str) -> tuple[int, dict]:
+    port = profiles.free_port()
+    done = subprocess.run(tune_command(case, tmp_path / "out", port, *extra), stdout=subprocess.PIPE, text=True,
+                          timeout=1800)
+    assert_no_engine_left(port, tmp_path / "out")
+    return done.returncode, json.loads(done.stdout)
+
+
+def kept(doc: dict) -> dict:
+    return {c["setting"]: (c["from"], c["to"]) for c in doc["changes"]}
+
+
+def assert_fixed(code: int, doc: dict, case: tune_vs_grid.Case) -> tuple:
+    """The setting made wrong is the first change tune kept, and the only one, within 6 runs; the
+    exit code says whether the SLO holds. The (start, kept) values of that setting."""
+    assert code == (0 if doc["slo_holds"] else 1) and doc["runs"] <= 6 and not doc["interrupted"]
+    assert doc["trials"][0]["figures"]["ttft_p95_ms"]["met"] is False
+    assert [row["setting"] for row in doc["trials"] if row["decision"] == trials.KEPT][:1] == [case.wrong]
+    assert list(kept(doc)) == [case.wrong]
+    return kept(doc)[case.wrong]
+
+
+@pytest.mark.real_vllm
+def test_a_running_limit_far_too_low_is_raised_and_kept(cpu_vllm, tmp_path):
+    case = tune_vs_grid.CASES["running_limit"]
+    code, doc = tuned(case, tmp_path)
+    start, end = assert_fixed(code, doc, case)
+    assert start == 1 and end >= 8 and doc["slo_holds"]
+    assert (tmp_path / "out" / "profile.yaml").read_text().count("max_num_seqs: ") == 1
+    assert "+max_num_seqs: " in (tmp_path / "out" / "profile.diff").read_text()
+    assert "Tune: one change at a time" in (tmp_path / "out" / "report.html").read_text()
+
+
+@pytest.mark.real_vllm
+def test_a_kv_cache_far_too_small_is_grown_and_kept(cpu_vllm, tmp_path):
+    case = tune_vs_grid.CASES["kv_cache"]
+    code, doc = tuned(case, tmp_path)
+    start, end = assert_fixed(code, doc, case)
+    assert start == 4 * MIB and end >= 8 * MIB
+
+
+@pytest.mark.real_vllm
+def test_prefix_caching_off_under_a_shared_prefix_is_turned_on_and_kept(cpu_vllm, tmp_path):
+    case = tune_vs_grid.CASES["prefix_cache_off"]
+    code, doc = tuned(case, tmp_path)
+    assert assert_fixed(code, doc, case) == (False, True) and doc["slo_holds"]
+
+
+@pytest.mark.real_vllm
+def test_with_nothing_wrong_nothing_is_kept_and_it_says_the_slo_holds(cpu_vllm, tmp_path):
+    healthy = tune_vs_grid.Case((), ("-n", "8", "-c", "4", "--input-tokens", "256", "--output-tokens", "16",
+                                     "--slo-ttft-p95-ms", "60000"), "")
+    code, doc = tuned(healthy, tmp_path)
+    assert code == 0 and doc["runs"] == 1 and doc["changes"] == []
+    assert doc["stopped"] == {"reason": "slo_met", "text": "the SLO holds already: nothing to change"}
+    assert [row["decision"] for row in doc["trials"]] == ["baseline"]
+
+
+def foreground_signals() -> None:
+    """Ctrl-C as a foreground job gets it: a job a shell started in the background (`cmd &`, as a
+    test run under flock may be) ignores SIGINT, and its children inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def started_trial(proc: subprocess.Popen, name: str) -> list[str]:
+    """Read tune's progress until the run of trial `name` begins: the lines so far."""
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if f"{name}: engine up and warm" in line:
+            return lines
+    raise AssertionError("tune ended before " + name + ": " + "".join(lines[-5:]))
+
+
+@pytest.mark.real_vllm
+def test_ctrl_c_mid_trial_keeps_the_finished_trials_and_stops_the_engine(cpu_vllm, tmp_path):
+    port, out = profiles.free_port(), tmp_path / "out"
+    proc = subprocess.Popen(tune_command(tune_vs_grid.CASES["running_limit"], out, port), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=foreground_signals)
+    started_trial(proc, "trial-1")
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 130
+    doc = json.loads(stdout)
+    assert doc["interrupted"] and doc["stopped"]["reason"] == "interrupted"
+    assert [row["decision"] for row in doc["trials"]] == ["baseline", "interrupted"]
+    assert json.loads((out / "tune.json").read_text())["trials"] == doc["trials"]
+    assert json.loads((out / "baseline.json").read_text())["kind"] == "bench"
+    assert_no_engine_left(port, out)
+
+
+@pytest.mark.real_vllm
+def test_an_engine_that_crashes_mid_trial_is_a_trial_result_and_leaves_nothing_running(cpu_vllm, tmp_path):
+    port, out = profiles.free_port(), tmp_path / "out"
+    case = dataclasses.replace(tune_vs_grid.CASES["running_limit"], runs=2)
+    proc = subprocess.Popen(tune_command(case, out, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started_trial(proc, "trial-1")
+    # The API server's pid, as uvicorn logs it; killed as the kernel's OOM killer would.
+    pid = int(re.search(r"Started server process \[(\d+)\]", (out / "engine-1.log").read_text())[1])
+    os.kill(pid, signal.SIGKILL)
+    stdout, _ = proc.communicate(timeout=600)
+    doc = json.loads(stdout)
+    assert proc.returncode == 1 and not doc["interrupted"]
+    assert [row["decision"] for row in doc["trials"]] == ["baseline", "engine crashed"]
+    assert doc["changes"] == [] and doc["stopped"]["reason"] == "budget"
+    assert_no_engine_left(port, out)
+
+
+@pytest.mark.real_vllm
+def test_a_profile_that_cannot_start_is_one_line(cpu_vllm, tmp_path):
+    port = profiles.free_port()
+    done = subprocess.run(tune_command(tune_vs_grid.CASES["running_limit"], tmp_path / "out", port,
+                                       "--set", 'extra_args=["--no-such-flag"]'),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 3
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: the server exited with status") and "engine-0.log" in error
+    assert "Traceback" not in done.stderr and json.loads(done.stdout) == {"error": error.removeprefix("error: "),
+                                                                           "exit_code": 3}
+    assert_no_engine_left(port, tmp_path / "out")
+
+
+def measured_with(diagnosis_name: str, profile: dict) -> tuning.Measured:
+    """A configuration whose run carries a recorded diagnosis."""
+    run = {"server": {"metrics": {"diagnosis": diagnosis(diagnosis_name)}}}
+    return tuning.Measured(profile, run, "run.json")
+
+
+def test_the_search_brackets_a_kept_value_then_moves_to_the_next_lever():
+    search, start = tuning.Search(), cpu_profile(max_num_seqs=1)
+    first = search.next_change(measured_with("running-limit", start))
+    assert first.describe() == "max_num_seqs 1 -> 8"
+    search.record(first, trials.KEPT)
+    kept = measured_with("running-limit", first.applied(start))
+    second = search.next_change(kept)
+    assert second.describe() == "max_num_seqs 8 -> 16"
+    search.record(second, trials.REVERTED)
+    assert search.next_change(kept) is None and search.done == ["max_num_seqs"]
+
+
+def test_a_kv_size_that_does_not_start_is_bisected_and_the_precision_lever_is_only_proposed():
+    search, start = tuning.Search(), cpu_profile(env={}, kv_cache_memory_bytes=4 * MIB, max_model_len=1024)
+    best = measured_with("kv-cache", start)
+    first = search.next_change(best)
+    search.record(first, trials.NO_START)
+    assert search.next_change(best).describe() == "kv_cache_memory_bytes 4 MiB -> 5 MiB"
+    search.record(search.next_change(best), trials.REVERTED)
+    assert search.next_change(best) is None
+    assert any("--kv-cache-dtype" in line and "not tried" in line for line in search.passed_over)
+
+
+def test_a_failed_start_is_told_by_the_engines_first_exception_not_its_last_warning(tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_text("INFO starting\n(EngineCore pid=1) ERROR core.py:1510] ValueError: in the worker's prefix\n"
+                   "ValueError: To serve at least one request with the model's max seq len (4096), ...\n"
+                   "RuntimeError: Engine core initialization failed. See root cause above.\n"
+                   "  warnings.warn('resource_tracker: There appear to be %d '\n")
+    assert profiles.why_it_stopped(log).startswith("ValueError: To serve at least one request")
+    log.write_text("usage: api_server.py ...\napi_server.py: error: unrecognized arguments: --no-such-flag\n")
+    assert profiles.why_it_stopped(log) == "api_server.py: error: unrecognized arguments: --no-such-flag"
