@@ -64,9 +64,10 @@ def stalls(lag_ms: Sequence[float], threshold: float, wall_s: float) -> dict[str
 def lag_limits(ttft: dict[str, Any], decode: dict[str, Any], itl: dict[str, Any],
                e2e: dict[str, Any]) -> dict[str, float]:
     """The client lag each measured figure tolerates, in ms: LAG_SHARE of its median (TPOT's of
-    the median decode span), at least LAG_FLOOR_MS."""
+    the median decode span), at least LAG_FLOOR_MS. A median of 0 (streams that came in one read)
+    has no size to judge against: its figure is left out, and the run warns of those streams."""
     medians = {"ttft_ms": ttft["p50"], "tpot_ms": decode["p50"], "itl_ms": itl["p50"], "e2e_ms": e2e["p50"]}
-    return {name: max(LAG_FLOOR_MS, LAG_SHARE * median) for name, median in medians.items() if median is not None}
+    return {name: max(LAG_FLOOR_MS, LAG_SHARE * median) for name, median in medians.items() if median}
 
 
 def distorted(lag: dict[str, Any], limits: dict[str, float], lag_ms: Sequence[float],

@@ -219,7 +219,7 @@ def _running_floors(r: Mapping[str, Any]) -> list[tuple[int, str]]:
             f"{pct(r['kv_cache_usage_max'])}; a sample misses the requests admitted in the step it falls in")))
     per_step = r.get("requests_per_step")
     if per_step:
-        floors.append((math.ceil(per_step - 1e-9), (
+        floors.append((math.ceil(per_step), (
             f"{per_step:.2f} requests per engine step on average, one generated token each by "
             "vllm:generation_tokens_total over the steps of vllm:iteration_tokens_total; a step that only prefilled "
             "lowers it")))
