@@ -155,7 +155,8 @@ def warm_up(url: str, api_key: str | None, options: benchrun.BenchOptions) -> No
     forward pass takes seconds): a short unmeasured run of the workload at its concurrency first,
     so that neither the measured run nor the /metrics window the diagnosis reads holds it."""
     quick = dataclasses.replace(options, num_requests=max(1, options.concurrency or options.warmup or 1),
-                                num_requests_given=True, warmup=0, duration_s=None, timeline_interval_s=0)
+                                num_requests_given=True, warmup=0, duration_s=None, timeline_interval_s=0,
+                                prometheus=None)
     target = asyncclient.find_target(asyncclient.Target(url, api_key), None, options.timeout_s)
     with signals.SignalHold("tune") as hold:
         interrupted = benchrun.execute(target, quick, hold, quiet=True)["interrupted"]
