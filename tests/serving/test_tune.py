@@ -286,6 +286,8 @@ def test_the_report_draws_every_trial_on_one_chart_with_its_decision():
     chart = sections[0].charts[0]
     assert [m["cls"] for m in chart.svg["marks"]] == ["better", "mixed", "worse"]
     assert chart.svg["marks"][2]["x"] is None  # a failed start has no figure
+    assert report_html.answers_section([result]).facts == [
+        ("tune tune", "the SLO holds after 4 runs; kept: max_num_seqs 1 → 8; serve profile.yaml")]
     text = report_html.render_text(sections)
     assert "max_num_seqs  1 → 8" in text and "trade-off" in text and "did not start" in text
     assert "<svg" in report_html.render_html(sections, [result], "now")
