@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from rooflib.core import cli, conf, printing, redaction
+from rooflib.core import cli, conf, printing
 from rooflib.core.errors import EXIT_INTERRUPTED, UsageError
 from rooflib.serving import profiles
 
@@ -47,15 +47,8 @@ def resolve(args) -> dict[str, Any]:
     name = settings.get("INFER_PROFILE", args.profile)
     if not name:
         raise UsageError("no profile: pass INFER_PROFILE=<name> (see roofline-toolbox/profiles/) or --profile")
-    path = profiles.find_profile(name)
-    profile = profiles.load_profile(path)
-    for override in args.set:
-        key, value = profiles.parse_override(override)
-        profile[key] = value
-    profiles.validate(profile)
-    hidden = profiles.secrets(profile)  # an override may carry one too
-    for secret in hidden:
-        redaction.add_secret(secret)
+    path, profile = profiles.with_overrides(name, args.set)
+    hidden = profiles.secrets(profile)
     argv, env = profiles.render(profile, args.port)
     return {"profile": str(path), "engine": profile["engine"], "model_path": profiles.expand(profile["model"]),
             "host": profile.get("host", "127.0.0.1"), "port": int(argv[argv.index("--port") + 1]),

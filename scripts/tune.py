@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from rooflib.core import cli, conf, fileio, printing, redaction, signals
+from rooflib.core import cli, conf, fileio, printing, signals
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from rooflib.load import benchrun
 from rooflib.render import report_html
@@ -124,14 +124,7 @@ def sizing_of(args: Any, settings: conf.Settings, profile: dict[str, Any]) -> le
 
 
 def setup_of(args: Any, settings: conf.Settings, options: benchrun.BenchOptions, profile_name: str) -> tuning.Setup:
-    path = profiles.find_profile(profile_name)
-    profile = profiles.load_profile(path)
-    for override in args.set:
-        key, value = profiles.parse_override(override)
-        profile[key] = value
-    profiles.validate(profile)
-    for secret in profiles.secrets(profile):  # an override may carry one too
-        redaction.add_secret(secret)
+    _, profile = profiles.with_overrides(profile_name, args.set)
     runs = cli.number("--budget-runs (TUNE_RUNS)", settings.get("TUNE_RUNS", args.budget_runs), int, 1, 10_000)
     minutes = cli.number("--budget-minutes (TUNE_MINUTES)", settings.get("TUNE_MINUTES", args.budget_minutes), float)
     port = cli.number("--port", args.port, int, 1, 65535) or profiles.free_port()

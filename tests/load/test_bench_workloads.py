@@ -229,6 +229,42 @@ def test_one_short_stall_in_a_long_run_is_a_warning():
     assert result["verdict"] == "NO SLO" and any("(5.0% of the run" in w for w in result["warnings"])
 
 
+def test_client_lag_is_judged_against_the_size_of_each_figure():
+    """Issue #22: runs measuring a TTFT of ~370 ms were INVALID on 5 ms of client lag because the
+    TPOT median was 4 ms. A late timestamp moves TTFT by the lag, TPOT by the lag over the tokens
+    after the first, one ITL gap by the lag: only ITL could carry it here, and the run says so."""
+    lag = [5.0] * 200
+    long_prompts = [_done(i, 370.0, 4.0, tokens=32) for i in range(40)]
+    result = analysis.analyse(long_prompts, CONFIG, lag, cpu_s=0.1, wall_s=14.0)
+    assert result["verdict"] == "NO SLO" and result["client"]["valid"]
+    assert result["client"]["lag_limits_ms"] == pytest.approx({"ttft_ms": 37.0, "tpot_ms": 12.4, "itl_ms": 1.0,
+                                                               "e2e_ms": 49.4})
+    assert result["client"]["lag_threshold_ms"] == pytest.approx(12.4)
+    assert result["client"]["distorted"] == {"itl_ms": "lag p95 5.00 ms > 1.00 ms"}
+    assert any(w.startswith("the client's own delay may distort ITL (lag p95 5.00 ms > 1.00 ms): ")
+               for w in result["warnings"])
+    # The same lag against a 40 ms TTFT, or 4-token answers decoded in 30 ms: the verdict's own figures.
+    short_ttft = analysis.analyse([_done(i, 40.0, 4.0, tokens=32) for i in range(40)], CONFIG, lag, 0.1, 14.0)
+    assert short_ttft["verdict"] == "INVALID" and short_ttft["verdict_reasons"][0].startswith(
+        "client event-loop lag p95 5.00 ms > 4.00 ms (10% of the median TTFT); the client used only 1% of a core")
+    short_answers = analysis.analyse([_done(i, 370.0, 10.0) for i in range(40)], CONFIG, lag, 0.1, 14.0)
+    assert short_answers["verdict"] == "INVALID" and "> 3.00 ms (10% of the median decode span, over which TPOT " \
+        "is taken)" in short_answers["verdict_reasons"][0]
+
+
+def test_cached_prompt_tokens_are_unknown_unless_the_server_reports_them():
+    """Issue #22: bench said 0 cached tokens while the server's counters showed 78-97% hits: the
+    count needs usage.prompt_tokens_details.cached_tokens in the answers."""
+    outcomes = [_done(i, 100.0, 10.0) for i in range(4)]
+    silent = analysis.analyse(outcomes, CONFIG, [0.0], cpu_s=0.1, wall_s=2.0)["requests"]
+    assert silent["cached_prompt_tokens"] is None
+    assert silent["cached_prompt_tokens_note"].startswith("no answer carried usage.prompt_tokens_details.cached_tokens")
+    for outcome, cached in zip(outcomes, (0, 64, 64, 0)):
+        outcome.cached_tokens = cached
+    told = analysis.analyse(outcomes, CONFIG, [0.0], cpu_s=0.1, wall_s=2.0)["requests"]
+    assert (told["cached_prompt_tokens"], told["cached_prompt_tokens_note"]) == (128, None)
+
+
 def test_a_stream_received_in_one_read_is_flagged():
     one_read = _done(0, 100.0, 0.0)  # every token timestamped by the same read: TPOT 0.0
     result = analysis.analyse([one_read, _done(1, 100.0, 10.0)], CONFIG, [0.0], 1.0, 10.0)
@@ -384,6 +420,26 @@ def test_compare_refuses_different_workloads_and_says_what_differs():
     with pytest.raises(UsageError, match=r"concurrency: 8 vs 16; input_tokens: 128 vs 'lognormal:100,400'"):
         comparison.compare(_run_doc([1.0, 2.0]), _run_doc([1.0, 2.0], concurrency=16, input_tokens="lognormal:100,400"),
                         ("a", "b"), ("A", "B"))
+
+
+def test_compare_lets_the_setting_under_test_differ_and_says_so(tmp_path, capsys):
+    """A prefix-cache A/B: unique prompts against prompts that share 500 tokens (issue #22)."""
+    rng = random.Random(9)
+    unique = _run_doc([rng.gauss(100, 10) for _ in range(200)], shared_prefix=0)
+    shared = _run_doc([rng.gauss(60, 10) for _ in range(200)], shared_prefix=500)
+    with pytest.raises(UsageError, match=r"shared_prefix: 0 vs 500: .*\(--variable shared_prefix\)"):
+        comparison.compare(unique, shared, ("a", "b"), ("A", "B"))
+    doc = comparison.compare(unique, shared, ("a", "b"), ("A", "B"), variables=["shared_prefix"])
+    assert doc["variables"] == {"shared_prefix": {"a": 0, "b": 500}} and doc["verdict"] == "better"
+    with pytest.raises(UsageError, match="--variable shared is not a workload setting: use one of concurrency, "):
+        comparison.compare(unique, shared, ("a", "b"), ("A", "B"), variables=["shared"])
+    same = comparison.compare(unique, unique, ("a", "b"), ("A", "B"), variables=["concurrency"])
+    assert same["warnings"] == ["--variable concurrency is 8 in both runs: nothing varies but the server"]
+    paths = [tmp_path / "unique.json", tmp_path / "shared.json"]
+    for path, run in zip(paths, (unique, shared)):
+        path.write_text(json.dumps(run))
+    assert compare.main([str(paths[0]), str(paths[1]), "--variable", "shared_prefix"]) == 0
+    assert capsys.readouterr().out.endswith("Verdict: B (shared_prefix 500) is better than A (shared_prefix 0)\n")
 
 
 def test_compare_cli_bad_files(tmp_path, capsys):

@@ -407,10 +407,10 @@ def test_server_metrics_show_their_diagnosis(browser, capsys, tmp_path):
     doc = json.loads(capsys.readouterr().out)
     html, text = render(tmp_path, capsys, "metrics", write(tmp_path, "metrics.json", doc))
     browse(browser, html)
-    assert text.splitlines()[1].startswith("  metrics metrics  root cause running_limit: --max-num-seqs is probably 2")
-    assert past_answers(text).startswith("== Server metrics: metrics\n  - running_limit: --max-num-seqs is probably 2 (inferred: ")
+    assert text.splitlines()[1].startswith("  metrics metrics  root cause running_limit: --max-num-seqs is at least 2")
+    assert past_answers(text).startswith("== Server metrics: metrics\n  - running_limit: --max-num-seqs is at least 2 (inferred: ")
     assert "\n  - queue: requests wait for a slot: queue mean 7.24 s" in text
-    assert "\n  - plan 1: --max-num-seqs: 2 -> 16 (current: inferred)" in text
+    assert "\n  - plan 1: --max-num-seqs: at least 2 -> 16 (current: inferred)" in text
     assert "\n  - verify: task infer:compare A=before.json B=after.json\n" in text
     assert re.search(r"\n  TTFT ms +p50 7,500, p95 18,667, p99 19,733\n", text) and "\n  queue ms " in text
 

@@ -20,7 +20,7 @@ from vllm_server import task_exe
 
 from rooflib.core import conf, printing
 from rooflib.load import benchrun
-from rooflib.server import deployment, diagnosis, engine_metrics
+from rooflib.server import deployment, diagnosis, engine_metrics, watch
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 REPO = Path(__file__).resolve().parents[2]
@@ -63,8 +63,10 @@ def window(*, n: int = 60, seconds: float = 60.0, queue: float = 0.0, prefill: f
            preemptions: float = 0, plateau: tuple[float, ...] = (), cache_config: dict | None = None,
            endpoint: str = "completion") -> dict:
     """A vLLM window of `n` requests finished in `seconds`, each queued, prefilled and decoded
-    for the given seconds, with the given lengths; gauges as (last value, peak)."""
+    for the given seconds, with the given lengths; gauges as (last value, peak); engine steps of
+    the peak running count each, unless given."""
     ttft = queue + prefill
+    batch = max(1, running[1])
     hists = {
         "ttft": histogram("vllm:time_to_first_token_seconds", [ttft] * n, TTFT_BOUNDS),
         "itl": histogram("vllm:inter_token_latency_seconds", itl or [tpot] * (n * (output - 1)), ITL_BOUNDS),
@@ -75,7 +77,8 @@ def window(*, n: int = 60, seconds: float = 60.0, queue: float = 0.0, prefill: f
         "decode": histogram("vllm:request_decode_time_seconds", [decode] * n, REQUEST_BOUNDS),
         "prompt_len": histogram("vllm:request_prompt_tokens", [prompt] * n, TOKEN_BOUNDS),
         "output_len": histogram("vllm:request_generation_tokens", [output] * n, TOKEN_BOUNDS),
-        "step_tokens": histogram("vllm:iteration_tokens_total", steps or [8.0] * 100, STEP_BOUNDS),
+        "step_tokens": histogram("vllm:iteration_tokens_total", steps or [float(batch)] * (n * output // batch),
+                                 STEP_BOUNDS),
     }
     queried = prompt_counter if prompt_counter is not None else float(prompt * n)
     counters = {"prompt_tokens": queried, "generation_tokens": float(output * n), "preemptions": float(preemptions),
@@ -167,7 +170,8 @@ def test_sglang_low_hits_under_a_full_cache_are_evictions_not_a_switch_to_turn_o
     evicted = next(f for f in r["diagnosis"]["findings"] if f["kind"] == "prefix_evicted")
     assert evicted["caused_by"] == "kv_cache" and "evicted" in evicted["evidence"]
     assert r["settings"]["prefix_caching"] == {"value": True, "source": "inferred",
-                                               "how": "prompts hit the prefix cache (5.0% of prompt tokens)"}
+                                               "how": "prompts hit the prefix cache (5.0% of prompt tokens)",
+                                               "at_least": False}
 
 
 def test_quantiles_are_shown_as_the_bucket_they_lie_in():
@@ -220,8 +224,10 @@ def test_prefix_caching_off_is_the_root_of_slow_prefill_and_token_stalls():
     assert lever["text"].startswith("--enable-prefix-caching: False -> True (current: exported)")
     # no "lower --max-num-seqs" for slow tokens with 2 running
     assert "--max-num-seqs" not in [lever["setting"] for lever in r["diagnosis"]["plan"]]
-    after = r["diagnosis"]["verify"][1]
-    assert "--shared-prefix 800" in after and "--shared-prefix" not in r["diagnosis"]["verify"][0]
+    # The change is the server's flag: the same workload before and after, one that shares a prefix.
+    before, after, compare = r["diagnosis"]["verify"]
+    assert "--shared-prefix 800" in before and "--shared-prefix 800" in after
+    assert compare == "task infer:compare A=before.json B=after.json"
 
 
 def test_caching_on_with_no_hit_is_the_clients_prompts_not_a_switch():
@@ -230,6 +236,10 @@ def test_caching_on_with_no_hit_is_the_clients_prompts_not_a_switch():
     unstable = r["diagnosis"]["root_cause"]
     assert unstable["setting"] is None and "first 16-token block" in unstable["evidence"]
     assert r["diagnosis"]["plan"][0]["text"].startswith("make the prompts' start stable (client side)")
+    # The change is the client's prompts: only the second bench shares a prefix, and compare is told.
+    before, after, compare = r["diagnosis"]["verify"]
+    assert "--shared-prefix" not in before and "--shared-prefix 800" in after
+    assert task_command(compare)[-4:] == ["before.json", "after.json", "--variable", "shared_prefix"]
 
 
 def test_exported_cap_with_room_in_the_kv_cache_is_the_running_limit():
@@ -248,12 +258,36 @@ def test_exported_cap_with_room_in_the_kv_cache_is_the_running_limit():
                                                   "BENCH_C=9 BENCH_N=36 -- ")
 
 
-def test_a_plateau_of_running_requests_while_others_wait_names_the_cap():
+def test_requests_running_while_others_wait_put_a_floor_under_the_cap():
     r = diagnosed(window(queue=6.0, prompt=200, running=(2, 2), waiting=(9, 9), plateau=(2, 2, 2)))
     root = r["diagnosis"]["root_cause"]
     assert (root["kind"], root["current"], root["current_source"]) == ("running_limit", 2, "inferred")
-    assert "--max-num-seqs is probably 2 (inferred: running at most 2 in the 3 gauge samples where requests " \
-           "waited, KV usage at most 10.0%)" in root["evidence"]
+    assert "--max-num-seqs is at least 2 (inferred: 2 running at the busiest of 30 gauge samples, KV usage at " \
+           "most 10.0%" in root["evidence"]
+    assert r["settings"]["max_num_seqs"]["at_least"] is True
+
+
+def test_gauges_sampled_in_long_prefills_read_the_cap_less_the_finished_ones():
+    """The live deployment of --max-num-seqs 2 under 16 prompts of 2,048 tokens with 16 output
+    tokens each: vLLM publishes its gauges after a step's finished request left and before the
+    next step admits another, so samples in the long prefill steps read 1 running. The 137 steps
+    that made tokens generated 256 of them: 1.87 requests a step, so the cap is at least 2."""
+    steps = [2049.0] * 16 + [2.0] * 104 + [1.0] * 17
+    r = diagnosed(window(n=16, seconds=15.0, queue=1.5, prefill=0.19, decode=0.25, prompt=2048, output=16,
+                         running=(0, 1), waiting=(0, 14), plateau=(1, 1, 1, 1), steps=steps))
+    root = r["diagnosis"]["root_cause"]
+    assert (root["kind"], root["current"], root["current_source"]) == ("running_limit", 2, "inferred")
+    assert root["evidence"].startswith("--max-num-seqs is at least 2 (inferred: 1.87 requests per engine step")
+    assert r["diagnosis"]["plan"][0]["text"].startswith("--max-num-seqs: at least 2 -> 4 (current: inferred)")
+
+
+def test_draft_tokens_accepted_by_speculative_decoding_are_not_requests():
+    """Three tokens a request per step, two of them accepted drafts: two requests a step, not six."""
+    snap = window(queue=6.0, prompt=200, running=(1, 1), waiting=(9, 9), plateau=(1,), steps=[6.0] * 1000)
+    snap["counters"]["spec_accepted"] = {"metric": "vllm:spec_decode_num_accepted_tokens_total", "value": 4000.0,
+                                         "series": 1}
+    r = diagnosed(snap)
+    assert r["requests_per_step"] == 2.0 and r["diagnosis"]["root_cause"]["current"] == 2
 
 
 def test_requests_filling_the_kv_cache_are_the_kv_limit_not_the_cap():
@@ -308,6 +342,23 @@ def test_a_root_outside_the_engine_comes_first():
     assert [lever["text"].split(": ")[0] for lever in plan] == [
         "split the gap from where the users are", "task infer:metrics WINDOW=30 while the load is on",
         "add replicas or data-parallel engines (--data-parallel-size)"]
+
+
+def test_time_outside_the_engine_leads_the_diagnosis_of_a_bench_run():
+    """bench's cross-check: every request 300 ms later at the client than in the engine, all of
+    it in a trivial request's round trip. The client waits for it whatever the engine does."""
+    snap = window(hits=0.0)
+    late = {key: {"p50": ms, "p95": ms, "p99": ms, "mean": ms, "n": 60} for key, ms in (("ttft_ms", 400.0),
+                                                                                         ("e2e_ms", 2400.0))}
+    checked = watch.cross_check(snap, {**late, "one_read": 0}, 0.1, {"path": "/health", "p50_ms": 300.0})
+    d = diagnosis.with_outside(checked["findings"], diagnosed(snap)["diagnosis"])
+    assert [(f["kind"], f.get("cause")) for f in d["findings"]] == [
+        ("outside_engine", "fixed_latency"), ("outside_engine", "network"), ("prefix_unstable", None)]
+    assert d["root_cause"]["size_ms"] == pytest.approx(300) and "remedy" not in d["root_cause"]
+    assert d["plan"][0]["text"].startswith("find the hop that adds it: the network and gateway findings split it: "
+                                           "about 300 ms of each request outside the engine (fixed_latency)")
+    assert d["plan"][-1]["text"].startswith("make the prompts' start stable (client side)")
+    assert diagnosis.with_outside([], diagnosed(snap)["diagnosis"])["root_cause"]["kind"] == "prefix_unstable"
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,7 +437,7 @@ def test_a_real_vllm_in_dev_mode_exports_its_cap_and_the_diagnosis_uses_it(vllm_
     r = json.loads(capsys.readouterr().out)
     settings = r["settings"]
     assert settings["max_num_seqs"] == {"value": 2, "source": "exported",
-                                        "how": "vLLM /server_info scheduler_config.max_num_seqs"}
+                                        "how": "vLLM /server_info scheduler_config.max_num_seqs", "at_least": False}
     assert settings["prefix_caching"]["value"] is False and settings["max_model_len"]["value"] == 4096
     assert settings["max_num_batched_tokens"]["source"] == "exported"
     assert r["deployment"]["max_num_seqs"] == 2

@@ -137,31 +137,46 @@ def assert_plan_agrees(diagnosis: dict, deployment: dict[str, Any]) -> None:
         assert first == lever["proposed"], f"two levers on {lever['setting']}: {first!r} and {lever['proposed']!r}"
 
 
-def assert_verify_runs(diagnosis: dict, url: str) -> None:
-    """Each `verify` command as printed, against the live server, its windows cut to 2 s."""
+def assert_verify_runs(diagnosis: dict, url: str, folder: Path) -> None:
+    """Each `verify` command as printed, against the live server, its windows cut to 2 s, run in
+    `folder` (the files they write land there) with go-task's -x (the script's own exit code, not
+    go-task's 201). Each must exit 0 (PASS, B better or no different) or 1 (FAIL, B worse or
+    mixed); a bench may also exit 4, INVALID, when its own client was too delayed to measure (on
+    this busy 2-core machine any process beside a streaming engine stalls): a verdict of the run,
+    which its result file must give, not a failure to run."""
     assert diagnosis["verify"], "no verify command"
     env = {**os.environ, "INFER_URL": url, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     for command in diagnosis["verify"]:
         short = re.sub(r"(WINDOW=|--window[ =])\d+", r"\g<1>2", command)
-        done = subprocess.run(["bash", "-c", short], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-        assert done.returncode in (0, 1) and "Traceback" not in done.stderr, (command, done.stderr[-800:])
+        assert short.startswith("task "), command
+        local = f"task -x -t {REPO / 'Taskfile.yml'} {short[len('task '):]}"
+        done = subprocess.run(["bash", "-c", local], cwd=folder, env=env, capture_output=True, text=True, timeout=180)
+        assert "Traceback" not in done.stderr, (command, done.stderr[-800:])
+        if done.returncode == 4 and "infer:bench" in command:
+            result = json.loads((folder / re.search(r"--json-out (\S+)", command)[1]).read_text())
+            assert result["verdict"] == "INVALID" and not result["client"]["valid"], result["verdict_reasons"]
+            continue
+        assert done.returncode in (0, 1), (command, done.returncode, done.stderr[-800:])
 
 
 # --------------------------------------------------------------------------------------------
 # One deployment per fault class
 
 @pytest.mark.real_vllm
-def test_a_running_limit_too_low_is_the_root_cause(limited):
+def test_a_running_limit_too_low_is_the_root_cause(limited, tmp_path):
     report = windowed(limited.url, lambda: send_load(limited.url, limited.model, 16, 16, 2048, 16, seed=11))
     assert report["e2e_ms"]["n"] == 16 and report["queue_ms"]["mean"] > 0.2 * report["e2e_ms"]["mean"]  # it queued
     diagnosis = diagnosis_of(report)
     assert_root_cause(diagnosis, "running_limit", "--max-num-seqs", 2)
+    # No metric exports the cap: inferred, it is a floor, and said so. The gauges, sampled between
+    # a step's finished request and the next admission, read 1 in the long prefills of these prompts.
+    assert diagnosis["root_cause"]["evidence"].startswith("--max-num-seqs is at least 2 (inferred: ")
     assert_plan_agrees(diagnosis, {"--max-num-seqs": 2, "--enable-prefix-caching": False})
-    assert_verify_runs(diagnosis, limited.url)
+    assert_verify_runs(diagnosis, limited.url, tmp_path)
 
 
 @pytest.mark.real_vllm
-def test_prefix_caching_off_under_a_shared_prefix_is_the_root_cause(limited):
+def test_prefix_caching_off_under_a_shared_prefix_is_the_root_cause(limited, tmp_path):
     # Two at a time, as many as may run: nothing queues, every prompt shares 896 of its 1,000 tokens.
     report = windowed(limited.url, lambda: send_load(limited.url, limited.model, 8, 2, 1000, 8, shared_prefix=896, seed=12))
     assert report["e2e_ms"]["n"] == 8 and not report["prefix_cache_hit_rate"]
@@ -171,17 +186,20 @@ def test_prefix_caching_off_under_a_shared_prefix_is_the_root_cause(limited):
     diagnosis = diagnosis_of(report)
     assert_root_cause(diagnosis, "prefix_cache_off", "--enable-prefix-caching", False)
     assert_plan_agrees(diagnosis, {"--max-num-seqs": 2, "--enable-prefix-caching": False})
-    assert_verify_runs(diagnosis, limited.url)
+    # The change is the server's flag: the same workload before and after, one that shares a prefix.
+    before, after, _ = diagnosis["verify"]
+    assert "--shared-prefix 500" in before and before.replace("before", "after") == after
+    assert_verify_runs(diagnosis, limited.url, tmp_path)
 
 
 @pytest.mark.real_vllm
-def test_a_kv_cache_too_small_is_the_root_cause(small_kv):
+def test_a_kv_cache_too_small_is_the_root_cause(small_kv, tmp_path):
     report = windowed(small_kv.url, lambda: send_load(small_kv.url, small_kv.model, 16, 16, 512, 256, seed=13), 25)
     assert report["kv_cache_tokens"] == 2048 and report["preemptions"] > 0
     diagnosis = diagnosis_of(report)
     assert_root_cause(diagnosis, "kv_cache", "--kv-cache-memory-bytes", 4194304)
     assert_plan_agrees(diagnosis, {"--kv-cache-memory-bytes": 4194304})
-    assert_verify_runs(diagnosis, small_kv.url)
+    assert_verify_runs(diagnosis, small_kv.url, tmp_path)
 
 
 SYSTEM_PROMPT = " ".join(["You are the support assistant of a large shop. Answer in short sentences, cite the order "
@@ -201,7 +219,7 @@ def unstable_prefix_load(url: str, model: str, requests: int, concurrency: int) 
 
 
 @pytest.mark.real_vllm
-def test_an_unstable_prompt_prefix_is_the_root_cause(cached):
+def test_an_unstable_prompt_prefix_is_the_root_cause(cached, tmp_path):
     report = windowed(cached.url, lambda: unstable_prefix_load(cached.url, cached.model, 8, 2))
     assert report["e2e_ms"]["n"] == 8 and report["prefix_cache_hit_rate"] < 0.05
     assert report["prompt_tokens"] / report["requests"] > 512
@@ -212,9 +230,16 @@ def test_an_unstable_prompt_prefix_is_the_root_cause(cached):
     assert second["cached_tokens"] == probed["cacheable_tokens"] == second["server"]["hits"] > 0
     assert probed["cacheable_tokens"] % probed["block_size"] == 0 and "from its first token" in probed["meaning"]
     diagnosis = diagnosis_of(report)
-    assert_root_cause(diagnosis, "prefix_unstable", "--enable-prefix-caching", True)
+    # The client's prompts are the cause, not a setting: the evidence says caching is on, as the
+    # server exports, and no lever turns it on.
+    assert_root_cause(diagnosis, "prefix_unstable", None, True)
+    assert "prefix caching on (exported: vllm:cache_config_info enable_prefix_caching)" in \
+        diagnosis["root_cause"]["evidence"]
+    assert "--enable-prefix-caching" not in [lever["setting"] for lever in diagnosis["plan"]]
     assert_plan_agrees(diagnosis, {"--enable-prefix-caching": True})
-    assert_verify_runs(diagnosis, cached.url)
+    # The change is the client's prompts: only the second bench shares a prefix, and compare is told.
+    assert diagnosis["verify"][2].endswith(" -- --variable shared_prefix")
+    assert_verify_runs(diagnosis, cached.url, tmp_path)
 
 
 # --------------------------------------------------------------------------------------------

@@ -283,7 +283,7 @@ def test_recorded_queue_behind_max_num_seqs_is_named_with_littles_law():
     root = r["diagnosis"]["root_cause"]
     assert (root["setting"], root["current"], root["current_source"]) == ("--max-num-seqs", 2, "inferred")
     first = engine_metrics.format_report(r).split("Root cause: ", 1)[1]
-    assert first.startswith("[running_limit] --max-num-seqs is probably 2 (inferred: 1.7 requests ran at a time")
+    assert first.startswith("[running_limit] --max-num-seqs is at least 2 (inferred: 1.98 requests per engine step")
     # Little's law: 0.9 req/s x 9.3 s keep 8.2 requests in the server; the cap goes to the next power of two
     lever = r["diagnosis"]["plan"][0]
     assert (lever["setting"], lever["current"], lever["proposed"]) == ("--max-num-seqs", 2, 16)
@@ -613,14 +613,15 @@ def test_the_deployments_own_settings_are_read_and_printed():
     assert dep["kv_cache_memory_bytes"] == 1 << 30 and dep["gpu_memory_utilization"] == 0.92
     assert dep["max_concurrency_at_max_model_len"] == 128.0 and dep["max_model_len"] == 4096
     assert dep["requests_of_mean_length"] == pytest.approx(524288 / 320)
-    # no metric exports max-num-seqs: Little's law over the window infers it
-    assert dep["max_num_seqs"] == 2 and dep["max_num_seqs_note"].startswith("2 (inferred: 1.7 requests ran")
+    # no metric exports max-num-seqs: the requests per engine step put a floor under it
+    assert dep["max_num_seqs"] == 2 and dep["max_num_seqs_note"].startswith("at least 2 (inferred: 1.98 requests per")
     assert r["settings"]["prefix_caching"] == {"value": True, "source": "exported",
-                                               "how": "vllm:cache_config_info enable_prefix_caching"}
+                                               "how": "vllm:cache_config_info enable_prefix_caching",
+                                               "at_least": False}
     text = engine_metrics.format_report(r)
     assert "deployment (vllm:cache_config_info): KV cache 524,288 tokens (4,096 blocks of 128) sized by an explicit " \
            "--kv-cache-memory-bytes of 1 GiB" in text
-    assert "max-num-seqs 2 (inferred: " in text
+    assert "max-num-seqs at least 2 (inferred: " in text
     since_start = engine_metrics.report(engine_metrics.snapshot(fixture_text("vllm-0.32-queue-after.txt")))
     assert "max-num-seqs unknown: no metric exports it" in engine_metrics.format_report(since_start)
 

@@ -10,12 +10,22 @@ from rooflib.server.engine_metrics import Targets
 
 SCHEMA_VERSION = 1
 
-# The event-loop lag that may distort a figure: above both this floor and LAG_SHARE of the
-# smallest median measured (TTFT, TPOT), the run is invalid.
+# The client's event-loop lag delays each timestamp it takes by up to the lag: TTFT, e2e and an
+# ITL gap by as much, TPOT (the decode span over the tokens after the first) by the lag over those
+# tokens, so TPOT's is judged against the decode span. A lag above both this floor and LAG_SHARE of
+# a figure's median may distort that figure.
 LAG_FLOOR_MS = 1.0
 
 
 LAG_SHARE = 0.10
+
+
+# The verdict stands on these figures' p95: a lag that may distort one makes the run invalid; one
+# that may distort only the others is a warning that names them.
+VERDICT_FIGURES = ("ttft_ms", "tpot_ms")
+
+
+FIGURE_NAMES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "e2e"}
 
 
 # Client stalls (lag above the threshold) may cover at most this share of the run. On a busy
@@ -51,27 +61,53 @@ def stalls(lag_ms: Sequence[float], threshold: float, wall_s: float) -> dict[str
             "share": total_s / wall_s if wall_s else 0.0}
 
 
-def client_validity(lag: dict[str, Any], ttft: dict[str, Any], tpot: dict[str, Any],
-                    schedule_delay: dict[str, Any], cpu_util: float,
-                    lag_ms: Sequence[float] = (), wall_s: float = 0.0) -> tuple[bool, float, list[str]]:
-    """Is the client's own delay small against what it measured? (valid, threshold ms, reasons)
+def lag_limits(ttft: dict[str, Any], decode: dict[str, Any], itl: dict[str, Any],
+               e2e: dict[str, Any]) -> dict[str, float]:
+    """The client lag each measured figure tolerates, in ms: LAG_SHARE of its median (TPOT's of
+    the median decode span), at least LAG_FLOOR_MS. A median of 0 (streams that came in one read)
+    has no size to judge against: its figure is left out, and the run warns of those streams."""
+    medians = {"ttft_ms": ttft["p50"], "tpot_ms": decode["p50"], "itl_ms": itl["p50"], "e2e_ms": e2e["p50"]}
+    return {name: max(LAG_FLOOR_MS, LAG_SHARE * median) for name, median in medians.items() if median}
+
+
+def distorted(lag: dict[str, Any], limits: dict[str, float], lag_ms: Sequence[float],
+              wall_s: float) -> dict[str, str]:
+    """The figures the client's lag may distort, each with why: its p95 above the figure's limit,
+    or stalls above it over STALL_SHARE of the run."""
+    found = {}
+    for name, limit in limits.items():
+        stalled = stalls(lag_ms, limit, wall_s)
+        if lag["p95"] is not None and lag["p95"] > limit:
+            found[name] = f"lag p95 {lag['p95']:.2f} ms > {limit:.2f} ms"
+        elif stalled["share"] > STALL_SHARE:
+            found[name] = f"stalls over {limit:.2f} ms in {stalled['share']:.0%} of the run"
+    return found
+
+
+def client_validity(lag: dict[str, Any], limits: dict[str, float], schedule_delay: dict[str, Any],
+                    cpu_util: float, lag_ms: Sequence[float] = (),
+                    wall_s: float = 0.0) -> tuple[bool, float, list[str]]:
+    """Is the client's own delay small against the figures the verdict stands on? (valid,
+    threshold ms, reasons). The threshold is the smallest of their limits (lag_limits).
 
     The verdict stands on p95 figures, so the lag's p95 decides, and so does the share of the
     run the client spent stalled; a p99 above the threshold only earns a warning (see analyse)."""
-    medians = [s["p50"] for s in (ttft, tpot) if s["p50"]]
-    threshold = max(LAG_FLOOR_MS, LAG_SHARE * min(medians)) if medians else LAG_FLOOR_MS
+    judged = [name for name in VERDICT_FIGURES if name in limits]
+    figure = min(judged, key=limits.get) if judged else None
+    threshold = limits[figure] if figure else LAG_FLOOR_MS
+    median = "the median TTFT" if figure == "ttft_ms" else "the median decode span, over which TPOT is taken"
+    size = f" ({LAG_SHARE:.0%} of {median})" if figure and threshold > LAG_FLOOR_MS else ""
     reasons = []
     stalled = stalls(lag_ms, threshold, wall_s)
     if stalled["share"] > STALL_SHARE:
         reasons.append(f"the client stalled {stalled['total_s']:.1f} s of the {wall_s:.1f} s run "
-                       f"({stalled['share']:.0%}, worst {stalled['worst_ms']:.0f} ms): requests in flight "
-                       "then were timed late; run the client on a quieter core or with --workers")
+                       f"({stalled['share']:.0%}, worst {stalled['worst_ms']:.0f} ms, over {threshold:.2f} ms{size}): "
+                       "requests in flight then were timed late; run the client on a quieter core or with --workers")
     if lag["p95"] is not None and lag["p95"] > threshold:
         cause = (f"the client used {cpu_util:.0%} of a core: use --workers" if cpu_util > 0.5 else
                  f"the client used only {cpu_util:.0%} of a core: other processes kept it waiting; "
                  "run it on a quieter machine or core")
-        reasons.append(f"client event-loop lag p95 {lag['p95']:.2f} ms > {threshold:.2f} ms "
-                       f"({LAG_SHARE:.0%} of the smallest median measured); {cause}")
+        reasons.append(f"client event-loop lag p95 {lag['p95']:.2f} ms > {threshold:.2f} ms{size}; {cause}")
     # A timer may fire up to a millisecond late by asyncio's own rounding: sends that late are on time.
     if schedule_delay["p95"] is not None and schedule_delay["p95"] > threshold + EPOLL_ROUNDING_MS:
         reasons.append(f"open-loop sends ran late: schedule delay p95 {schedule_delay['p95']:.2f} ms "
@@ -100,7 +136,9 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
     errors = error_counts(failed)
     ttft = summarize(o.ttft_ms for o in done)
     tpot = summarize(o.tpot_ms for o in done if o.tpot_ms is not None)
-    client = client_section(measured, config, lag_ms, cpu_s, wall_s, ttft, tpot, errors)
+    itl, e2e = summarize(g for o in done for g in o.chunk_gaps_ms()), summarize(o.e2e_ms for o in done)
+    decode = summarize(o.e2e_ms - o.ttft_ms for o in done if o.tpot_ms is not None)
+    client = client_section(measured, config, lag_ms, cpu_s, wall_s, lag_limits(ttft, decode, itl, e2e), errors)
     checks = slo_check(ttft["p95"], tpot["p95"], slo)
     verdict, reasons = judge(measured, done, failed, errors, client["valid"], checks)
     return {
@@ -112,9 +150,9 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
         "ttft_ms": ttft,
         "tpot_ms": tpot,
         "reasoning": reasoning_summary(done),
-        "itl_ms": summarize(g for o in done for g in o.chunk_gaps_ms()),
+        "itl_ms": itl,
         "itl_token_ms": summarize(g for o in done for g in o.token_gaps_ms()),
-        "e2e_ms": summarize(o.e2e_ms for o in done),
+        "e2e_ms": e2e,
         "throughput": throughput(done, slo),
         "requests": requests_section(outcomes, measured, done, failed, errors, config),
         "config": config,
@@ -133,15 +171,16 @@ def error_counts(failed: Sequence[Outcome]) -> dict[str, int]:
 
 
 def client_section(measured: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequence[float], cpu_s: float,
-                   wall_s: float, ttft: dict[str, Any], tpot: dict[str, Any], errors: dict[str, int]) -> dict[str, Any]:
-    """The client's own figures (loop lag, schedule delay, stalls, CPU) and whether they leave the run valid."""
+                   wall_s: float, limits: dict[str, float], errors: dict[str, int]) -> dict[str, Any]:
+    """The client's own figures (loop lag, schedule delay, stalls, CPU), whether they leave the
+    run valid, and the figures the lag may distort (`limits`: what each figure tolerates)."""
     lag = summarize(lag_ms)
     schedule = summarize((o.sent_ns - o.scheduled_ns) / 1e6 for o in measured
                          if o.scheduled_ns is not None and not config.get("concurrency"))
     cpu_util = cpu_s / wall_s if wall_s else 0.0
     # Worker processes each probe their own loop: their stalls add up over workers x wall time.
     probed_s = wall_s * config.get("workers", 1)
-    valid, threshold, invalid_reasons = client_validity(lag, ttft, tpot, schedule, cpu_util, lag_ms, probed_s)
+    valid, threshold, invalid_reasons = client_validity(lag, limits, schedule, cpu_util, lag_ms, probed_s)
     if errors.get("client_fd_limit"):
         valid = False
         # First: it makes the run invalid whatever else the client did (a busy host may also have
@@ -149,7 +188,8 @@ def client_section(measured: Sequence[Outcome], config: dict[str, Any], lag_ms: 
         invalid_reasons.insert(0, f"the client ran out of file descriptors for {errors['client_fd_limit']} requests: "
                                   "raise the limit (ulimit -n 65536) and run again; the server is not at fault")
     return {"valid": valid, "invalid_reasons": invalid_reasons, "loop_lag_ms": lag,
-            "lag_threshold_ms": threshold, "schedule_delay_ms": schedule,
+            "lag_threshold_ms": threshold, "lag_limits_ms": limits,
+            "distorted": distorted(lag, limits, lag_ms, probed_s), "schedule_delay_ms": schedule,
             "stalls": stalls(lag_ms, threshold, probed_s),
             "cpu_util": cpu_util,
             "transport": "raw asyncio HTTP/1.1, keep-alive, TCP_NODELAY"}
@@ -220,6 +260,20 @@ def cached_counts(done: Sequence[Outcome]) -> list[int]:
     return [o.cached_tokens for o in done if o.cached_tokens]
 
 
+# Only answers that carry usage.prompt_tokens_details.cached_tokens count cached prompt tokens:
+# vLLM sends it with --enable-prompt-tokens-details, SGLang with --enable-cache-report.
+NO_CACHED_COUNT = ("no answer carried usage.prompt_tokens_details.cached_tokens (vLLM sends it with "
+                   "--enable-prompt-tokens-details, SGLang with --enable-cache-report): the server's prefix-cache "
+                   "counters (server.metrics.prefix_cache_hit_rate) tell the hits")
+
+
+def cached_total(done: Sequence[Outcome]) -> int | None:
+    """Prompt tokens the server said it took from its prefix cache; None when no answer said
+    (0 would claim that nothing hit)."""
+    reported = [o.cached_tokens for o in done if o.cached_tokens is not None]
+    return sum(reported) if reported else None
+
+
 def is_synthetic(config: dict[str, Any]) -> bool:
     """Whether the run's prompts were built to chosen lengths (not a dataset's or a trace's)."""
     return config.get("workload", "synthetic") == "synthetic"
@@ -240,7 +294,8 @@ def requests_section(outcomes: Sequence[Outcome], measured: Sequence[Outcome], d
                           "ignore_eos_honoured": not short},
         "prompt_tokens": {"target": target_in, **{k: v for k, v in prompt_lens.items() if k in ("mean", "min", "max", "n")},
                           "mismatched": len(prompt_mismatches(done))},
-        "cached_prompt_tokens": sum(cached_counts(done)),
+        "cached_prompt_tokens": cached_total(done),
+        "cached_prompt_tokens_note": NO_CACHED_COUNT if done and cached_total(done) is None else None,
         "one_read": len(in_one_read(done)),
         "tokens_per_chunk": summarize(k for o in done for k in o.chunk_tokens),
         "first_errors": [f"#{o.index} {o.error}: {o.detail}" for o in failed[:5]],
@@ -291,6 +346,11 @@ def client_warnings(client: dict[str, Any], ttft: dict[str, Any]) -> list[str]:
     if schedule["p99"] is not None and schedule["p99"] > threshold + EPOLL_ROUNDING_MS:
         warnings.append(f"open-loop sends ran late: schedule lag p99 {schedule['p99']:.2f} ms: the slowest "
                         "1% of arrivals were bunched (p95 kept to the schedule)")
+    if client["distorted"]:
+        warnings.append("the client's own delay may distort " + "; ".join(
+            f"{FIGURE_NAMES[name]} ({why})" for name, why in client["distorted"].items())
+            + f": a figure tolerates a lag of {LAG_SHARE:.0%} of its median (at least {LAG_FLOOR_MS:g} ms); TTFT and "
+            "TPOT, which the verdict stands on, are within theirs")
     return warnings
 
 

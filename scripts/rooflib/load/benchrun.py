@@ -43,16 +43,18 @@ def metrics_snapshot(target: Target, timeout: float) -> tuple[dict[str, Any] | N
         return None, str(exc)
 
 
-def server_side(before: dict[str, Any] | None, after: dict[str, Any] | None, note: str,
-                completed_tokens: int, slo: Targets, during: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
-    """What the server's own metrics say about the run: its latency histograms, queue vs
-    prefill time, token counters, preemptions, prefix hits, and engine_metrics's diagnosis."""
-    from rooflib.server import engine_metrics
+def server_side(delta: dict[str, Any] | None, note: str, completed_tokens: int, slo: Targets,
+                outside: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """What the server's own metrics say about the run (`delta`: the scrapes' difference): its
+    latency histograms, queue vs prefill time, token counters, preemptions, prefix hits, and
+    the diagnosis, led by the time the client saw outside the engine (`outside`: the
+    cross-check's findings) when there was some."""
+    from rooflib.server import diagnosis, engine_metrics
 
-    if before is None or after is None:
+    if delta is None:
         return {"metrics": None, "metrics_note": note or "/metrics unavailable", "summary": []}
-    delta = engine_metrics.difference(before, after, during)
     report = engine_metrics.report(delta, slo=slo)
+    report["diagnosis"] = diagnosis.with_outside(outside, report["diagnosis"])
     generated = delta["counters"].get("generation_tokens", {}).get("value")
     keep = ("engine", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms",
             "preemptions", "prefix_cache_hit_rate", "prompt_tokens", "running_peak", "waiting_peak",
@@ -400,14 +402,16 @@ def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, qui
     result["startup_s"] = None if first_sent is None else first_sent / 1e9 - started
     all_tokens = sum(o.completion_tokens or 0 for o in run.outcomes if o.ok or o.error == "stream_cut")
     during = timeline.during() if timeline else []
-    result["server"] = {"info": target.info, **server_side(before, after, note or note_after, all_tokens,
-                                                           options.slo, during)}
+    delta = server_delta(before, after, during)
+    checked = cross_check(delta, result, probed) if delta is not None and first_sent is not None else None
+    result["server"] = {"info": target.info, **server_side(delta, note or note_after, all_tokens, options.slo,
+                                                           checked["findings"] if checked else [])}
     result["timeline"] = timeline.result(after) if timeline else None
     result["server"]["probe"] = probed
-    if before is not None and after is not None and first_sent is not None:
-        result["server"]["cross_check"] = cross_check(before, after, during, result, probed)
-        if options.prometheus:
-            result["server"]["gpu_telemetry"] = gpu_side(options, before, after, during, target.base_url)
+    if checked:
+        result["server"]["cross_check"] = checked
+    if before is not None and after is not None and first_sent is not None and options.prometheus:
+        result["server"]["gpu_telemetry"] = gpu_side(options, before, after, during, target.base_url)
     result["warnings"] += other_traffic(result["server"]["metrics"], all_tokens)
     result["records"] = [o.record() for o in run.outcomes]
     # One held since the load ended (during the last scrape, say) ends the run all the same.
@@ -460,12 +464,17 @@ def run_load(plan: Plan, options: BenchOptions, hold: signals.SignalHold, timeli
             timeline.stop()
 
 
-def cross_check(before: dict[str, Any], after: dict[str, Any], during: Sequence[dict[str, Any]],
-                result: dict[str, Any], probed: dict[str, Any] | None) -> dict[str, Any]:
-    """The client's TTFT and e2e against the server's histograms over the run."""
+def server_delta(before: dict[str, Any] | None, after: dict[str, Any] | None,
+                 during: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the server counted over the run: the difference of the scrapes around it (None
+    without both)."""
     from rooflib.server import engine_metrics
 
-    delta = engine_metrics.difference(before, after, during)
+    return engine_metrics.difference(before, after, during) if before is not None and after is not None else None
+
+
+def cross_check(delta: dict[str, Any], result: dict[str, Any], probed: dict[str, Any] | None) -> dict[str, Any]:
+    """The client's TTFT and e2e against the server's histograms over the run."""
     return watch.cross_check(delta, {"ttft_ms": result["ttft_ms"], "e2e_ms": result["e2e_ms"],
                                      "one_read": result["requests"]["one_read"]},
                              result["client"]["loop_lag_ms"]["p99"], probed)

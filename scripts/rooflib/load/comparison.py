@@ -36,9 +36,20 @@ def load(path: str) -> dict[str, Any]:
     return doc
 
 
-def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """What differs between two workload descriptions, as 'key: A vs B'."""
-    return [f"{key}: {a.get(key)!r} vs {b.get(key)!r}" for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
+def differences(a: dict[str, Any], b: dict[str, Any], variables: Sequence[str] = ()) -> list[str]:
+    """What differs between two workload descriptions, as 'key: A vs B', but the variables under test."""
+    return [f"{key}: {a.get(key)!r} vs {b.get(key)!r}" for key in sorted(set(a) | set(b))
+            if a.get(key) != b.get(key) and key not in variables]
+
+
+def variable_values(a: dict[str, Any], b: dict[str, Any], variables: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Each variable under test with its value in A and B; a UsageError for a name that is no
+    workload setting."""
+    unknown = [name for name in variables if name not in a and name not in b]
+    if unknown:
+        raise UsageError(f"--variable {unknown[0]} is not a workload setting: use one of "
+                         + ", ".join(sorted(set(a) | set(b))))
+    return {name: {"a": a.get(name), "b": b.get(name)} for name in variables}
 
 
 def statistic(values: Sequence[float], stat: str) -> float:
@@ -116,8 +127,10 @@ def label(doc: dict[str, Any], given: str) -> str:
 
 
 def compare(a: dict[str, Any], b: dict[str, Any], files: tuple[str, str], labels: tuple[str, str],
-            seed: int = 0) -> dict[str, Any]:
-    """The comparison document (see the module docstring); UsageError for incompatible runs."""
+            seed: int = 0, variables: Sequence[str] = ()) -> dict[str, Any]:
+    """The comparison document (see the module docstring); UsageError for incompatible runs.
+    `variables`: the workload settings under test, which may differ (shared_prefix for a
+    prefix-cache A/B); every other one must match."""
     if a["kind"] != b["kind"]:
         raise UsageError(f"{files[0]} is a {a['kind']} and {files[1]} a {b['kind']}: compare like with like")
     rng = random.Random(seed)
@@ -131,11 +144,15 @@ def compare(a: dict[str, Any], b: dict[str, Any], files: tuple[str, str], labels
             raise UsageError(f"the sweeps ran different concurrencies ({levels_a} vs {levels_b}): "
                              "rerun one with the other's SWEEP_C")
         pairs = [(f"c={pa['concurrency']} ", pa, pb) for pa, pb in zip(a["points"], b["points"])]
+    varied = variable_values(pairs[0][1]["workload"], pairs[0][2]["workload"], variables)
+    warnings += [f"--variable {name} is {values['a']!r} in both runs: nothing varies but the server"
+                 for name, values in varied.items() if values["a"] == values["b"]]
     for prefix, pa, pb in pairs:
-        differ = differences(pa["workload"], pb["workload"])
+        differ = differences(pa["workload"], pb["workload"], variables)
         if differ:
             raise UsageError(f"different workloads{' at ' + prefix.strip() if prefix else ''}: "
-                             + "; ".join(differ) + ": rerun one with the other's settings")
+                             + "; ".join(differ) + ": rerun one with the other's settings, or name the setting "
+                             f"under test (--variable {differ[0].split(':')[0]})")
     for side, name, doc in ((1, "A", a), (2, "B", b)):
         for pair in pairs:
             prefix, point = pair[0].strip(), pair[side]
@@ -151,6 +168,6 @@ def compare(a: dict[str, Any], b: dict[str, Any], files: tuple[str, str], labels
     rows = [row for prefix, pa, pb in pairs for row in metric_rows(pa, pb, prefix, rng)]
     return {"kind": "compare", "schema_version": SCHEMA_VERSION, "verdict": overall(rows),
             "a": {"file": files[0], "label": labels[0]}, "b": {"file": files[1], "label": labels[1]},
-            "workload": pairs[0][1]["workload"], "metrics": rows, "warnings": warnings,
+            "workload": pairs[0][1]["workload"], "variables": varied, "metrics": rows, "warnings": warnings,
             "method": f"bootstrap, {ROUNDS} rounds, 95% percentile interval of (B - A) / A; "
                       "latency metrics only (lower is better)"}

@@ -27,10 +27,13 @@ EXPORTED, INFERRED, UNKNOWN = "exported", "inferred", "unknown"
 class Known:
     """A deployment setting: its value (None when unknown), whether the server exported it, the
     diagnosis inferred it from the metrics, or neither, and how: the endpoint or metric that
-    gave it, or the evidence it was inferred from."""
+    gave it, or the evidence it was inferred from. `at_least`: the value is only a floor (an
+    inferred running cap: no figure counts more requests at once than the cap, none is sure to
+    count the cap itself)."""
     value: Any
     source: str
     how: str
+    at_least: bool = False
 
 
 @dataclass(frozen=True)

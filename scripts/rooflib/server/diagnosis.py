@@ -189,29 +189,45 @@ def _held_tokens(r: Mapping[str, Any]) -> float | None:
 
 
 def _infer_max_num_seqs(r: Mapping[str, Any]) -> Known:
-    """The cap on running requests: the running count while requests waited and the KV cache had
-    room, from gauge samples or (over a window) Little's law with a queue that rarely emptied."""
-    room = _kv_room(r)
-    plateau = r.get("running_while_waiting")
-    if room and plateau:
-        # A sample can land on a step that admitted no one (a long prefill filled the step's token
-        # budget): the cap is at least the most that ever ran, so a higher peak wins.
-        peak = max(plateau, r.get("running_peak") or 0)
-        seen = f", and at most {peak:g} at any sample" if peak > plateau else ""
-        return Known(int(peak), INFERRED, (
-            f"running at most {plateau:g} in the {r['running_while_waiting_samples']} gauge samples where "
-            f"requests waited{seen}, KV usage at most {pct(r['kv_cache_usage_max'])}"))
-    if room and r["mode"] == "window" and r["running_mean"] and (r["waiting_mean"] or 0) >= 1:
-        # A request that started before the window adds all its time to the window's sums: a
-        # mean a hair above a whole number is that number.
-        return Known(math.ceil(r["running_mean"] - 0.05), INFERRED, (
-            f"{r['running_mean']:.1f} requests ran at a time on average while {r['waiting_mean']:.1f} waited "
-            "(Little's law over the window): a queue that rarely empties keeps the running count at its cap"))
+    """A floor under the cap on running requests, when requests waited while the KV cache had
+    room. No figure counts more requests running at once than the cap, and none is sure to count
+    the cap itself: vLLM publishes its gauges after a step's finished requests left and before the
+    next step admits others (vllm/v1/core/sched/scheduler.py, make_stats at the end of
+    update_from_output), so a sample that falls in a long prefill step reads the cap less the
+    requests that just finished; and a step spent prefilling lowers the requests per step."""
+    waited = r.get("running_while_waiting") or (r["mode"] == "window" and (r["waiting_mean"] or 0) >= 1)
+    floors = _running_floors(r) if waited and _kv_room(r) else []
+    if floors:
+        value, how = max(floors, key=lambda floor: floor[0])
+        return Known(value, INFERRED, how, at_least=True)
     if r["engine"] == "vllm":
         return Known(None, UNKNOWN, "no metric exports it (vLLM's /server_info does with VLLM_SERVER_DEV_MODE=1); "
                                     "vLLM defaults: " + "/".join(map(str, VLLM_DEFAULT_MAX_NUM_SEQS)) + " by platform")
     return Known(None, UNKNOWN, "not exported (no sglang:max_running_requests; SGLang's /get_server_info gives it "
                                 "when --max-running-requests is set)")
+
+
+def _running_floors(r: Mapping[str, Any]) -> list[tuple[int, str]]:
+    """(floor, evidence) of each figure that counts requests running at once: the busiest gauge
+    sample, and the requests per engine step (one token each); Little's law over the window when
+    neither is there (a request that started before the window adds all its time to the window's
+    sums: a mean a hair above a whole number is that number)."""
+    floors = []
+    if r["running_peak"]:
+        floors.append((int(r["running_peak"]), (
+            f"{r['running_peak']:g} running at the busiest of {r['gauge_samples']} gauge samples, KV usage at most "
+            f"{pct(r['kv_cache_usage_max'])}; a sample misses the requests admitted in the step it falls in")))
+    per_step = r.get("requests_per_step")
+    if per_step:
+        floors.append((math.ceil(per_step), (
+            f"{per_step:.2f} requests per engine step on average, one generated token each by "
+            "vllm:generation_tokens_total over the steps of vllm:iteration_tokens_total; a step that only prefilled "
+            "lowers it")))
+    if not floors and r["mode"] == "window" and r["running_mean"] and r["waiting_mean"]:
+        floors.append((math.ceil(r["running_mean"] - 0.05), (
+            f"{r['running_mean']:.1f} requests ran at a time on average while {r['waiting_mean']:.1f} waited "
+            "(Little's law over the window)")))
+    return floors
 
 
 def _infer_batched(r: Mapping[str, Any]) -> Known:
@@ -237,11 +253,18 @@ def _infer_prefix_caching(r: Mapping[str, Any]) -> Known:
                                                   if r["engine"] == "sglang" else ""))
 
 
-def _said(known: Known, name: str = "") -> str:
-    """`2 (inferred: running ...)`: a setting with where it came from; `unknown (not exported)`."""
+def _current(known: Known | None, name: str = "") -> str:
+    """A setting's value for people: `2`, `at least 2` (a floor), `unknown`."""
+    value = _value(name, known.value if known else None)
+    return f"at least {value}" if known and known.at_least else value
+
+
+def said(known: Known, name: str = "") -> str:
+    """`at least 2 (inferred: 1.87 requests ...)`: a setting with where it came from;
+    `unknown (not exported)`."""
     if known.value is None:
         return f"unknown ({known.how})"
-    return f"{_value(name, known.value)} ({known.source}: {known.how})"
+    return f"{_current(known, name)} ({known.source}: {known.how})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +328,7 @@ def _kv_finding(r: Mapping[str, Any], s: Mapping[str, Known], evidence: str, con
         holds = f": {size.value:,} KV tokens" + (f", {fit:.1f} requests of {r['tokens_per_request']:,.0f} tokens"
                                                  if fit is not None else "")
     usage = f"; KV usage up to {pct(r['kv_cache_usage_max'])}" if r["kv_cache_usage_max"] else ""
-    return _finding("kv_cache", f"{setting} is {_said(known, name)}{holds}; the KV cache is too small for the load: "
+    return _finding("kv_cache", f"{setting} is {said(known, name)}{holds}; the KV cache is too small for the load: "
                                 f"{evidence}{usage}", confidence, setting=setting, known=known)
 
 
@@ -326,7 +349,7 @@ def findings(r: Mapping[str, Any], s: Mapping[str, Known]) -> list[dict[str, Any
                                              "KV blocks and were computed again", HIGH, "kv_cache"))
     if limit == "running_limit":
         seqs = s["max_num_seqs"]
-        cap = f"{flags['seqs']} is {'probably ' if seqs.source == INFERRED else ''}{_said(seqs)}" if seqs.value \
+        cap = f"{flags['seqs']} is {said(seqs)}" if seqs.value \
             else f"{flags['seqs']} (unknown: {seqs.how}) caps the running requests"
         found.append(_finding("running_limit", f"{cap}; requests wait while the KV cache has room: {evidence}",
                               confidence, setting=flags["seqs"], known=seqs))
@@ -357,7 +380,7 @@ def _prefix_findings(r: Mapping[str, Any], s: Mapping[str, Known], flags: Mappin
     if caching.value is False:
         known = Known(True, caching.source, caching.how) if r["engine"] == "sglang" else caching
         return [_finding("prefix_cache_off", (
-            f"{flags['prefix']} is {_said(known)}: prompts of {prompt:,.0f} tokens on average are computed in full; "
+            f"{flags['prefix']} is {said(known)}: prompts of {prompt:,.0f} tokens on average are computed in full; "
             "whether they share a prefix cannot be seen with the cache off"),
             "medium: the setting is exported; the gain depends on how much of each prompt is shared",
             setting=flags["prefix"], known=known)]
@@ -442,8 +465,7 @@ def _lever(setting: str | None, known: Known | None, proposed: Any, reason: str,
     """One lever; `action` is its text when no setting carries it, `toward` the direction it
     names when no value can be proposed."""
     if setting:
-        current = _value(name, known.value if known else None)
-        text = (f"{setting}: {current} -> {_value(name, proposed) if proposed is not None else toward} "
+        text = (f"{setting}: {_current(known, name)} -> {_value(name, proposed) if proposed is not None else toward} "
                 f"(current: {known.source if known else UNKNOWN}): {reason}; expect {effect}")
     else:
         text = f"{action}: {reason}; expect {effect}"
@@ -548,7 +570,7 @@ def _running_levers(f, r, s, flags) -> list[dict[str, Any]]:
         proposed = fit
     if seqs.value and seqs.value >= proposed:
         return [_lever(None, None, None, f"the {in_flight:.1f} requests in flight on average fit under the cap of "
-                       f"{seqs.value}: requests wait in bursts above the mean",
+                       f"{_current(seqs)}: requests wait in bursts above the mean",
                        "the peak the cap meets, and whether the bursts are the traffic's norm",
                        action="task infer:metrics WINDOW=30 while the load peaks")]
     queue, service = r["queue_ms"]["mean"], _service_ms(r)
@@ -658,8 +680,11 @@ def plan(found: Sequence[Mapping[str, Any]], r: Mapping[str, Any], s: Mapping[st
 def verify(r: Mapping[str, Any], url: str | None, root: Mapping[str, Any] | None) -> list[str]:
     """The bench that replays the traffic's shape (lengths of the finished requests, their
     endpoint, the concurrency Little's law gives) before and after the change, and the compare
-    that judges them. A prefix root runs the second bench with half of each prompt shared: what a
-    stable start gives (an assumption the user replaces with the system prompt's length)."""
+    that judges them. Half of each prompt shared stands for the traffic's shared start (an
+    assumption the user replaces with the system prompt's length): with caching off the change is
+    the server's flag, so both benches share it (the same workload, one the cache can serve);
+    with unstable prompts the change is the client's, so only the second does, and compare names
+    shared_prefix as the variable under test."""
     variables = [f"INFER_URL={url}"] if url else []
     if r.get("prompt_tokens_mean"):
         variables.append(f"BENCH_IN={max(1, round(r['prompt_tokens_mean']))}")
@@ -672,14 +697,16 @@ def verify(r: Mapping[str, Any], url: str | None, root: Mapping[str, Any] | None
         variables += [f"BENCH_C={concurrency}", f"BENCH_N={max(32, 4 * concurrency)}"]
     if r["slo_source"] == "given":
         variables += [f"SLO_TTFT_P95_MS={r['slo']['ttft_p95_ms']:g}", f"SLO_TPOT_P95_MS={r['slo']['tpot_p95_ms']:g}"]
-    args = ["--endpoint chat"] if r.get("endpoint") == "chat" else []
-    after = list(args)
-    if root and root["kind"] in ("prefix_cache_off", "prefix_unstable") and r.get("prompt_tokens_mean"):
-        after.append(f"--shared-prefix {int(r['prompt_tokens_mean'] // 2)}")
+    before = ["--endpoint chat"] if r.get("endpoint") == "chat" else []
+    after, compare = list(before), "task infer:compare A=before.json B=after.json"
+    shared = [f"--shared-prefix {int(r['prompt_tokens_mean'] // 2)}"] if r.get("prompt_tokens_mean") else []
+    if shared and root and root["kind"] == "prefix_cache_off":
+        before, after = before + shared, after + shared
+    elif shared and root and root["kind"] == "prefix_unstable":
+        after, compare = after + shared, f"{compare} -- --variable shared_prefix"
     bench = " ".join(["task infer:bench", *variables, "--"])
-    return [f"{bench} {' '.join([*args, '--json-out before.json'])}",
-            f"{bench} {' '.join([*after, '--json-out after.json'])}",
-            "task infer:compare A=before.json B=after.json"]
+    return [f"{bench} {' '.join([*before, '--json-out before.json'])}",
+            f"{bench} {' '.join([*after, '--json-out after.json'])}", compare]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -701,6 +728,21 @@ def with_fleet(fleet_findings: Sequence[Mapping[str, Any]], engine: Mapping[str,
     own = [{k: v for k, v in f.items() if k != "levers"} for f in fleet_findings]
     first = [_lever(None, None, None, f["cause"], "see the finding's figures per replica", action=lever)
              for f in fleet_findings for lever in f["levers"]]
+    return {"root_cause": own[0], "findings": own + list(engine["findings"]), "plan": first + list(engine["plan"]),
+            "verify": list(engine["verify"])}
+
+
+def with_outside(outside: Sequence[Mapping[str, Any]], engine: Mapping[str, Any]) -> dict[str, Any]:
+    """The time the client saw outside the engine (bench's cross-check, rooflib/server/watch.py)
+    before the engine's findings: every request waits for it whatever the engine does, so the
+    first is the root (with its `cause` and `size_ms`), and each one's remedy leads the plan."""
+    found = [f for f in outside if f["kind"] == "outside_engine"]
+    if not found:
+        return dict(engine)
+    own = [{k: v for k, v in f.items() if k != "remedy"} for f in found]
+    first = [_lever(None, None, None, f"about {f['size_ms'] or 0:.0f} ms of each request outside the engine "
+                    f"({f['cause']})", f"the client's TTFT and e2e up to {f['size_ms'] or 0:.0f} ms nearer the engine's",
+                    action=f["remedy"]) for f in found]
     return {"root_cause": own[0], "findings": own + list(engine["findings"]), "plan": first + list(engine["plan"]),
             "verify": list(engine["verify"])}
 

@@ -265,6 +265,9 @@ COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
     "flops": {"vllm": ("vllm:estimated_flops_per_gpu_total",), "sglang": ()},
     "read_bytes": {"vllm": ("vllm:estimated_read_bytes_per_gpu_total",), "sglang": ()},
     "write_bytes": {"vllm": ("vllm:estimated_write_bytes_per_gpu_total",), "sglang": ()},
+    # Draft tokens accepted by speculative decoding (vllm/v1/spec_decode/metrics.py): a request
+    # gains them beside its one token per step.
+    "spec_accepted": {"vllm": ("vllm:spec_decode_num_accepted_tokens_total",), "sglang": ()},
 }
 
 
@@ -629,6 +632,7 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
         if result["prompt_tokens_mean"] is not None else None
     result["prompt_tokens_largest"] = _largest_bucket(snap["histograms"].get("prompt_len"))
     result["step_tokens_largest"] = _largest_bucket(snap["histograms"].get("step_tokens"))
+    result["requests_per_step"] = _requests_per_step(snap)
     endpoints = {name: count(f"{name}_requests") or 0 for name in ("chat", "completion")}
     result["endpoint"] = max(endpoints, key=endpoints.get).replace("completion", "completions") \
         if any(endpoints.values()) else None
@@ -656,8 +660,7 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
     if result["deployment"]:
         seqs = settings["max_num_seqs"]
         result["deployment"]["max_num_seqs"] = seqs.value
-        result["deployment"]["max_num_seqs_note"] = f"{_num(seqs.value)} ({seqs.source}: {seqs.how})" \
-            if seqs.value else f"unknown: {seqs.how}"
+        result["deployment"]["max_num_seqs_note"] = diagnosis.said(seqs) if seqs.value else f"unknown: {seqs.how}"
     result["diagnosis"] = diagnosis.diagnose(result, settings, served.url if served else None)
     return result
 
@@ -680,6 +683,18 @@ def _lengths(snap: dict[str, Any], requests: int) -> dict[str, Any]:
             result["output_tokens_mean"] = counters["generation_tokens"]["value"] / requests
         result["lengths_from"] = f"{counters['prompt_tokens']['metric']} / finished requests"
     return result
+
+
+def _requests_per_step(snap: dict[str, Any]) -> float | None:
+    """Requests in an engine step on average: vLLM observes vllm:iteration_tokens_total once per
+    step that produced output (vllm/v1/engine/async_llm.py, output_handler: one IterationStats per
+    EngineCoreOutputs), in which each request generated one token and the draft tokens accepted
+    for it."""
+    steps, generated = snap["histograms"].get("step_tokens"), snap["counters"].get("generation_tokens")
+    if not steps or not steps["count"] or not generated:
+        return None
+    accepted = snap["counters"].get("spec_accepted", {}).get("value", 0.0)
+    return (generated["value"] - accepted) / steps["count"]
 
 
 def _largest_bucket(hist: dict[str, Any] | None) -> list[float] | None:

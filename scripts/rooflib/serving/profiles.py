@@ -177,6 +177,20 @@ def validate(profile: dict[str, Any]) -> dict[str, Any]:
     return profile
 
 
+def with_overrides(name: str, overrides: Sequence[str]) -> tuple[Path, dict[str, Any]]:
+    """A profile by name or path with `--set key=value` overrides, checked; its secrets (an
+    override may carry one too) registered to be masked in everything the process writes."""
+    path = find_profile(name)
+    profile = load_profile(path)
+    for override in overrides:
+        key, value = parse_override(override)
+        profile[key] = value
+    validate(profile)
+    for secret in secrets(profile):
+        redaction.add_secret(secret)
+    return path, profile
+
+
 def expand(value: str) -> str:
     """`{cache}` in a profile's model or python is the project's cache dir (tiny local models)."""
     return value.replace("{cache}", str(conf.cache_dir()))
