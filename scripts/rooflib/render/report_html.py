@@ -948,8 +948,22 @@ def _metrics_answer(doc: dict[str, Any]) -> str:
     return f"{found[0].get('bottleneck')}: {found[0].get('evidence')}; fix this first"
 
 
+def _tune_answer(doc: dict[str, Any]) -> str:
+    if doc.get("mode") == "measure_only":
+        proposal = doc.get("proposal")
+        return ("the SLO holds: nothing to change" if doc.get("slo_holds") else
+                f"the SLO misses; proposed: {proposal.get('setting')} {fmt(proposal.get('from'))} → "
+                f"{fmt(proposal.get('to'))}, to verify with the commands below" if proposal else
+                "the SLO misses, and no server setting is proposed: see the diagnosis")
+    kept = ", ".join(f"{c.get('setting')} {fmt(c.get('from'))} → {fmt(c.get('to'))}" for c in doc.get("changes") or [])
+    verdict = "the SLO holds" if doc.get("slo_holds") else "the SLO still misses"
+    todo = "serve profile.yaml" if kept else "nothing to change" if doc.get("slo_holds") else \
+        str((doc.get("stopped") or {}).get("text"))
+    return f"{verdict} after {fmt(doc.get('runs'))} runs; kept: {kept or 'nothing'}; {todo}"
+
+
 ANSWERS = {"bench": _bench_answer, "sweep": _sweep_answer, "compare": _compare_answer, "accept": _accept_answer,
-           "vram": _vram_answer, "roofline": _roofline_answer, "metrics": _metrics_answer}
+           "vram": _vram_answer, "roofline": _roofline_answer, "metrics": _metrics_answer, "tune": _tune_answer}
 
 
 def answers_section(results: Sequence[Result]) -> Section:
