@@ -720,6 +720,12 @@ def diagnose(r: Mapping[str, Any], s: Mapping[str, Known], url: str | None = Non
             "verify": verify(r, url, root) if root else []}
 
 
+def _leading(own: list[dict[str, Any]], first: list[dict[str, Any]], engine: Mapping[str, Any]) -> dict[str, Any]:
+    """Findings that stand before the engine's (the first is the root) and their levers before its plan."""
+    return {"root_cause": own[0], "findings": own + list(engine["findings"]), "plan": first + list(engine["plan"]),
+            "verify": list(engine["verify"])}
+
+
 def with_fleet(fleet_findings: Sequence[Mapping[str, Any]], engine: Mapping[str, Any]) -> dict[str, Any]:
     """The fleet's findings (scripts/fleet.py) before the engine's: a replica down, a mismatch or
     the balancer is the root; their levers lead the plan."""
@@ -728,8 +734,7 @@ def with_fleet(fleet_findings: Sequence[Mapping[str, Any]], engine: Mapping[str,
     own = [{k: v for k, v in f.items() if k != "levers"} for f in fleet_findings]
     first = [_lever(None, None, None, f["cause"], "see the finding's figures per replica", action=lever)
              for f in fleet_findings for lever in f["levers"]]
-    return {"root_cause": own[0], "findings": own + list(engine["findings"]), "plan": first + list(engine["plan"]),
-            "verify": list(engine["verify"])}
+    return _leading(own, first, engine)
 
 
 def with_outside(outside: Sequence[Mapping[str, Any]], engine: Mapping[str, Any]) -> dict[str, Any]:
@@ -743,8 +748,7 @@ def with_outside(outside: Sequence[Mapping[str, Any]], engine: Mapping[str, Any]
     first = [_lever(None, None, None, f"about {f['size_ms'] or 0:.0f} ms of each request outside the engine "
                     f"({f['cause']})", f"the client's TTFT and e2e up to {f['size_ms'] or 0:.0f} ms nearer the engine's",
                     action=f["remedy"]) for f in found]
-    return {"root_cause": own[0], "findings": own + list(engine["findings"]), "plan": first + list(engine["plan"]),
-            "verify": list(engine["verify"])}
+    return _leading(own, first, engine)
 
 
 def format_diagnosis(d: Mapping[str, Any]) -> list[str]:
