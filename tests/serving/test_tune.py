@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import tune_vs_grid
 import vllm_server
-from fault_server import fault_server
+from fault_server import as_json, fault_server
 from vllm_server import REPO
 
 from rooflib.core import stats
@@ -182,9 +182,25 @@ def test_a_change_that_breaks_another_slo_figure_is_a_trade_off_not_kept():
     assert "but TPOT p95" in verdict.why and "> target 50 ms" in verdict.why
 
 
-def test_a_run_with_failed_requests_is_never_kept():
-    verdict = judged(run_doc(spread(4000), spread(20)), run_doc(spread(500, seed=1), spread(20, seed=1), failed=3))
-    assert verdict == trials.Verdict(trials.REVERTED, "3 of 35 requests failed")
+def test_a_run_with_failed_requests_is_never_kept_and_says_what_failed():
+    after = run_doc(spread(500, seed=1), spread(20, seed=1), failed=3)
+    after["requests"] |= {"errors": {"http_5xx": 2, "stream_cut": 1},
+                          "first_errors": ["#4 http_5xx: HTTP 500: EngineCore died", "#9 http_5xx: HTTP 500"]}
+    verdict = judged(run_doc(spread(4000), spread(20)), after)
+    assert verdict == trials.Verdict(trials.REQUESTS_FAILED, "3 of 35 requests failed (2 http_5xx, 1 stream_cut); "
+                                                             "the first: #4 http_5xx: HTTP 500: EngineCore died")
+
+
+@pytest.mark.parametrize("health, alive, serves", [(200, True, True), (503, True, False), (200, False, False)])
+def test_after_failed_requests_an_engine_serves_while_it_runs_and_its_health_check_answers(health, alive, serves):
+    """An engine whose core died answers /health 503 before its API server exits: that trial is a
+    crash, not a value at which requests fail."""
+    with fault_server(lambda request: as_json(health, {}) if request.path == "/health" else None) as url, \
+            subprocess.Popen(["sleep", "60"] if alive else ["true"]) as proc:
+        try:
+            assert tuning.serving(tuning.Engine(proc, url, Path("engine.log"), 0.0), within_s=0 if alive else 10) is serves
+        finally:
+            proc.kill()
 
 
 def test_the_worst_figure_is_the_one_furthest_over_its_target():
@@ -213,6 +229,8 @@ def test_a_value_that_goes_too_far_is_bisected_back_towards_the_last_kept():
     assert search("max_num_seqs", 1, 64, {64: trials.TRADE_OFF, 8: trials.KEPT, 23: trials.TRADE_OFF}) == [64, 8, 23, 14]
     assert search("kv_cache_memory_bytes", 4 * MIB, 64 * MIB, {64 * MIB: trials.NO_START}) == [64 * MIB, 16 * MIB]
     assert search("gpu_memory_utilization", 0.8, 0.95, {0.95: trials.CRASHED, 0.88: trials.KEPT}) == [0.95, 0.88, 0.92]
+    # A value at which requests fail is one the engine cannot serve at: bisected back, not the end.
+    assert search("max_num_seqs", 1, 8, {8: trials.REQUESTS_FAILED, 3: trials.KEPT}) == [8, 3, 5]
 
 
 def test_a_first_value_without_gain_ends_the_search_and_a_switch_is_tried_once():
@@ -428,8 +446,9 @@ def assert_fixed(code: int, doc: dict, case: tune_vs_grid.Case) -> tuple:
     the issue asks for the fix, the SLO is the machine's). The (start, kept) values of that setting."""
     assert code == (0 if doc["slo_holds"] else 1) and doc["runs"] <= 6 and not doc["interrupted"]
     assert doc["trials"][0]["figures"]["ttft_p95_ms"]["met"] is False
-    assert [row["setting"] for row in doc["trials"] if row["decision"] == trials.KEPT][:1] == [case.wrong]
-    assert list(kept(doc)) == [case.wrong]
+    told = [(row["setting"], row["to"], row["decision"], row["why"]) for row in doc["trials"]]
+    assert [row["setting"] for row in doc["trials"] if row["decision"] == trials.KEPT][:1] == [case.wrong], told
+    assert list(kept(doc)) == [case.wrong], told
     return kept(doc)[case.wrong]
 
 

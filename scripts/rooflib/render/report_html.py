@@ -657,7 +657,7 @@ VERDICT_CLASS = {"better": "better", "worse": "worse", "no significant differenc
 
 # A trial's decision (rooflib/serving/trials.py) as the colour of its interval.
 TRIAL_CLASS = {"kept": "better", "trade-off": "mixed", "did not start": "worse", "engine crashed": "worse",
-               "run failed": "worse"}
+               "run failed": "worse", "requests failed": "worse"}
 SLO_WORDS = {"ttft_p95_ms": "TTFT p95", "tpot_p95_ms": "TPOT p95"}
 
 
@@ -685,7 +685,7 @@ def tune_chart(result: Result) -> Chart:
     return Chart("tune", "Trials: each change with its 95% interval", f"{result.doc.get('load')}; lower is better",
                  ["#", "setting", "change", "SLO figure", "ms", "change", "95% CI", "decision", "why"], table, svg,
                  [{"name": "kept", "cls": "better"}, {"name": "trade-off", "cls": "mixed"},
-                  {"name": "reverted or not run", "cls": "neutral"}, {"name": "did not start or crashed", "cls": "worse"}],
+                  {"name": "reverted or not run", "cls": "neutral"}, {"name": "did not start, crashed or requests failed", "cls": "worse"}],
                  note)
 
 

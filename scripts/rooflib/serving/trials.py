@@ -6,7 +6,7 @@ A trial is kept only when the 95% bootstrap interval of the change in the SLO fi
 request failed, and no other SLO figure that held before misses now; a change that fixes one
 figure and breaks another is a trade-off, reported and not kept. A range setting is searched:
 the diagnosis's value first; while a value is kept and the SLO still misses, the next one twice as
-far (bracketing); once a value went too far (a trade-off, a failed start, a crash), the middle of
+far (bracketing); once a value went too far (a trade-off, a failed start, a crash, failed requests), the middle of
 the last kept value and that one (bisecting); a value that brings no significant gain ends it.
 """
 from __future__ import annotations
@@ -21,8 +21,10 @@ from rooflib.serving.levers import RANGES
 
 KEPT, REVERTED, TRADE_OFF = "kept", "reverted", "trade-off"
 NO_START, CRASHED, RUN_FAILED = "did not start", "engine crashed", "run failed"
+REQUESTS_FAILED = "requests failed"
 NOT_RUN, INTERRUPTED = "not run", "interrupted"
-TOO_FAR = (TRADE_OFF, NO_START, CRASHED, RUN_FAILED)
+# A value the engine cannot serve at: past the range's good side, so the search bisects back.
+TOO_FAR = (TRADE_OFF, NO_START, CRASHED, RUN_FAILED, REQUESTS_FAILED)
 
 # SLO name (bench's "slo" section) -> (the run's section, statistic, words); compare names the row "ttft_ms.p95".
 FIGURES = {"ttft_p95_ms": ("ttft_ms", "p95", "TTFT p95"), "tpot_p95_ms": ("tpot_ms", "p95", "TPOT p95")}
@@ -77,12 +79,21 @@ def _interval(row: Mapping[str, Any]) -> str:
     return f"{row['change_pct']:+.1f}% (95% CI {low:+.1f}% .. {high:+.1f}%)"
 
 
+def failures(requests: Mapping[str, Any]) -> str:
+    """How many requests failed, of which kinds, and the first one's error: what to look for in the
+    engine log."""
+    failed = requests["failed"]
+    kinds = ", ".join(f"{count} {kind}" for kind, count in (requests.get("errors") or {}).items())
+    first = (requests.get("first_errors") or [None])[0]
+    return (f"{failed} of {failed + requests['completed']} requests failed" + (f" ({kinds})" if kinds else "")
+            + (f"; the first: {first}" if first else ""))
+
+
 def judge(comparison: Mapping[str, Any], before: Mapping[str, Any], after: Mapping[str, Any], target: str) -> Verdict:
     """Keep, revert, or report a trade-off: `after` against `before` on the SLO figure `target`."""
     label = FIGURES[target][2]
-    failed = after["requests"]["failed"]
-    if failed:
-        return Verdict(REVERTED, f"{failed} of {failed + after['requests']['completed']} requests failed")
+    if after["requests"]["failed"]:
+        return Verdict(REQUESTS_FAILED, failures(after["requests"]))
     row = figures(comparison, after)[target]
     if row["ci95_pct"] is None:
         return Verdict(REVERTED, f"{label} cannot be compared (fewer than two requests on a side)")

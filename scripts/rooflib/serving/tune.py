@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import httpx
 import yaml
 
 from rooflib.core import cli, fileio, printing, signals
@@ -132,6 +133,17 @@ def exited(engine: Engine, within_s: float = 5.0) -> bool:
         engine.proc.wait(within_s)
         return True
     except subprocess.TimeoutExpired:
+        return False
+
+
+def serving(engine: Engine, within_s: float = 5.0) -> bool:
+    """Whether the engine still serves after requests failed: vLLM's /health answers 503 once its
+    engine core died, and the API server may take a while to exit after that."""
+    if exited(engine, within_s):
+        return False
+    try:
+        return httpx.get(f"{engine.url}/health", timeout=10).status_code == 200
+    except httpx.HTTPError:
         return False
 
 
@@ -301,11 +313,12 @@ class Runner:
         facts.update(run=f"{name}.json", bench_s=self.show.bench_s[-1], figures=trials.figures(None, result))
         if result["interrupted"]:
             return trial_row(n, change, trials.INTERRUPTED, "interrupted during the run: not judged", **facts), best
-        if engine.proc.poll() is not None:
+        if engine.proc.poll() is not None or (result["requests"]["failed"] and not serving(engine)):
             self.show(f"{name}: {change.describe()}: the engine crashed")
             self.stop()
-            return trial_row(n, change, trials.CRASHED, f"the engine exited with status {engine.proc.returncode} "
-                                                        f"during the run: {profiles.why_it_stopped(engine.log)}", **facts), best
+            how = "stopped serving" if engine.proc.returncode is None else f"exited with status {engine.proc.returncode}"
+            return trial_row(n, change, trials.CRASHED, f"the engine {how} during the run: "
+                                                        f"{profiles.why_it_stopped(engine.log)}", **facts), best
         doc = compared(best.run, result, (best.file, f"{name}.json"))
         verdict = trials.judge(doc, best.run, result, target)
         facts["figures"] = trials.figures(doc, result)
