@@ -93,6 +93,16 @@ def test_prefix_caching_off_becomes_on_for_vllm_and_for_sglang():
     assert levers.first_change(sglang, profile, done=[]).change.proposed is True
 
 
+def test_the_diagnosis_is_told_each_setting_the_profile_sets_and_not_what_it_leaves_to_the_engine():
+    profile = {"engine": "vllm", "model": "m", "max_num_seqs": 1, "enable_prefix_caching": False,
+               "kv_cache_memory_bytes": None, "dtype": "bfloat16"}
+    served = levers.served_with(profile, "http://127.0.0.1:8000", "cpu-tiny")
+    assert served.url == "http://127.0.0.1:8000"
+    assert {name: (known.value, known.source) for name, known in served.settings.items()} == {
+        "max_num_seqs": (1, "exported"), "prefix_caching": (False, "exported")}
+    assert served.settings["max_num_seqs"].how == "the engine's command line (profile cpu-tiny)"
+
+
 def test_a_healthy_diagnosis_and_no_diagnosis_give_no_change():
     for d in (diagnosis("healthy"), None):
         assert levers.first_change(d, cpu_profile(), done=[]) == levers.Choice(None, ())
@@ -458,6 +468,9 @@ def test_a_running_limit_far_too_low_is_raised_and_kept(cpu_vllm, tmp_path):
     code, doc = tuned(case, tmp_path)
     start, end = assert_fixed(code, doc, case)
     assert start == 1 and end >= 8
+    # The diagnosis knew the cap from the profile, not by inference from the metrics.
+    root = json.loads((tmp_path / "out" / "baseline.json").read_text())["server"]["metrics"]["diagnosis"]["root_cause"]
+    assert (root["kind"], root["current"], root["current_source"]) == ("running_limit", 1, "exported")
     assert (tmp_path / "out" / "profile.yaml").read_text().count("max_num_seqs: ") == 1
     assert "+max_num_seqs: " in (tmp_path / "out" / "profile.diff").read_text()
     assert "Tune: one change at a time" in (tmp_path / "out" / "report.html").read_text()

@@ -23,6 +23,7 @@ from rooflib.load.asyncclient import ENDPOINTS, Target
 from rooflib.load.promptgen import WORDS, TokenCounter, build_prompts, fallback_counter, payload, server_counter
 from rooflib.load.runner import Plan, RequestSource, RunResult, run_in_loop, run_workers
 from rooflib.server import fleet, gpu_telemetry, watch
+from rooflib.server.deployment import Served
 from rooflib.server.engine_metrics import Targets
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "render" / "templates" / "bench_log_entry.md.j2"
@@ -44,16 +45,17 @@ def metrics_snapshot(target: Target, timeout: float) -> tuple[dict[str, Any] | N
 
 
 def server_side(delta: dict[str, Any] | None, note: str, completed_tokens: int, slo: Targets,
-                outside: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+                outside: Sequence[dict[str, Any]] = (), served: Served | None = None) -> dict[str, Any]:
     """What the server's own metrics say about the run (`delta`: the scrapes' difference): its
     latency histograms, queue vs prefill time, token counters, preemptions, prefix hits, and
     the diagnosis, led by the time the client saw outside the engine (`outside`: the
-    cross-check's findings) when there was some."""
+    cross-check's findings) when there was some; `served`: the settings the engine is known to
+    run with (tune knows the profile it started it with)."""
     from rooflib.server import diagnosis, engine_metrics
 
     if delta is None:
         return {"metrics": None, "metrics_note": note or "/metrics unavailable", "summary": []}
-    report = engine_metrics.report(delta, slo=slo)
+    report = engine_metrics.report(delta, slo=slo, served=served)
     report["diagnosis"] = diagnosis.with_outside(outside, report["diagnosis"])
     generated = delta["counters"].get("generation_tokens", {}).get("value")
     keep = ("engine", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms",
@@ -370,8 +372,10 @@ def workload_identity(options: BenchOptions, load: workloads.Workload) -> dict[s
     return identity
 
 
-def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, quiet: bool = False) -> dict[str, Any]:
-    """Build the workload, run the load, watch the server, analyse: the result document. A Ctrl-C
+def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, quiet: bool = False,
+            served: Served | None = None) -> dict[str, Any]:
+    """Build the workload, run the load, watch the server, analyse: the result document (`served`:
+    the settings the server is known to run with, for the diagnosis). A Ctrl-C
     or SIGTERM while the workload is built raises KeyboardInterrupt (nothing measured); during the
     load it stops the load; from the end of the load it waits in `hold` (started here, kept by the
     caller until the result is printed and written), so that the last scrape and the analysis
@@ -405,7 +409,7 @@ def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, qui
     delta = server_delta(before, after, during)
     checked = cross_check(delta, result, probed) if delta is not None and first_sent is not None else None
     result["server"] = {"info": target.info, **server_side(delta, note or note_after, all_tokens, options.slo,
-                                                           checked["findings"] if checked else [])}
+                                                           checked["findings"] if checked else [], served)}
     result["timeline"] = timeline.result(after) if timeline else None
     result["server"]["probe"] = probed
     if checked:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from rooflib.core.errors import UsageError
+from rooflib.server.deployment import EXPORTED, Known, Served
 from rooflib.serving import profiles
 from rooflib.sizing import estimate
 
@@ -37,6 +38,23 @@ LEFT_TO_THE_USER = {"--kv-cache-dtype": ACCURACY, "--quantization": ACCURACY, "-
 # Settings with a range of values, searched (bracket and bisect), not tried once.
 RANGES = ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_memory_bytes",
           "max_model_len")
+
+
+# Profile key -> the diagnosis's name of the setting (rooflib/server/diagnosis.py, settings()).
+DIAGNOSIS_NAMES = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
+                   "enable_prefix_caching": "prefix_caching", "max_model_len": "max_model_len",
+                   "gpu_memory_utilization": "gpu_memory_utilization",
+                   "kv_cache_memory_bytes": "kv_cache_memory_bytes", "kv_cache_dtype": "cache_dtype",
+                   "tensor_parallel_size": "tensor_parallel_size"}
+
+
+def served_with(profile: Mapping[str, Any], url: str, source: str) -> Served:
+    """What an engine started from `profile` runs with, for the diagnosis: each setting the profile
+    sets is on the engine's command line, as sure as what a server exports. A setting it leaves out
+    is the engine's default: the diagnosis reads it from /metrics or infers it, as for any server."""
+    how = f"the engine's command line (profile {source})"
+    return Served(url, {name: Known(profile[key], EXPORTED, how) for key, name in DIAGNOSIS_NAMES.items()
+                        if profile.get(key) is not None})
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ A trial is kept only when the 95% bootstrap interval of the change in the SLO fi
 request failed, and no other SLO figure that held before misses now; a change that fixes one
 figure and breaks another is a trade-off, reported and not kept. A range setting is searched:
 the diagnosis's value first; while a value is kept and the SLO still misses, the next one twice as
-far (bracketing); once a value went too far (a trade-off, a failed start, a crash, failed requests), the middle of
-the last kept value and that one (bisecting); a value that brings no significant gain ends it.
+far (bracketing); once a value went too far (a trade-off, a failed start, a crash, failed requests),
+the middle of the last kept value and that one (bisecting); a value that brings no significant gain
+ends it.
 """
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ import yaml
 from rooflib.core import cli, fileio, printing, signals
 from rooflib.core.errors import ServerError, UsageError
 from rooflib.load import asyncclient, benchrun, comparison
+from rooflib.server.deployment import Served
 from rooflib.serving import levers, profiles, trials
 
 SCHEMA_VERSION = 1
@@ -150,13 +151,14 @@ def serving(engine: Engine, within_s: float = 5.0) -> bool:
 # ---------------------------------------------------------------------------------------------
 # One run
 
-def bench_once(url: str, api_key: str | None, options: benchrun.BenchOptions, path: Path) -> dict[str, Any]:
+def bench_once(url: str, api_key: str | None, options: benchrun.BenchOptions, path: Path,
+               served: Served | None = None) -> dict[str, Any]:
     """One bench run against `url`, written to `path` (bench.py --json's document, for compare
-    and report) before it is returned. Ctrl-C during the load ends it early: the result says
-    interrupted."""
+    and report) before it is returned; its diagnosis told the settings in `served`. Ctrl-C
+    during the load ends it early: the result says interrupted."""
     target = asyncclient.find_target(asyncclient.Target(url, api_key), None, options.timeout_s)
     with signals.SignalHold("tune") as hold:
-        result = benchrun.execute(target, options, hold, quiet=True)
+        result = benchrun.execute(target, options, hold, quiet=True, served=served)
         result.pop("records")
         fileio.write_atomic(path, printing.json_text(result))
     return result
@@ -253,13 +255,15 @@ class Runner:
         self.show.start_s = self.show.start_s or self.engine.start_s  # the first start prices each restart
         return self.engine
 
-    def bench(self, name: str) -> dict[str, Any]:
+    def bench(self, name: str, profile: Mapping[str, Any]) -> dict[str, Any]:
+        """Bench the engine started from `profile`; the diagnosis is told the profile's settings."""
         options = self.setup.bench
         self.show(f"{name}: engine up and warm in {self.engine.start_s:.0f} s; bench ({options.num_requests} "
                   f"requests, {options.warmup} warm-up)")
         began = time.monotonic()
         self.show.runs += 1  # a run the engine crashed in counts against the budget too
-        result = bench_once(self.engine.url, self.api_key, options, self.setup.out / f"{name}.json")
+        result = bench_once(self.engine.url, self.api_key, options, self.setup.out / f"{name}.json",
+                            levers.served_with(profile, self.engine.url, self.setup.source))
         self.show.bench_s.append(time.monotonic() - began)
         return result
 
@@ -277,7 +281,7 @@ class Runner:
 
     def baseline(self) -> Measured:
         engine = self.start(self.setup.profile, BASELINE, 0)
-        run = self.bench(BASELINE)
+        run = self.bench(BASELINE, self.setup.profile)
         if engine.proc.poll() is not None:
             raise ServerError(f"the engine exited with status {engine.proc.returncode} during the baseline run: "
                               f"{profiles.why_it_stopped(engine.log)} (log {engine.log})")
@@ -301,7 +305,7 @@ class Runner:
         try:
             engine = self.start(candidate, name, n)
             facts["engine_start_s"] = engine.start_s
-            result = self.bench(name)
+            result = self.bench(name, candidate)
         except KeyboardInterrupt:
             return trial_row(n, change, trials.INTERRUPTED, "interrupted: not judged", **facts), best
         except (ServerError, UsageError) as exc:  # it did not start, died, or the workload no longer fits it
