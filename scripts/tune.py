@@ -51,7 +51,6 @@ from rooflib.core import cli, conf, fileio, printing, signals
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from rooflib.load import benchrun
 from rooflib.render import report_html
-from rooflib.server import engine_metrics
 from rooflib.serving import levers, profiles, trials
 from rooflib.serving import tune as tuning
 from rooflib.sizing import estimate
@@ -103,12 +102,8 @@ def like_traffic(args: Any, settings: conf.Settings, options: benchrun.BenchOpti
     window = cli.number("--like-window (s)", args.like_window, float, 1, 3600, default=30.0)
     url = conf.normalize_url(args.like)
     printing.progress(f"tune: reading {url}/metrics over {window:g} s (it is only read)")
-    key = conf.api_key(settings)  # INFER_API_KEY, as for any server tune reads
-    text, began = engine_metrics.scrape(url, key, options.timeout_s)
-    before = engine_metrics.snapshot(text, url, began)
-    time.sleep(window)
-    text, ended = engine_metrics.scrape(url, key, options.timeout_s)
-    shape = tuning.traffic_shape(engine_metrics.window(before, engine_metrics.snapshot(text, url, ended)))
+    # INFER_API_KEY, as for any server tune reads
+    shape = tuning.live_traffic_shape(url, conf.api_key(settings), window, options.timeout_s)
     printing.progress(f"tune: the live traffic: {shape['input_tokens']} prompt and {shape['output_tokens']} output "
                       f"tokens a request, {shape['concurrency']} in flight")
     return benchrun.check_options(dataclasses.replace(

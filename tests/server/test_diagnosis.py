@@ -351,7 +351,9 @@ def test_time_outside_the_engine_leads_the_diagnosis_of_a_bench_run():
     late = {key: {"p50": ms, "p95": ms, "p99": ms, "mean": ms, "n": 60} for key, ms in (("ttft_ms", 400.0),
                                                                                          ("e2e_ms", 2400.0))}
     checked = watch.cross_check(snap, {**late, "one_read": 0}, 0.1, {"path": "/health", "p50_ms": 300.0})
-    d = diagnosis.with_outside(checked["findings"], diagnosed(snap)["diagnosis"])
+    engine = diagnosed(snap)
+    assert engine["ttft_ms"]["mean"] == pytest.approx(100, rel=0.3)  # less than the 300 ms outside
+    d = diagnosis.with_outside(checked["findings"], engine["diagnosis"], engine["ttft_ms"]["mean"])
     assert [(f["kind"], f.get("cause")) for f in d["findings"]] == [
         ("outside_engine", "fixed_latency"), ("outside_engine", "network"), ("prefix_unstable", None)]
     assert d["root_cause"]["size_ms"] == pytest.approx(300) and "remedy" not in d["root_cause"]
@@ -359,6 +361,25 @@ def test_time_outside_the_engine_leads_the_diagnosis_of_a_bench_run():
                                            "about 300 ms of each request outside the engine (fixed_latency)")
     assert d["plan"][-1]["text"].startswith("make the prompts' start stable (client side)")
     assert diagnosis.with_outside([], diagnosed(snap)["diagnosis"])["root_cause"]["kind"] == "prefix_unstable"
+
+
+def test_time_outside_the_engine_shorter_than_the_engines_own_wait_follows_the_engines_root():
+    """tune's CPU baseline: 16 requests on a running cap of 1 queue for seconds in the engine, while
+    its starved API server hands a few streams over in one read (about 300 ms each): the cap is
+    the root, the buffering an "also" whose remedy comes after the engine's plan."""
+    engine = diagnosed(window(n=60, queue=6.0, prompt=200, running=(1, 1), waiting=(15, 15)))
+    outside = [{"kind": "outside_engine", "cause": "buffering", "size_ms": 320.0, "confidence": "medium: some streams",
+                "evidence": "15 of 16 streams came in one read at the end", "remedy": "turn off response buffering",
+                "caused_by": None, "setting": None, "current": None, "current_source": None}]
+    d = diagnosis.with_outside(outside, engine["diagnosis"], engine["ttft_ms"]["mean"])
+    assert d["root_cause"] == engine["diagnosis"]["root_cause"] and d["root_cause"]["kind"] == "running_limit"
+    assert [f["kind"] for f in d["findings"]] == kinds(engine) + ["outside_engine"]
+    assert d["plan"][:-1] == engine["diagnosis"]["plan"]
+    assert d["plan"][-1]["text"].startswith("turn off response buffering: about 320 ms of each request outside")
+    # The same 320 ms against an engine that answers in 100 ms is the root.
+    quick = diagnosed(window(hits=0.0))
+    assert diagnosis.with_outside(outside, quick["diagnosis"], quick["ttft_ms"]["mean"])["root_cause"]["cause"] == \
+        "buffering"
 
 
 # --------------------------------------------------------------------------------------------

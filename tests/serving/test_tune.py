@@ -272,11 +272,33 @@ def test_like_the_live_traffic_takes_lengths_and_in_flight_from_a_metrics_window
     snaps[0]["time"], snaps[1]["time"] = 0.0, 30.0
     report = engine_metrics.window(*snaps)
     shape = tuning.traffic_shape(report)
-    assert shape["input_tokens"] == round(report["prompt_tokens"] / report["requests"])
+    assert shape["input_tokens"] == round(report["prompt_tokens_mean"])
+    assert shape["output_tokens"] == round(report["output_tokens_mean"])
     assert shape["concurrency"] == round(report["running_mean"] + report["waiting_mean"]) >= 1
     assert shape["output_tokens"] >= 1
     with pytest.raises(Exception, match="no request finished in the window"):
         tuning.traffic_shape(engine_metrics.report(snaps[1]))
+
+
+@pytest.mark.real_vllm
+def test_like_reads_the_shape_of_the_traffic_a_live_vllm_serves(vllm_server):
+    """--like against a real vLLM under a known load: the prompt and output lengths it serves, and
+    about the requests it holds at a time (a closed loop of 3: never more, at most one between
+    requests on the client)."""
+    load = subprocess.Popen([sys.executable, str(REPO / "scripts" / "bench.py"), "--url", vllm_server.url, "--json",
+                             "-c", "3", "-n", "1000", "--duration", "30", "--warmup", "0", "--input-tokens", "300",
+                             "--output-tokens", "40", "--seed", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        time.sleep(4)  # the loop is under way
+        shape = tuning.live_traffic_shape(vllm_server.url, None, 15, 30)
+    finally:
+        stdout, _ = load.communicate(timeout=300)
+    run = json.loads(stdout)
+    assert run["requests"]["failed"] == 0 and run["requests"]["prompt_tokens"]["mismatched"] == 0
+    assert shape["input_tokens"] == round(run["requests"]["prompt_tokens"]["mean"]) == 300
+    assert shape["output_tokens"] == 40
+    assert shape["concurrency"] in (2, 3)
 
 
 def test_the_diff_names_only_what_changed():

@@ -56,7 +56,8 @@ def server_side(delta: dict[str, Any] | None, note: str, completed_tokens: int, 
     if delta is None:
         return {"metrics": None, "metrics_note": note or "/metrics unavailable", "summary": []}
     report = engine_metrics.report(delta, slo=slo, served=served)
-    report["diagnosis"] = diagnosis.with_outside(outside, report["diagnosis"])
+    report["diagnosis"] = diagnosis.with_outside(outside, report["diagnosis"],
+                                                 (report.get("ttft_ms") or {}).get("mean"))
     generated = delta["counters"].get("generation_tokens", {}).get("value")
     keep = ("engine", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms",
             "preemptions", "prefix_cache_hit_rate", "prompt_tokens", "running_peak", "waiting_peak",

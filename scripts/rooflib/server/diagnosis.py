@@ -737,18 +737,24 @@ def with_fleet(fleet_findings: Sequence[Mapping[str, Any]], engine: Mapping[str,
     return _leading(own, first, engine)
 
 
-def with_outside(outside: Sequence[Mapping[str, Any]], engine: Mapping[str, Any]) -> dict[str, Any]:
+def with_outside(outside: Sequence[Mapping[str, Any]], engine: Mapping[str, Any],
+                 engine_ttft_ms: float | None = None) -> dict[str, Any]:
     """The time the client saw outside the engine (bench's cross-check, rooflib/server/watch.py)
-    before the engine's findings: every request waits for it whatever the engine does, so the
-    first is the root (with its `cause` and `size_ms`), and each one's remedy leads the plan."""
+    with the engine's findings. Every request waits for it whatever the engine does, so it is the
+    root (with its `cause` and `size_ms`, its remedy first in the plan) unless the engine's own
+    root costs more: when the engine's mean TTFT (`engine_ttft_ms`: queue and prefill) is longer
+    than the largest outside time, the engine's root stays first and the outside time follows."""
     found = [f for f in outside if f["kind"] == "outside_engine"]
     if not found:
         return dict(engine)
     own = [{k: v for k, v in f.items() if k != "remedy"} for f in found]
-    first = [_lever(None, None, None, f"about {f['size_ms'] or 0:.0f} ms of each request outside the engine "
-                    f"({f['cause']})", f"the client's TTFT and e2e up to {f['size_ms'] or 0:.0f} ms nearer the engine's",
-                    action=f["remedy"]) for f in found]
-    return _leading(own, first, engine)
+    levers = [_lever(None, None, None, f"about {f['size_ms'] or 0:.0f} ms of each request outside the engine "
+                     f"({f['cause']})", f"the client's TTFT and e2e up to {f['size_ms'] or 0:.0f} ms nearer the engine's",
+                     action=f["remedy"]) for f in found]
+    outside_ms = max(f["size_ms"] or 0 for f in found)
+    if engine["root_cause"] and engine_ttft_ms is not None and engine_ttft_ms > outside_ms:
+        return {**engine, "findings": list(engine["findings"]) + own, "plan": list(engine["plan"]) + levers}
+    return _leading(own, levers, engine)
 
 
 def format_diagnosis(d: Mapping[str, Any]) -> list[str]:

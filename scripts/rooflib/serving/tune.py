@@ -29,6 +29,7 @@ import yaml
 from rooflib.core import cli, fileio, printing, signals
 from rooflib.core.errors import ServerError, UsageError
 from rooflib.load import asyncclient, benchrun, comparison
+from rooflib.server import engine_metrics
 from rooflib.server.deployment import Served
 from rooflib.serving import levers, profiles, trials
 
@@ -485,15 +486,26 @@ def measure(url: str, api_key: str | None, options: benchrun.BenchOptions, out: 
 # ---------------------------------------------------------------------------------------------
 # A workload like the live traffic
 
+def live_traffic_shape(url: str, api_key: str | None, window_s: float, timeout_s: float) -> dict[str, int]:
+    """The traffic shape (traffic_shape) of the live server at `url` over `window_s` seconds of its
+    /metrics, which are only read."""
+    text, began = engine_metrics.scrape(url, api_key, timeout_s)
+    before = engine_metrics.snapshot(text, url, began)
+    time.sleep(window_s)
+    text, ended = engine_metrics.scrape(url, api_key, timeout_s)
+    return traffic_shape(engine_metrics.window(before, engine_metrics.snapshot(text, url, ended)))
+
+
 def traffic_shape(report: Mapping[str, Any]) -> dict[str, int]:
     """Prompt and output tokens per request and requests in flight, from a metrics window of a
-    live server (engine_metrics.window): what bench replays for `--like`."""
-    requests, prompt = report.get("requests"), report.get("prompt_tokens")
-    if not requests or prompt is None or report.get("mode") != "window":
+    live server (engine_metrics.window): what bench replays for `--like`. The lengths are those
+    of the requests that finished in the window (their own histograms): the token counters also
+    count the requests still running at its edges."""
+    prompt, output = report.get("prompt_tokens_mean"), report.get("output_tokens_mean")
+    if not report.get("requests") or prompt is None or report.get("mode") != "window":
         raise UsageError(f"{report.get('source')}: no request finished in the window, so its traffic has no "
                          "shape: measure a longer window (--like-window) while it serves")
-    generated = report["gen_tok_s"] * report["seconds"] if report.get("gen_tok_s") is not None else None
     in_flight = (report.get("running_mean") or 0) + (report.get("waiting_mean") or 0)
-    return {"input_tokens": max(1, round(prompt / requests)),
-            "output_tokens": max(1, round(generated / requests)) if generated else 1,
+    return {"input_tokens": max(1, round(prompt)),
+            "output_tokens": max(1, round(output)) if output else 1,
             "concurrency": max(1, round(in_flight))}
