@@ -109,10 +109,9 @@ def check(script: str, code: int, out: str, err: str, tmp: Path, via_task: bool,
           codes: tuple[int, ...] = (130,)) -> None:
     assert code in codes, err[-800:]
     assert "Traceback" not in err, err
-    if via_task:  # go-task's own line is on stdout too, before or after the JSON (a race)
-        lines = out.splitlines()
-        assert any(line.startswith("task: Signal received") for line in lines), out[:300]
-        out = "\n".join(line for line in lines if not line.startswith("task: "))
+    if via_task:  # go-task's own "task: Signal received" line may be on stdout too, before or
+        # after the JSON, or (on a busy machine, when go-task ends first) not at all: a race
+        out = "\n".join(line for line in out.splitlines() if not line.startswith("task: "))
     result = json.loads(out)
     assert "sk-interrupt-key" not in out + err
     # The --json-out file is the one JSON document alone, go-task's line or not.

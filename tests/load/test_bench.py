@@ -3,6 +3,7 @@ against the calibration server, and the real CPU vLLM (token counts and latencie
 server's own metrics)."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -69,6 +70,31 @@ def test_chunk_framing_byte_by_byte_and_with_trailers():
     assert ends == [False] * (len(raw) - 1) + [True]
     with pytest.raises(ValueError):
         asyncclient.ChunkFraming().feed(b"zz\r\nhello")
+
+
+# A 300-token stream as a starved API server (or a buffering proxy) hands it over: whole, in
+# one read of more than MAX_HEAD bytes, or all but its [DONE] and last chunk.
+WHOLE_STREAM = _chunked_stream([b'data: {"choices":[{"text":"%s"}]}\n\n' % (b"x" * 300)] * 300
+                               + [b"data: [DONE]\n\n"])
+
+
+@pytest.mark.parametrize("held_back", [0, 25])
+def test_a_first_read_larger_than_a_head_may_be_is_read_to_the_end_of_the_response(held_back):
+    first, rest = WHOLE_STREAM[:len(WHOLE_STREAM) - held_back], WHOLE_STREAM[len(WHOLE_STREAM) - held_back:]
+    assert len(first) > asyncclient.MAX_HEAD
+
+    async def received() -> tuple[asyncclient.Connection, list[bool]]:
+        conn = asyncclient.Connection()
+        waiter = conn.begin()
+        done = []
+        for piece in (first, rest):
+            if piece:
+                conn.data_received(piece)
+                done.append(waiter.done())
+        return conn, done
+    conn, done = asyncio.run(received())
+    assert done == [False] * (len(done) - 1) + [True] and conn.reusable
+    assert http1.parse_response(conn.reads).events[-1][1] == b"[DONE]"
 
 
 def test_each_event_gets_the_time_of_the_read_that_completed_it():

@@ -106,15 +106,16 @@ class Connection(asyncio.Protocol):
         """Reads before the head is complete, and bodies with a Content-Length."""
         self._received += len(data)
         if self._head is None:
-            if self._received > MAX_HEAD:  # joining the reads again per read would grow quadratically
-                self._finish(reusable=False)
-                return
             try:
                 self._head = _parse_head(b"".join(d for _, d in self.reads))
             except ValueError:
                 self._finish(reusable=False)
                 return
             if self._head is None:
+                # Not HTTP; and joining the reads again per read would grow quadratically. The
+                # first read may well hold more (a buffered stream arrives whole): the head first.
+                if self._received > MAX_HEAD:
+                    self._finish(reusable=False)
                 return
             headers = self._head[1]
             self._keep_alive = headers.get("connection", "").lower() != "close"

@@ -22,7 +22,7 @@ from rooflib.load.analysis import analyse
 from rooflib.load.asyncclient import ENDPOINTS, Target
 from rooflib.load.promptgen import WORDS, TokenCounter, build_prompts, fallback_counter, payload, server_counter
 from rooflib.load.runner import Plan, RequestSource, RunResult, run_in_loop, run_workers
-from rooflib.server import fleet, gpu_telemetry, watch
+from rooflib.server import deployment, fleet, gpu_telemetry, watch
 from rooflib.server.deployment import Served
 from rooflib.server.engine_metrics import Targets
 
@@ -376,8 +376,8 @@ def workload_identity(options: BenchOptions, load: workloads.Workload) -> dict[s
 def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, quiet: bool = False,
             served: Served | None = None) -> dict[str, Any]:
     """Build the workload, run the load, watch the server, analyse: the result document (`served`:
-    the settings the server is known to run with, for the diagnosis). A Ctrl-C
-    or SIGTERM while the workload is built raises KeyboardInterrupt (nothing measured); during the
+    the settings the server is known to run with, for the diagnosis; else what it says of them).
+    A Ctrl-C or SIGTERM while the workload is built raises KeyboardInterrupt (nothing measured); during the
     load it stops the load; from the end of the load it waits in `hold` (started here, kept by the
     caller until the result is printed and written), so that the last scrape and the analysis
     complete the result, which then says interrupted."""
@@ -409,6 +409,8 @@ def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, qui
     during = timeline.during() if timeline else []
     delta = server_delta(before, after, during)
     checked = cross_check(delta, result, probed) if delta is not None and first_sent is not None else None
+    if served is None and delta is not None:  # what the server says of its settings, as metrics reads it
+        served = deployment.server_settings(target.base_url, delta["engine"], target.api_key, options.timeout_s)
     result["server"] = {"info": target.info, **server_side(delta, note or note_after, all_tokens, options.slo,
                                                            checked["findings"] if checked else [], served)}
     result["timeline"] = timeline.result(after) if timeline else None
