@@ -287,7 +287,8 @@ def test_like_reads_the_shape_of_the_traffic_a_live_vllm_serves(vllm_server):
     requests on the client)."""
     load = subprocess.Popen([sys.executable, str(REPO / "scripts" / "bench.py"), "--url", vllm_server.url, "--json",
                              "-c", "3", "-n", "1000", "--duration", "30", "--warmup", "0", "--input-tokens", "300",
-                             "--output-tokens", "40", "--seed", "1"], stdout=subprocess.PIPE,
+                             "--output-tokens", "40", "--seed", "1", "--extra-body", vllm_server.plain_words_body()],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     try:
         time.sleep(4)  # the loop is under way
