@@ -321,20 +321,25 @@ def why_it_stopped(log_path: Path) -> str:
     return next((line for line in lines if EXCEPTION_LINE.match(line)), lines[-1])
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
-    """Poll /health until it answers 200; a ServerError if the process exits or time runs out."""
+def answers_health(url: str, timeout_s: float) -> bool:
+    """Whether the server at `url` answers /health with 200 (vLLM answers 503 once its engine core died)."""
     import httpx
 
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+    """Poll /health until it answers 200; a ServerError if the process exits or time runs out."""
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
             raise ServerError(f"the server exited with status {proc.returncode} while starting: "
                               f"{why_it_stopped(log_path)} (log {log_path})")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if answers_health(url, timeout_s=2):
+            return
         if time.monotonic() > deadline:
             raise ServerError(f"the server was not healthy after {timeout_s:.0f} s (log {log_path})")
         time.sleep(1)

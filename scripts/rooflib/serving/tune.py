@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import httpx
 import yaml
 
 from rooflib.core import cli, fileio, printing, signals
@@ -141,12 +140,7 @@ def exited(engine: Engine, within_s: float = 5.0) -> bool:
 def serving(engine: Engine, within_s: float = 5.0) -> bool:
     """Whether the engine still serves after requests failed: vLLM's /health answers 503 once its
     engine core died, and the API server may take a while to exit after that."""
-    if exited(engine, within_s):
-        return False
-    try:
-        return httpx.get(f"{engine.url}/health", timeout=10).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return not exited(engine, within_s) and profiles.answers_health(engine.url, timeout_s=10)
 
 
 # ---------------------------------------------------------------------------------------------
