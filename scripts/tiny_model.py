@@ -8,6 +8,17 @@ with a Hermes/Qwen-style chat template that has a tools section, so that
 --train-steps (a random model predicts uniformly and cannot tell a right perplexity computation
 from a wrong one).
 
+The model always speaks: it never generates a token that decodes to no text (a special token,
+which the server skips, or one byte of a multi-byte character), whatever the batching or the
+sampling. By construction, not by training: one hidden dimension (`SPEAKER_DIM`) carries the same
+value for every input token, no layer writes to it, and the output head reads only that dimension
+for the textless tokens, with a large negative weight. The final norm keeps its sign, so their
+logits sit at least 90 below the best other token's (measured on random inputs of 1 to 3,000
+tokens): greedy decoding never picks them, and sampling at temperature 1 does with odds below
+e^-80. (A random model otherwise loops on such tokens, and
+streams without text are failures to a load test.) The EOS token is one of them, so every answer
+runs to max_tokens.
+
 Architectures (attention kinds vLLM accounts differently in its KV cache):
   qwen3     GQA, 4 layers, 2 KV heads, head_dim 64 (the default, what the tests serve)
   llama     MHA, 3 layers, 4 KV heads, head_dim 64
@@ -34,6 +45,13 @@ VOCAB_SIZE = 8192
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>"]
 SEED = 1234
+# The always-speaks construction (see the module's docstring): the dimension, the value every
+# input embedding carries there (five times the random init's scale, so it does not drown the
+# others after the norm; it reads about 0.45-0.7 after the final norm, whatever the input), and
+# the output weight that puts the textless logits about 90-140 below zero.
+SPEAKER_DIM = 0
+SPEAKER_VALUE = 0.1
+SILENCE_WEIGHT = -200.0
 
 # Hermes/Qwen2.5-style template: the tools section and the <tool_call> JSON convention are what
 # vLLM's hermes parser expects.
@@ -104,8 +122,9 @@ def build_tokenizer(out: Path):
 def make_config(arch: str, tokenizer):
     import transformers
 
+    # Untied: the output head's rows for textless tokens differ from their input embeddings.
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                  max_position_embeddings=8192, tie_word_embeddings=True,
+                  max_position_embeddings=8192, tie_word_embeddings=False,
                   eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
                   pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"))
     if arch == "qwen3":
@@ -125,8 +144,67 @@ def make_config(arch: str, tokenizer):
     raise ValueError(arch)
 
 
-def train(model, tokenizer, steps: int, batch: int = 16, seq_len: int = 256) -> float:
-    """A few hundred AdamW steps on the same local text: enough to move perplexity off uniform."""
+def textless_ids(tokenizer) -> list[int]:
+    """Tokens that alone decode to no text: special tokens (a server skips them in its output) and
+    pieces of a multi-byte UTF-8 character (a server holds them back until the character ends)."""
+    result = []
+    for token_id in range(len(tokenizer)):
+        text = tokenizer.decode([token_id], skip_special_tokens=True)
+        if not text or "\ufffd" in text:
+            result.append(token_id)
+    return result
+
+
+def speaker_parameters(model, textless: list[int]) -> list[tuple[object, object]]:
+    """(parameter, mask) of each entry the always-speaks construction fixes: the speaker dimension
+    of every input embedding, of every layer's writes into the residual stream, of the final norm,
+    and the output head's rows (the textless ones wholly, the others at the speaker dimension)."""
+    import torch
+
+    fixed = []
+    embed = model.get_input_embeddings().weight
+    mask = torch.zeros_like(embed, dtype=torch.bool)
+    mask[:, SPEAKER_DIM] = True
+    fixed.append((embed, mask))
+    for name, module in model.named_modules():
+        if name.endswith(("o_proj", "down_proj")) and isinstance(module, torch.nn.Linear):
+            mask = torch.zeros_like(module.weight, dtype=torch.bool)
+            mask[SPEAKER_DIM, :] = True
+            fixed.append((module.weight, mask))
+    norm = model.model.norm.weight
+    mask = torch.zeros_like(norm, dtype=torch.bool)
+    mask[SPEAKER_DIM] = True
+    fixed.append((norm, mask))
+    head = model.get_output_embeddings().weight
+    mask = torch.zeros_like(head, dtype=torch.bool)
+    mask[:, SPEAKER_DIM] = True
+    mask[textless, :] = True
+    fixed.append((head, mask))
+    return fixed
+
+
+def make_speaking(model, textless: list[int]) -> None:
+    """Set the entries speaker_parameters names (see the module's docstring)."""
+    import torch
+
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, SPEAKER_DIM] = SPEAKER_VALUE
+        for name, module in model.named_modules():
+            if name.endswith(("o_proj", "down_proj")) and isinstance(module, torch.nn.Linear):
+                module.weight[SPEAKER_DIM, :] = 0.0
+        norm = model.model.norm.weight
+        # Gemma's norms scale by (1 + weight): 0 there is 1 elsewhere; both keep the sign.
+        norm[SPEAKER_DIM] = 0.0 if float(norm.abs().max()) == 0.0 else 1.0
+        head = model.get_output_embeddings().weight
+        head[:, SPEAKER_DIM] = 0.0
+        head[textless, :] = 0.0
+        head[textless, SPEAKER_DIM] = SILENCE_WEIGHT
+
+
+def train(model, tokenizer, textless: list[int], steps: int, batch: int = 16, seq_len: int = 256) -> float:
+    """A few hundred AdamW steps on the same local text: enough to move perplexity off uniform.
+    The always-speaks entries keep their values (their gradients are zeroed), and textless
+    targets are left out of the loss, so training does not learn to undo the construction."""
     import torch
 
     ids = []
@@ -135,14 +213,18 @@ def train(model, tokenizer, steps: int, batch: int = 16, seq_len: int = 256) -> 
         if len(ids) > 2_000_000:
             break
     data = torch.tensor(ids)
+    for param, mask in speaker_parameters(model, textless):
+        param.register_hook(lambda grad, mask=mask: grad.masked_fill(mask, 0.0))
     gen = torch.Generator().manual_seed(SEED)
-    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # No weight decay: it would shrink the fixed entries, whose gradients are zero.
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     model.train()
     loss = float("nan")
     for step in range(steps):
         starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=gen)
         x = torch.stack([data[s:s + seq_len] for s in starts])
-        loss_t = model(input_ids=x, labels=x).loss
+        labels = x.masked_fill(torch.isin(x, torch.tensor(textless)), -100)
+        loss_t = model(input_ids=x, labels=labels).loss
         optim.zero_grad()
         loss_t.backward()
         optim.step()
@@ -161,9 +243,11 @@ def build(out: Path, arch: str, train_steps: int) -> None:
     tokenizer = build_tokenizer(out)
     config = make_config(arch, tokenizer)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    textless = textless_ids(tokenizer)
+    make_speaking(model, textless)
     if train_steps:
         torch.set_num_threads(max(1, torch.get_num_threads()))
-        train(model, tokenizer, train_steps)
+        train(model, tokenizer, textless, train_steps)
     model.to(torch.bfloat16).save_pretrained(out)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import httpx
+import setup_cpu_vllm
 
 from rooflib.core.errors import ServerError
 from rooflib.serving import profiles
@@ -81,7 +82,7 @@ def running_vllm(log_dir: Path, sets: Sequence[str] = (), model: str = "tiny-qwe
     port = profiles.free_port()
     overrides = list(sets)
     if model != "tiny-qwen3":
-        overrides += [f"model={{cache}}/models/{model}", f"served_model_name={model}"]
+        overrides += [f"model={{cache}}/models/{setup_cpu_vllm.MODELS_GENERATION}/{model}", f"served_model_name={model}"]
     log_path = log_dir / f"vllm-{port}.log"
     cmd = [task_exe(), "-t", str(TOOLBOX), "serve", "INFER_PROFILE=cpu-tiny", f"PORT={port}", "--"]
     for item in overrides:

@@ -15,7 +15,6 @@ from fake_ppl_server import BOS, exact_nll, fake_ppl_server, token_ids
 from fault_server import Action, fault_server
 
 from rooflib.core import http_client
-from rooflib.core.conf import cache_dir
 from rooflib.core.errors import UsageError
 from rooflib.quality import perplexity
 
@@ -174,7 +173,7 @@ def test_perplexity_through_the_api_equals_transformers(trained_vllm, capsys, wi
     sequence = prefix + ids
     assert perplexity.ids_sha256(sequence) == run_["token_ids_sha256"]
     plan = [[w["begin"], w["end"], w["end"] - w["scored"]] for w in run_["windows"]]
-    job = {"model_dir": str(cache_dir() / "models" / "tiny-qwen3-trained"), "sequence": sequence, "windows": plan}
+    job = {"model_dir": str(setup_cpu_vllm.model_dir("tiny-qwen3-trained")), "sequence": sequence, "windows": plan}
     done = subprocess.run([str(setup_cpu_vllm.venv_python()), str(Path(__file__).resolve().parents[1] / "hf_reference_nll.py")],
                           input=json.dumps(job), capture_output=True, text=True, check=True)
     reference_nll = sum(json.loads(done.stdout))
