@@ -24,14 +24,19 @@ documented formula; SGLang is not run here).
 The answer leads with what fits: the weights, one request of the full context (CTX, default the
 model's limit), the longest max-model-len that fits one request, and how many requests of a
 typical length fit at once (--typical-tokens, TYPICAL, default 2,048: prompt and answer of a chat
-turn with some history), which is what "users" usually means; then what it assumes (the vLLM
-release whose defaults it uses, per-GPU figures, a catalog alias). kv_cache_tokens divides by a
-request length only for full-attention models: for sliding-window and hybrid ones it is vLLM's
-max concurrency x max-model-len (kv_cache_tokens_meaning says which). A verdict within 25% of one
-full-context request (0.8x to 1.25x) or 1 GiB of KV space is marginal: the answer says so and
-which gpu_memory_utilization flips it. Levers are vLLM flags (with the task setting that checks
-each); `fix` is the cheapest combination that fits (settings first, then KV precision, a shorter
-context and weight precision, a GPU more last).
+turn with some history, never longer than the context limit in force, CTX or the server's
+max-model-len), which is what "users" usually means; then what it assumes (the vLLM release whose
+defaults it uses, per-GPU figures, a catalog alias). With a context limit given (CTX, or the
+server's with --url), `context_room` says how far it can be raised on this KV space: the longest
+max-model-len that holds one request (vLLM refuses to start above it) and the longest that holds 4
+at once, both within the model's own limit; a lever raises it to the second when that is longer.
+kv_cache_tokens divides by a request length only for full-attention models: for sliding-window and
+hybrid ones it is vLLM's max concurrency x max-model-len (kv_cache_tokens_meaning says which). A
+fit of fewer than 2 full-context requests at once, a miss of 0.8x or more, or a verdict that
+flips inside the estimate's range is marginal: the answer says so and which
+gpu_memory_utilization flips it. Levers are vLLM flags (with the task setting that checks each);
+`fix` is the cheapest combination that fits (settings first, then KV precision, a shorter context
+and weight precision, a GPU more last).
 
 --url URL sizes the model a running vLLM serves (without MODEL; the task passes INFER_URL when
 MODEL is empty): /v1/models gives the model's root (its config.json is read from the Hugging Face
@@ -62,8 +67,8 @@ the heads, a number out of range, JSON that does not parse, a served model whose
 readable here), 3 fetching config.json or the server failed.
 JSON keys beyond the budget: kv_cache_tokens_low/high, max_concurrency_low/high, non_kv_more_gib,
 non_kv_less_gib, range_sources, outside_model, kv_cache_tokens_meaning, max_model_len_that_fits,
-typical, assumptions, marginal, marginal_reason, flips_at_gpu_util, levers, fix, multimodal,
-expert_parallel, server, model_check.
+context_room, typical, assumptions, marginal, marginal_reason, flips_at_gpu_util, levers, fix,
+multimodal, expert_parallel, server, model_check.
 """
 from __future__ import annotations
 
@@ -79,12 +84,24 @@ from rooflib.sizing import estimate, physics
 from rooflib.sizing.estimate import Inputs
 
 TYPICAL_TOKENS = 2048  # prompt + answer of a chat turn with some history: the default "typical" request
-MARGINAL_RATIO = (0.8, 1.25)  # full-context requests: a verdict this close to 1x is marginal
-MARGINAL_KV_GIB = 1.0  # or this close in KV space: twice the estimate's stated +-0.5 GiB
+# When a verdict is marginal, in requests of the full context at once (max_concurrency). A fit
+# that holds fewer than MARGINAL_REQUESTS serves one long request at a time: a second queues, and
+# a small error in the estimate or another process on the GPU takes the one away. A miss from
+# MARGINAL_SHORT up is a setting away from fitting. The rest of the rule is estimate.uncertainty's:
+# a headroom inside the estimate's own error band (the verdict flips inside the printed range, or
+# with 0.01 of gpu_memory_utilization). A count of GiB is no rule: 1 GiB of KV space is 500
+# requests of a tiny model's context and a fraction of one of a 70B model's.
+MARGINAL_REQUESTS = 2
+MARGINAL_SHORT = 0.8
 
 
 def _gib(value: float) -> str:
     return f"{value:.2f} GiB"
+
+
+def _space(gib: float) -> str:
+    """A KV-space amount in GiB, or in MiB where GiB would round a small model's figures to 0.00."""
+    return f"{gib:.2f} GiB" if abs(gib) >= 0.1 else f"{gib * 1024:.1f} MiB"
 
 
 def flip_util(inp: Inputs, result: Mapping[str, Any]) -> float | None:
@@ -101,16 +118,23 @@ def flip_util(inp: Inputs, result: Mapping[str, Any]) -> float | None:
 
 
 def near_one_request(inp: Inputs, result: Mapping[str, Any]) -> None:
-    """A verdict close to 1x full-context requests is marginal even when the estimate's range holds
-    it (sizing marks the flips inside the range): say which utilization flips it."""
+    """A fit of fewer than MARGINAL_REQUESTS full-context requests, or a miss of MARGINAL_SHORT or
+    more, is marginal even when the estimate's range holds the verdict (sizing marks the flips
+    inside the range): say which utilization flips it."""
     ratio = result["max_concurrency"]
-    per_request = result["kv_cache_gib"] / ratio if ratio > 0 else None
-    margin = result["kv_cache_gib"] - per_request if per_request else None
-    close = MARGINAL_RATIO[0] <= ratio < MARGINAL_RATIO[1] or (margin is not None and abs(margin) <= MARGINAL_KV_GIB)
+    close = ratio < MARGINAL_REQUESTS if result["fits"] else ratio >= MARGINAL_SHORT
     flip = flip_util(inp, result) if close or result["marginal"] else None
     result["flips_at_gpu_util"] = flip
     if close and not result["marginal"]:
-        said = f"{ratio:.2f}x requests of the full context ({margin:+.2f} GiB of KV space beyond one request)"
+        margin = result["kv_cache_gib"] - result["kv_cache_gib"] / ratio
+        if result["fits"]:
+            said = f"fewer than {MARGINAL_REQUESTS}; {_space(margin)} of KV space beyond one request"
+        elif ratio < 1:
+            said = f"at least {MARGINAL_SHORT:g} of one; {_space(-margin)} of KV space short of one request"
+        else:  # every block, but vLLM holds one back (estimate.reserved_null_blocks)
+            said = (f"one request needs every block and vLLM keeps one for itself; "
+                    f"{result['max_model_len_that_fits']:,} tokens fit")
+        said = f"{ratio:.2f}x requests of the full context ({said})"
         if flip:
             said += (f"; it does not fit at gpu_memory_utilization {flip:g}" if result["fits"]
                      else f"; it fits from gpu_memory_utilization {flip:g}")
@@ -271,12 +295,12 @@ def _lever_lines(r: Mapping[str, Any]) -> list[str]:
     """Each lever as its vLLM flag and vram setting, with requests at once; the cheapest fix."""
     lines = []
     if r.get("levers"):
-        typical = r["typical"]["tokens"] if r.get("typical") else TYPICAL_TOKENS
+        typical = r["typical"]["tokens"] if r.get("typical") else min(TYPICAL_TOKENS, r["ctx"])
         lines.append(f"  levers (each alone, from this setup; requests at once at the full context and at {typical:,} tokens):")
         for lever in r["levers"]:
             at_typical = f"{lever['typical_concurrency']:,.1f}" if lever.get("typical_concurrency") is not None else "0"
             lines.append(f"    {lever['change']:<34} {lever['setting']:<22} {lever['max_concurrency']:>7.2f}x at "
-                         f"{lever['ctx']:,}, {at_typical} at {typical:,}"
+                         f"{lever['ctx']:,}, {at_typical} at {lever['typical_tokens']:,}"
                          + ("" if lever["fits"] else "  (still does not fit)")
                          + (f"  needs {lever['needs']}" if lever.get("needs") else ""))
     fix = r.get("fix")
@@ -317,15 +341,32 @@ def _headline(r: Mapping[str, Any]) -> list[str]:
             if r.get("range_sources") else "")
     lines.append(f"  full context  {ctx:,} tokens: {r['max_concurrency']:.2f}x requests at once{span}, "
                  + ("fits" if r["fits"] else "does not fit"))
-    if longest:
-        lines.append(f"  longest fit   {longest:,} tokens for one request (--max-model-len {longest})"
-                     + (", the model's limit" if longest >= r["model_max_len"] else ""))
-    elif r["engine"] == "vllm":
-        lines.append("  longest fit   none: not even a short request fits")
+    return lines + _context_lines(r)
+
+
+def _context_lines(r: Mapping[str, Any]) -> list[str]:
+    """How long a context fits: how far the context limit in force can be raised when the KV space
+    allows more than it (else the longest context that fits), and requests at the typical length."""
+    room, longest = r.get("context_room"), r.get("max_model_len_that_fits")
+
+    def limit(tokens: int) -> str:
+        return " (the model's limit)" if tokens >= r["model_max_len"] else ""
+
+    if room and room["one_request_tokens"] > r["ctx"]:
+        one, several = room["one_request_tokens"], room["four_requests_tokens"]
+        lines = [f"  context room  raising --max-model-len from {r['ctx']:,}: up to {one:,} tokens{limit(one)} for one "
+                 f"request at a time; up to {several:,}{limit(several)} with {estimate.ROOM_REQUESTS} at once"]
+    elif longest:
+        lines = [f"  longest fit   {longest:,} tokens for one request (--max-model-len {longest})"
+                 + (", the model's limit" if longest >= r["model_max_len"] else "")]
+    else:
+        lines = ["  longest fit   none: not even a short request fits"] if r["engine"] == "vllm" else []
     typical = r.get("typical")
     if typical:
-        lines.append(f"  typical       {typical['max_concurrency']:,.1f} requests at once of {typical['tokens']:,} tokens "
-                     f"(TYPICAL, default {TYPICAL_TOKENS:,})")
+        said = f"{typical['tokens']:,} tokens" + (
+            f", the context limit (TYPICAL {typical['asked_tokens']:,} is longer)" if typical["at_context_limit"]
+            else f" (TYPICAL, default {TYPICAL_TOKENS:,})")
+        lines.append(f"  typical       {typical['max_concurrency']:,.1f} requests at once of {said}")
     return lines
 
 
@@ -339,11 +380,17 @@ def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
     if server and inp.gpu.get("id") == "cpu":
         result["gpu"] = "the server's device (KV space from its metrics)"
     settings = conf.settings_from_args(args)
-    typical = cli.number("TYPICAL", settings.get("TYPICAL", args.typical_tokens)) or TYPICAL_TOKENS
+    asked = cli.number("TYPICAL", settings.get("TYPICAL", args.typical_tokens)) or TYPICAL_TOKENS
+    # vLLM refuses a request longer than max_model_len ("This model's maximum context length is N
+    # tokens. However, your prompt contains ...", vllm/renderers/params.py, vLLM 0.32): the typical
+    # request is capped at the limit in force (CTX, or the server's).
+    typical = min(asked, result["ctx"])
+    result["context_room"] = estimate.context_room(inp, result)
     result["levers"] = estimate.levers(inp, result, typical)
-    result["fix"] = None if result["fits"] else estimate.cheapest_fix(inp, result, shortest_ctx=min(typical, result["ctx"]))
+    result["fix"] = None if result["fits"] else estimate.cheapest_fix(inp, result, shortest_ctx=typical)
     at_typical = estimate.concurrency_at(inp, result, typical)
-    result["typical"] = {"tokens": typical, "max_concurrency": at_typical} if at_typical is not None else None
+    result["typical"] = {"tokens": typical, "asked_tokens": asked, "at_context_limit": typical < asked,
+                         "max_concurrency": at_typical} if at_typical is not None else None
     result["model_max_len"] = inp.model.max_len
     result["kv_cache_tokens_meaning"] = tokens_meaning(result)
     result["assumptions"] = assumptions(inp, result, settings.get("MODEL", args.model) or None)

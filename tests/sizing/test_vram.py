@@ -8,16 +8,16 @@ import sys
 
 import httpx
 import pytest
+import setup_cpu_vllm
 import vram
 from vllm_server import REPO, TOOLBOX, task_exe
 
 from rooflib.core import catalogs
-from rooflib.core.conf import cache_dir
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, ServerError, UsageError
 from rooflib.sizing import estimate
 
 GIB = 1 << 30
-MODELS_DIR = cache_dir() / "models"
+MODELS_DIR = setup_cpu_vllm.model_dir("")
 LOG_LINE = re.compile(r"(?:CPU|GPU) KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) "
                       r"tokens per request: ([\d.]+)x")
 
@@ -268,11 +268,13 @@ def test_task_vram_prints_a_human_answer():
     # the issue-17 case: 1.19x at vLLM's default 0.92, 0.99x at 0.9
     assert first == "FITS (marginal): qwen3-32b on NVIDIA H100 SXM 80GB (TP=1), vllm: 1.19x requests of the full " \
                     "32,768 tokens at once"
-    # What fits leads: weights, the full context, the longest context, the typical length; then the assumptions.
+    # What fits leads: weights, the full context, how far the context can go, the typical length; then the
+    # assumptions. 2,427 blocks of 16 less the null block vLLM 0.32 holds back: 38,816 tokens for one request.
     assert proc.stdout.splitlines()[1:7] == [
         "  weights       fit: 61.02 GiB per GPU of a 72.85 GiB budget (bf16)",
         "  full context  32,768 tokens: 1.19x requests at once (range 1.02-1.35x), fits",
-        "  longest fit   38,832 tokens for one request (--max-model-len 38832)",
+        "  context room  raising --max-model-len from 32,768: up to 38,816 tokens for one request at a time; "
+        "up to 9,696 with 4 at once",
         "  typical       19.0 requests at once of 2,048 tokens (TYPICAL, default 2,048)",
         "  assumes       vLLM 0.32 accounting (--vllm-version) and its defaults on this GPU: gpu_memory_utilization "
         "0.92, max_num_seqs 1024, max_num_batched_tokens 8192",
@@ -629,13 +631,14 @@ def human(argv) -> list[str]:
 
 def test_gpt_oss_120b_on_one_h100_leads_with_what_fits():
     """CTX defaults to the model's 131,072: the full context does not fit, but the answer's first
-    lines say what does: the weights, 99,936 tokens per request, 26 requests of 2,048 tokens."""
+    lines say what does: the weights, 99,920 tokens per request (vLLM 0.32 holds one block back),
+    26 requests of 2,048 tokens."""
     lines = human(["--model", "gpt-oss-120b", "--gpu", "h100"])
     assert lines[0] == ("DOES NOT FIT (marginal): gpt-oss-120b on NVIDIA H100 SXM 80GB (TP=1), vllm: the full 131,072 "
-                        "tokens per request do not fit (0.78x); up to 99,936 tokens per request do")
+                        "tokens per request do not fit (0.78x); up to 99,920 tokens per request do")
     assert lines[1] == "  weights       fit: 65.82 GiB per GPU of a 72.85 GiB budget (mxfp4)"
     assert lines[2].startswith("  full context  131,072 tokens: 0.78x requests at once (range ")
-    assert lines[3] == "  longest fit   99,936 tokens for one request (--max-model-len 99936)"
+    assert lines[3] == "  longest fit   99,920 tokens for one request (--max-model-len 99920)"
     assert lines[4] == "  typical       26.3 requests at once of 2,048 tokens (TYPICAL, default 2,048)"
     assert lines[5].startswith("  assumes       vLLM 0.32 accounting (--vllm-version) and its defaults on this GPU: "
                                "gpu_memory_utilization 0.92")
@@ -792,3 +795,162 @@ def test_help_examples_are_one_command_per_line(capsys):
     commands = [line.strip() for line in examples.splitlines() if line.strip()]
     assert commands and all(c.startswith(("vram.py ", "task ")) and "  " not in c and not c.endswith("\\")
                             for c in commands), commands
+
+
+# ---- a CPU vLLM 0.32 report: `vram --url` against tiny-qwen3 served with --max-model-len 1024 and a
+# 1 GiB KV cache printed requests of 2,048 tokens, "FITS (marginal)" at 512x, and only levers that
+# lower the context
+
+TINY_LLAMA_BLOCK = 3 * 2 * 4 * 64 * 2 * 128  # bytes of one 128-token CPU block: 3 layers, K and V, 4 heads x 64, bf16
+TINY_QWEN3_BLOCK = 4 * 2 * 2 * 64 * 2 * 128  # 4 layers, K and V, 2 heads x 64, bf16
+
+
+def tiny_folder(tmp_path, name: str):
+    """A local copy of a tiny model's config.json, as scripts/tiny_model.py writes it."""
+    folder = tmp_path / name
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(TINY_CONFIGS[name]))
+    return str(folder)
+
+
+def fake_tiny_vllm(root: str, max_model_len: int):
+    """A CPU vLLM 0.32 serving the model at `root` with --max-model-len: /metrics is a real scrape of
+    tiny-qwen3 with VLLM_CPU_KVCACHE_SPACE=1 (4,096 blocks of 128), its concurrency at that length."""
+    from fake_http import serving
+    scrape = (REPO / "tests" / "fixtures" / "metrics" / "vllm-0.32-queue-after.txt").read_text()
+    scrape = re.sub(r'kv_cache_max_concurrency="[\d.]+"', f'kv_cache_max_concurrency="{524_288 / max_model_len}"',
+                    scrape)
+
+    def handle(method, path, body):
+        if path == "/v1/models":
+            return 200, {"data": [{"id": "tiny", "root": root, "max_model_len": max_model_len}]}
+        return (200, scrape) if path == "/metrics" else (404, {})
+
+    return serving(handle)
+
+
+def test_url_on_a_server_with_a_short_context_answers_the_report(tmp_path, capsys):
+    with fake_tiny_vllm(tiny_folder(tmp_path, "tiny-qwen3"), 1024) as url:
+        code, result = run_json(["--url", url], capsys)
+        vram.main(["--url", url, "--no-roofline"])
+    lines = capsys.readouterr().out.splitlines()
+    assert code == EXIT_OK and result["ctx"] == 1024 and result["kv_cache_tokens"] == 524_288
+    assert result["typical"] == {"tokens": 1024, "asked_tokens": 2048, "at_context_limit": True,
+                                 "max_concurrency": 512.0}
+    assert not result["marginal"] and result["marginal_reason"] is None
+    assert result["context_room"] == {"max_model_len": 1024, "one_request_tokens": 8192, "four_requests_tokens": 8192,
+                                      "model_limit_tokens": 8192}
+    raised = [(lever["change"], lever["setting"], lever["max_concurrency"], lever["typical_tokens"])
+              for lever in result["levers"] if lever["lever"] == "raise-max-model-len"]
+    assert raised == [("--max-model-len 8192", "CTX=8192", 64.0, 1024)]
+    assert lines[0].startswith("FITS: tiny-qwen3 on the server's device") and "marginal" not in "\n".join(lines)
+    assert lines[3:5] == [
+        "  context room  raising --max-model-len from 1,024: up to 8,192 tokens (the model's limit) for one request "
+        "at a time; up to 8,192 (the model's limit) with 4 at once",
+        "  typical       512.0 requests at once of 1,024 tokens, the context limit (TYPICAL 2,048 is longer)"]
+    levers = [line for line in lines if line.startswith("    --")]
+    assert "    --max-model-len 8192               CTX=8192                 64.00x at 8,192, 512.0 at 1,024" in levers
+    assert "    --max-model-len 512                CTX=512                1024.00x at 512, 1,024.0 at 512" in levers
+    assert not any("2,048" in line for line in levers)
+
+
+@pytest.mark.parametrize("ctx, typical, tokens, said", [
+    (1024, None, 1024, "1,024 tokens, the context limit (TYPICAL 2,048 is longer)"),
+    (1024, 4096, 1024, "1,024 tokens, the context limit (TYPICAL 4,096 is longer)"),
+    (1024, 512, 512, "512 tokens (TYPICAL, default 2,048)"),
+    (4096, None, 2048, "2,048 tokens (TYPICAL, default 2,048)"),
+])
+def test_a_typical_request_is_never_longer_than_the_context_limit(ctx, typical, tokens, said, tmp_path, capsys):
+    argv = ["--model", tiny_folder(tmp_path, "tiny-llama"), "--platform", "cpu", "--kv-cache-gib", "1",
+            "--ctx", str(ctx), *(["--typical-tokens", str(typical)] if typical else [])]
+    _, result = run_json(argv, capsys)
+    # 1 GiB holds 2,730 blocks of 128 tokens: requests of `tokens` take tokens / 128 of them.
+    at_once = 2730 * 128 / tokens
+    assert result["typical"] == {"tokens": tokens, "asked_tokens": typical or 2048,
+                                 "at_context_limit": tokens < (typical or 2048), "max_concurrency": at_once}
+    assert all(lever["typical_tokens"] == min(tokens, lever["ctx"]) for lever in result["levers"])
+    assert f"  typical       {at_once:,.1f} requests at once of {said}" in human(argv)
+
+
+def kv_blocks(blocks: int) -> list[str]:
+    """tiny-llama on CPU at 2,048 tokens (16 blocks a request) with a KV space of `blocks` blocks."""
+    return ["--platform", "cpu", "--kv-cache-bytes", str(blocks * TINY_LLAMA_BLOCK), "--ctx", "2048"]
+
+
+@pytest.mark.parametrize("argv, verdict, reason", [
+    # the report's case: 170x requests, a GiB to spare and nothing marginal about it
+    (["--platform", "cpu", "--kv-cache-gib", "1", "--ctx", "2048"], "FITS", None),
+    (kv_blocks(40), "FITS", None),                                                      # 2.5 requests at once
+    (kv_blocks(24), "FITS (marginal)",
+     "1.50x requests of the full context (fewer than 2; 3.0 MiB of KV space beyond one request)"),
+    (kv_blocks(16), "DOES NOT FIT (marginal)", "1.00x requests of the full context (one request needs every block "
+                                               "and vLLM keeps one for itself; 1,920 tokens fit)"),
+    (kv_blocks(15), "DOES NOT FIT (marginal)",
+     "0.94x requests of the full context (at least 0.8 of one; 0.4 MiB of KV space short of one request)"),
+    (kv_blocks(8), "DOES NOT FIT", None),                                               # half a request
+    # estimated budgets: 4.74x with a range that holds, and 2.07x with a headroom inside the
+    # estimate's error band (ROCm: the low end is 30% of the KV space)
+    (["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "8192"], "FITS", None),
+    (["--model", "llama-3.3-70b", "--gpu", "mi300x", "--ctx", "65536"], "FITS (marginal; not firm: rocm not modelled)",
+     "the verdict flips inside the estimate's range (-30.88/+1.92 GiB of KV space)"),
+])
+def test_marginal_counts_full_context_requests_and_the_error_band_not_gib(argv, verdict, reason, tmp_path, capsys):
+    argv = argv if "--model" in argv else ["--model", tiny_folder(tmp_path, "tiny-llama"), *argv]
+    _, result = run_json(argv, capsys)
+    assert result["marginal"] == (reason is not None) and result["fits"] == verdict.startswith("FITS")
+    lines = human(argv)
+    assert lines[0].startswith(verdict + ":")
+    said = [line.removeprefix("  marginal  ") for line in lines if line.startswith("  marginal  ")]
+    assert said == ([result["marginal_reason"]] if reason else [])
+    assert reason is None or result["marginal_reason"].startswith(reason)
+
+
+@pytest.mark.parametrize("argv, room, raised, line", [
+    # 1 GiB of tiny-qwen3: the model's 8,192 positions bind, not the 524,288 KV tokens
+    (["--kv-cache-gib", "1", "--ctx", "1024"], (1024, 8192, 8192, 8192), "--max-model-len 8192",
+     "  context room  raising --max-model-len from 1,024: up to 8,192 tokens (the model's limit) for one request at "
+     "a time; up to 8,192 (the model's limit) with 4 at once"),
+    # 40 blocks of 128, one kept by vLLM: one request of 39 blocks, four of 9 blocks each
+    (["--kv-cache-bytes", str(40 * TINY_QWEN3_BLOCK), "--ctx", "1024"], (1024, 4992, 1152, 8192),
+     "--max-model-len 1152", "  context room  raising --max-model-len from 1,024: up to 4,992 tokens for one request "
+                             "at a time; up to 1,152 with 4 at once"),
+    # already at the model's limit: nothing to raise, the longest fit says so
+    (["--kv-cache-gib", "1", "--ctx", "8192"], (8192, 8192, 8192, 8192), None,
+     "  longest fit   8,192 tokens for one request (--max-model-len 8192), the model's limit"),
+    # Qwen3-32B on one H100: one request of 38,816 tokens (2,427 blocks of 16 less the null block),
+    # four at once only at 9,696, below the 32,768 in force: no lever raises it
+    (["--model", "qwen3-32b", "--gpu", "h100", "--ctx", "32768"], (32768, 38816, 9696, 40960), None,
+     "  context room  raising --max-model-len from 32,768: up to 38,816 tokens for one request at a time; "
+     "up to 9,696 with 4 at once"),
+])
+def test_context_room_says_how_far_the_context_limit_can_be_raised(argv, room, raised, line, tmp_path, capsys):
+    argv = argv if "--model" in argv else ["--model", tiny_folder(tmp_path, "tiny-qwen3"), "--platform", "cpu", *argv]
+    _, result = run_json(argv, capsys)
+    keys = ("max_model_len", "one_request_tokens", "four_requests_tokens", "model_limit_tokens")
+    assert result["context_room"] == dict(zip(keys, room))
+    assert room[1] == result["max_model_len_that_fits"]
+    raise_levers = [lever for lever in result["levers"] if lever["lever"] == "raise-max-model-len"]
+    assert [lever["change"] for lever in raise_levers] == ([raised] if raised else [])
+    assert all(lever["fits"] and lever["max_concurrency"] >= estimate.ROOM_REQUESTS for lever in raise_levers)
+    assert line in human(argv)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "qwen3-32b", "--gpu", "h100"],                                     # CTX is the model's own limit
+    ["--model", "qwen3-8b", "--gpu", "h100", "--engine", "sglang", "--ctx", "8192"],  # vLLM's start-up check only
+])
+def test_no_context_room_without_a_limit_in_force_or_for_sglang(argv, capsys):
+    _, result = run_json(argv, capsys)
+    assert result["context_room"] is None
+    assert not any(lever["lever"] == "raise-max-model-len" for lever in result["levers"])
+
+
+@pytest.mark.parametrize("version, fits, longest", [("0.32", False, 3968), ("0.28", True, 4096)])
+def test_vllm_from_0_29_keeps_the_null_block_out_of_the_longest_context(version, fits, longest, tmp_path, capsys):
+    """32 blocks of 128 and --max-model-len 4096 (32 blocks): 1.00x either way, but vLLM 0.32 plans
+    without the null block its BlockPool keeps and refuses to start (kv_cache_utils.get_kv_cache_configs)."""
+    argv = ["--model", tiny_folder(tmp_path, "tiny-llama"), "--platform", "cpu", "--kv-cache-bytes",
+            str(32 * TINY_LLAMA_BLOCK), "--ctx", "4096", "--vllm-version", version]
+    code, result = run_json(argv, capsys)
+    assert result["max_concurrency"] == 1.0 and result["kv_cache_tokens"] == 4096
+    assert (code == EXIT_OK, result["fits"], result["max_model_len_that_fits"]) == (fits, fits, longest)

@@ -28,6 +28,7 @@ DEFAULT_VLLM_VERSION = "0.32"
 V1_DEFAULT = (0, 8)       # the V1 engine (new profiler and log lines) is the default from 0.8.0
 TRITON_TOP_K_TOP_P = (0, 17)  # see default_sampler
 NON_TORCH_V1_EARLY = ((0, 8), (0, 19))  # V1 releases with a small non-torch increase, see non_torch_bytes
+NULL_BLOCK_RESERVED_FROM = (0, 29)  # see reserved_null_blocks
 HF_URL = "https://huggingface.co"
 # Bytes per weight of a quantized linear layer, scales included (group 128 for AWQ/GPTQ: an fp16
 # scale and a 4-bit zero per group; MXFP4: an 8-bit scale per 32; NVFP4: an fp8 scale per 16).
@@ -588,12 +589,15 @@ def block_bytes(inp: Inputs, block_size: int) -> int:
     return kv_groups(specs)[0][1] * specs[0].page_bytes
 
 
-def max_len_that_fits(specs: Sequence[KVSpec], kv_space: float, limit: int, max_num_batched_tokens: int) -> int:
-    """The largest max_model_len with concurrency >= 1 (vLLM's estimate_max_model_len)."""
+def max_len_that_fits(specs: Sequence[KVSpec], kv_space: float, limit: int, max_num_batched_tokens: int,
+                      requests: int, reserved_blocks: int) -> int:
+    """The largest max_model_len (up to `limit`) at which the KV space, less `reserved_blocks`,
+    holds `requests` requests at once; with one request, vLLM's estimate_max_model_len."""
+    usable = kv_space - reserved_blocks * kv_groups(specs)[0][1] * specs[0].page_bytes
     low, high, best = 1, limit, 0
     while low <= high:
         mid = (low + high) // 2
-        if kv_capacity(specs, kv_space, mid, max_num_batched_tokens)["max_concurrency"] >= 1:
+        if kv_capacity(specs, usable, mid, max_num_batched_tokens)["max_concurrency"] >= requests:
             best, low = mid, mid + 1
         else:
             high = mid - 1
@@ -643,6 +647,19 @@ def runs_v0(inp: Inputs) -> bool:
     if inp.vllm_engine == "auto":
         return version_tuple(inp.vllm_version) < V1_DEFAULT
     return inp.vllm_engine == "v0"
+
+
+def reserved_null_blocks(inp: Inputs) -> int:
+    """KV blocks vLLM holds back from the requests when it checks that one of max_model_len fits.
+
+    vLLM's BlockPool keeps one null block for itself, and from 0.29 the start-up check plans
+    without it: "Reserve the null block BlockPool permanently holds back, so auto-fit and the
+    capacity check both plan against usable blocks" (vllm/v1/core/kv_cache_utils.py
+    get_kv_cache_configs and check_enough_kv_cache_memory in vLLM 0.32; vllm PR #47272, merged
+    after the v0.28.0 branch cut). Its "Maximum concurrency" still counts every block.
+    """
+    v1 = inp.engine == "vllm" and not runs_v0(inp)
+    return 1 if v1 and version_tuple(inp.vllm_version) >= NULL_BLOCK_RESERVED_FROM else 0
 
 
 def host_cpu_has_amx() -> bool:
@@ -890,6 +907,14 @@ def _stage_capacity(inp: Inputs, stage: int, ctx: int) -> tuple[dict[str, Any], 
     return b, specs, kv_capacity(specs, max(0.0, b["kv_space_bytes"]), ctx, b["max_num_batched_tokens"], report)
 
 
+def longest_context(inp: Inputs, specs: Sequence[KVSpec], b: Mapping[str, Any], kv_space: float,
+                    requests: int = 1) -> int:
+    """The longest max_model_len, within the model's limit, at which `kv_space` holds `requests`
+    requests at once, with the blocks vLLM holds back left out (reserved_null_blocks)."""
+    return max_len_that_fits(specs, kv_space, inp.model.max_len, b["max_num_batched_tokens"], requests,
+                             reserved_null_blocks(inp))
+
+
 def estimate(inp: Inputs) -> dict[str, Any]:
     """The whole answer: budget, KV bytes per token, tokens, concurrency, fits.
 
@@ -941,11 +966,13 @@ def estimate(inp: Inputs) -> dict[str, Any]:
     else:
         result.update(kv_cache_tokens=cap["kv_cache_tokens"], max_concurrency=cap["max_concurrency"],
                       num_blocks=cap["num_blocks"], block_size=cap["block_size"], kv_cache_groups=cap["groups"])
-        result["max_model_len_that_fits"] = max_len_that_fits(specs, space, m.max_len, b["max_num_batched_tokens"])
-    result["fits"] = b["kv_space_bytes"] > 0 and result["max_concurrency"] >= 1
+        result["max_model_len_that_fits"] = longest_context(inp, specs, b, space)
+    # vLLM starts only if one request of max_model_len fits beside the blocks it holds back.
+    result["fits"] = b["kv_space_bytes"] > 0 and result["max_concurrency"] >= 1 \
+        and result.get("max_model_len_that_fits", ctx) >= ctx
     result.update(multimodal=m.multimodal, expert_parallel=inp.expert_parallel)
     result.update(uncertainty(inp, b, result, capacity,
-                              lambda kv_space: max_len_that_fits(specs, kv_space, m.max_len, b["max_num_batched_tokens"])
+                              lambda kv_space: longest_context(inp, specs, b, kv_space)
                               if inp.engine == "vllm" else int(kv_space // (token_bytes * attention_layers))))
     return result
 
@@ -1070,7 +1097,7 @@ def uncertainty(inp: Inputs, b: Mapping[str, Any], result: Mapping[str, Any], ca
 
     def verdict(kv_space: float) -> tuple[int, float, bool]:
         tokens, concurrency = capacity(kv_space)
-        return tokens, concurrency, kv_space > 0 and concurrency >= 1
+        return tokens, concurrency, kv_space > 0 and concurrency >= 1 and longest_fitting(kv_space) >= result["ctx"]
 
     low, high = verdict(space - more), verdict(space + less)
     out = {"kv_cache_tokens_low": low[0], "kv_cache_tokens_high": high[0], "max_concurrency_low": low[1],
@@ -1159,6 +1186,12 @@ def lever_list(inp: Inputs, base: Mapping[str, Any]) -> list[Lever]:
     shorter = fit if not base["fits"] and fit else ctx // 2
     if shorter >= 1 and shorter < ctx:
         out.append(Lever("max-model-len", f"--max-model-len {shorter}", f"CTX={shorter}", 3, "ctx", shorter))
+    room = base.get("context_room")
+    if base["fits"] and room and room["four_requests_tokens"] > ctx:
+        # Raised to where ROOM_REQUESTS requests still fit at once, not to the one-request bound:
+        # there the server starts but holds one request of that length at a time.
+        longer = room["four_requests_tokens"]
+        out.append(Lever("raise-max-model-len", f"--max-model-len {longer}", f"CTX={longer}", 3, "ctx", longer))
     quant = weight_quant(m, inp.quant)
     if QUANT_BYTES[quant] > 1 and _gpu_has_fp8(inp.gpu):
         out.append(Lever("fp8-weights", "--quantization fp8", "QUANT=fp8", 3, "quant", "fp8"))
@@ -1184,6 +1217,7 @@ def levers(inp: Inputs, base: Mapping[str, Any], typical: int | None = None) -> 
                      "kv_cache_tokens_delta": r["kv_cache_tokens"] - base["kv_cache_tokens"],
                      "ctx": r["ctx"], "max_concurrency": r["max_concurrency"], "fits": r["fits"],
                      "typical_concurrency": concurrency_at(variant, r, typical) if typical else None,
+                     "typical_tokens": min(typical, r["ctx"]) if typical else None,
                      "gpus": variant.tp * variant.pp})
     return rows
 
@@ -1194,6 +1228,31 @@ def concurrency_at(inp: Inputs, result: Mapping[str, Any], tokens: int) -> float
         return None
     space = int(result["kv_cache_gib"] * GIB)
     return estimate(replace(inp, ctx=min(tokens, result["ctx"]), kv_cache_bytes=space))["max_concurrency"]
+
+
+# Requests at once the context room states beside one request (its field four_requests_tokens):
+# at one, a raised limit starts but serves one request of that length at a time.
+ROOM_REQUESTS = 4
+
+
+def context_room(inp: Inputs, result: Mapping[str, Any]) -> dict[str, Any] | None:
+    """How far the context limit in force (CTX, or a server's max_model_len) can go on this KV
+    space, vLLM only: the longest max_model_len that holds one request, above which vLLM refuses
+    to start, and the longest that holds ROOM_REQUESTS at once; both within the model's own
+    position limit (derived_max_len), which vLLM enforces as well.
+
+    vLLM's start-up check (vllm/v1/core/kv_cache_utils.py, check_enough_kv_cache_memory and
+    get_kv_cache_configs, vLLM 0.32): "To serve at least one request with the model's max seq len
+    (N), (X GiB KV cache is needed, which is larger than the available KV cache memory (Y GiB)";
+    before the V1 engine: "The model's max seq len (N) is larger than the maximum number of tokens
+    that can be stored in KV cache (M)" (vllm/worker/worker.py raise_if_cache_size_invalid).
+    """
+    if inp.ctx is None or inp.engine != "vllm" or result["kv_cache_gib"] <= 0:
+        return None
+    b, specs, _ = _stage_capacity(inp, result["pp_stage"], result["ctx"])
+    one, several = (longest_context(inp, specs, b, b["kv_space_bytes"], requests) for requests in (1, ROOM_REQUESTS))
+    return {"max_model_len": result["ctx"], "one_request_tokens": one, "four_requests_tokens": several,
+            "model_limit_tokens": inp.model.max_len}
 
 
 def cheapest_fix(inp: Inputs, base: Mapping[str, Any], shortest_ctx: int = 1) -> dict[str, Any] | None:
