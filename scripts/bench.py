@@ -39,6 +39,7 @@ Examples:
   bench.py -n 1000 -c 64 --json-out run.json     # the table on stdout, the JSON document in run.json
   bench.py --input-dist lognormal:400,2000 --output-dist uniform:64,512 -n 200 -c 16
   bench.py -n 256 -c 32 --prometheus http://prometheus:9090 --json-out run.json
+  bench.py --input-dist lognormal:3000,12000 -n 200 --over-limit   # how many the server rejects over max_model_len
 
 Exit codes: 0 SLO met (or no SLO set and every request completed), 1 SLO missed or requests
 failed, 2 usage error, 3 server unreachable or every request failed, 4 run invalid (the client
@@ -56,7 +57,7 @@ from typing import Any, Sequence
 from rooflib.core import cli, conf, fileio, printing, signals
 from rooflib.core.errors import EXIT_OK
 from rooflib.load import analysis, asyncclient, benchrun
-from rooflib.server import gpu_telemetry
+from rooflib.server import diagnosis, gpu_telemetry
 
 
 def human_text(result: dict[str, Any]) -> str:
@@ -113,7 +114,7 @@ def _client_lines(result: dict[str, Any]) -> list[str]:
 
 
 def _server_lines(result: dict[str, Any]) -> list[str]:
-    """What the server's metrics, its timeline and the probe said."""
+    """What the server's metrics, its timeline, the probe and the diagnosis (as task metrics prints it) said."""
     server = result.get("server") or {}
     lines = [f"{'Server:':<34}{line}" for line in server.get("summary", [])]
     timeline = result.get("timeline")
@@ -125,15 +126,24 @@ def _server_lines(result: dict[str, Any]) -> list[str]:
     if probe:
         lines.append(f"{'Probe ' + probe['path'] + ':':<34}" + (f"{probe['p50_ms']:.2f} ms round trip (p50 of {probe['n']})"
                                                                  if probe.get("p50_ms") is not None else probe.get("error", "")))
+    diagnosed = (server.get("metrics") or {}).get("diagnosis") or {}
+    told = diagnosis.format_diagnosis(diagnosed) if diagnosed.get("root_cause") else []
+    # The diagnosis holds every finding of time outside the engine (diagnosis.with_outside): said once, there.
     lines += [f"client vs server: [{finding['cause'] or finding['kind']}] {finding['evidence']}"
-              for finding in (server.get("cross_check") or {}).get("findings", [])]
-    return lines
+              for finding in (server.get("cross_check") or {}).get("findings", [])
+              if not (told and finding["kind"] == "outside_engine")]
+    return lines + told
 
 
 def _verdict_lines(result: dict[str, Any]) -> list[str]:
-    """The SLO checks, warnings, first errors and the verdict."""
+    """The SLO checks, the requests the server rejected, warnings, first errors and the verdict."""
     lines = [f"{'SLO ' + name + ':':<34}{printing.fmt_number(check['measured'], 1)} <= {check['target']:g}: "
              f"{'met' if check['met'] else 'MISSED'}" for name, check in result["slo"].items()]
+    rejected = result["requests"]["rejected"]
+    if rejected["count"]:
+        lines.append(f"Rejected: {rejected['count']} of {result['requests']['sent']} requests ({rejected['share']:.1%}): "
+                     + ", ".join(f"{cause} {n}" for cause, n in rejected["by_cause"].items())
+                     + f"; first: {rejected['first_body']}")
     lines += [f"warning: {warning}" for warning in result["warnings"]]
     lines += [f"error: {error}" for error in result["requests"]["first_errors"]]
     lines.append(f"{'Verdict:':<34}{result['verdict']}" +

@@ -21,11 +21,12 @@ import httpx
 import pytest
 import sweep
 from calibration_server import CalibrationServer, Schedule, parse_fault
+from fault_server import MODEL, Action, as_json, fault_server, paced, response, word_ids
 
 from rooflib.core import conf
 from rooflib.core.errors import UsageError
 from rooflib.load import analysis, asyncclient, benchrun, http1, promptgen, request_outcome, runner, sweeps
-from rooflib.server import engine_metrics
+from rooflib.server import diagnosis, engine_metrics
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
@@ -407,6 +408,7 @@ def test_timing_against_a_known_schedule(calibration, capsys, tmp_path):
                         "--output-tokens", "6", "--records", str(records))
     assert code in (0, 4), result["verdict_reasons"]
     assert result["requests"]["completed"] == 8 and result["requests"]["failed"] == 0
+    assert result["requests"]["rejected"] == {"count": 0, "share": 0.0, "by_cause": {}, "first_body": None}
     assert result["requests"]["output_tokens"]["total"] == 48
     assert result["requests"]["prompt_tokens"]["min"] == result["requests"]["prompt_tokens"]["max"] == 32
     # The client cannot see a token before the server wrote it: the schedule is a lower bound of
@@ -457,6 +459,8 @@ def test_faults_are_counted_and_the_run_goes_on(calibration, capsys, fault, kind
     assert result["requests"]["errors"] == {kind: 3}
     assert result["requests"]["completed"] == 6
     assert result["verdict"] == "FAIL" and code == 1
+    # Only a 4xx is a rejection; its body ("injected http400") does not name the context length.
+    assert result["requests"]["rejected"]["by_cause"] == ({"other": 3} if kind == "http_4xx" else {})
 
 
 def test_stalled_streams_time_out(calibration, capsys):
@@ -624,6 +628,140 @@ def test_sweep_without_a_valid_point_says_so_not_that_the_slo_was_missed():
     failed = [{"concurrency": 1, "verdict": "FAIL", "reasons": ["ttft_p95_ms 900.0 ms > 500 ms"]}, points[1]]
     assert sweeps.no_knee_reason(failed) == "no concurrency met the SLO below C = 4"
     assert sweeps.no_knee_reason(failed[:1]) == "no concurrency met the SLO"
+
+
+# ---------------------------------------------------------------------------------------------
+# Against a fake vLLM (fault_server): requests over max_model_len, the server's diagnosis
+
+CONTEXT_LIMIT = 64
+
+
+# What a server answers a request longer than its context, by the prompt and output tokens asked:
+# vLLM's OpenAI server (serving_engine's length check), SGLang's, and a refusal for another cause.
+REFUSALS = {
+    "vllm": lambda prompt, output: {"error": {"message": (
+        f"This model's maximum context length is {CONTEXT_LIMIT} tokens. However, you requested {prompt + output} "
+        f"tokens ({prompt} in the messages, {output} in the completion). Please reduce the length of the messages "
+        "or completion."), "type": "BadRequestError", "param": None, "code": 400}},
+    "sglang": lambda prompt, output: {"object": "error", "message": (
+        f"The input ({prompt} tokens) is longer than the model's context length ({CONTEXT_LIMIT} tokens)."),
+        "type": "BadRequestError", "param": None, "code": 400},
+    "other": lambda prompt, output: {"error": {"message": "the prompt was refused by a content filter",
+                                               "type": "BadRequestError", "code": 400}},
+}
+
+
+def _refusing_over_the_limit(refusal, refused: list[int]):
+    """A vLLM serving CONTEXT_LIMIT tokens that answers 400 with `refusal`'s body to a longer
+    streamed request, noting each one's length in `refused`."""
+    def fault(request):
+        if request.path == "/v1/models":
+            return as_json(200, {"object": "list", "data": [{"id": MODEL, "max_model_len": CONTEXT_LIMIT}]})
+        body = request.body if isinstance(request.body, dict) else {}
+        if request.path == "/v1/completions" and body.get("stream"):
+            prompt = len(word_ids(body["prompt"]))  # what the fake /tokenize counts
+            if prompt + body["max_tokens"] > CONTEXT_LIMIT:
+                refused.append(prompt + body["max_tokens"])
+                return as_json(400, refusal(prompt, body["max_tokens"]))
+        return None
+    return fault
+
+
+def _bench(url: str, tmp_path: Path, *argv: str) -> tuple[int, dict | None]:
+    """bench's exit code and its JSON (--json-out; None when it wrote none): the human text stays on stdout."""
+    out = tmp_path / "run.json"
+    code = bench.main(["--url", url, "-n", "16", "-c", "4", "--warmup", "0", "--output-tokens", "4",
+                       "--timeline-interval", "0", "--json-out", str(out), *argv])
+    return code, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_a_workload_over_max_model_len_is_a_usage_error_without_over_limit(capsys, tmp_path):
+    refused = []
+    with fault_server(_refusing_over_the_limit(REFUSALS["vllm"], refused)) as url:
+        code, result = _bench(url, tmp_path, "--input-tokens", "100")
+    err = capsys.readouterr().err
+    assert code == 2 and result is None and not refused
+    assert "prompt + output tokens reach 104, over the model's max_model_len 64" in err and "--over-limit" in err
+
+
+@pytest.mark.parametrize("answer, lengths, cause, verdict, exit_code", [
+    # Some requests over the limit: FAIL and exit 1, as any run with failed requests.
+    ("vllm", ["--input-dist", "uniform:30,90"], "context_length", "FAIL", 1),
+    ("sglang", ["--input-dist", "uniform:30,90"], "context_length", "FAIL", 1),
+    ("other", ["--input-dist", "uniform:30,90"], "other", "FAIL", 1),
+    # Every request over it: ERROR and exit 3, as any run whose every request failed.
+    ("vllm", ["--input-tokens", "100"], "context_length", "ERROR", 3),
+])
+def test_over_limit_sends_long_requests_and_counts_the_servers_rejections(answer, lengths, cause, verdict,
+                                                                          exit_code, capsys, tmp_path):
+    refused = []
+    with fault_server(_refusing_over_the_limit(REFUSALS[answer], refused)) as url:
+        code, result = _bench(url, tmp_path, *lengths, "--over-limit")
+    human = capsys.readouterr().out
+    count = len(refused)
+    assert 0 < count and (code, result["verdict"]) == (exit_code, verdict)
+    assert result["config"]["over_limit"] is True and result["requests"]["failed"] == count
+    rejected = result["requests"]["rejected"]
+    assert (rejected["count"], rejected["share"], rejected["by_cause"]) == (count, count / 16, {cause: count})
+    # The first rejected request's detail, as its error line gives it (every failure here is a rejection).
+    assert result["requests"]["first_errors"][0].endswith(f" http_4xx: {rejected['first_body']}")
+    assert rejected["first_body"].startswith('HTTP 400: {"')
+    # bench's own count of the requests over the limit, before the run, is the server's.
+    assert result["warnings"][0].startswith(f"{count} of the 16 measured requests are longer than max_model_len 64")
+    assert f"\nRejected: {count} of 16 requests ({count / 16:.1%}): {cause} {count}; first: HTTP 400: {{" in human
+
+
+METRICS_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
+IDLE = (METRICS_DIR / "vllm-0.32-idle.txt").read_text()
+
+
+def _engine_served(n: int, ttft_s: float, e2e_s: float) -> str:
+    """The idle vLLM scrape after the engine served `n` requests, each with this TTFT and e2e."""
+    text = IDLE
+    for name, seconds in (("vllm:time_to_first_token_seconds", ttft_s), ("vllm:e2e_request_latency_seconds", e2e_s)):
+        head = re.escape(name)
+        text = re.sub(rf'^({head}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} )\S+$',
+                      lambda m: m[1] + str(float(n if float(m[2]) >= seconds else 0)), text, flags=re.M)
+        text = re.sub(rf"^({head}_count{{[^}}]*}} )\S+$", lambda m: f"{m[1]}{float(n)}", text, flags=re.M)
+        text = re.sub(rf"^({head}_sum{{[^}}]*}} )\S+$", lambda m: f"{m[1]}{n * seconds}", text, flags=re.M)
+    return text
+
+
+def _scrapes(before: str, after: str, pause: float):
+    """/metrics is `before` at bench's first scrape and `after` from then on; the requests are
+    answered after `pause` s, and again between the pieces of a stream (when not 0)."""
+    scraped, slow = [], paced(pause)
+
+    def fault(request):
+        if request.path == "/metrics":
+            scraped.append(request)
+            page = before if len(scraped) == 1 else after
+            return Action(response(200, page.encode(), "text/plain; version=0.0.4"))
+        return slow(request) if pause else None
+    return fault
+
+
+@pytest.mark.parametrize("before, after, pause, outside", [
+    # The engine's own root: requests queue behind the running cap (a recorded vLLM window).
+    ((METRICS_DIR / "vllm-0.32-queue-before.txt").read_text(), (METRICS_DIR / "vllm-0.32-queue-after.txt").read_text(),
+     0.0, False),
+    # The engine took 1 ms to the first token, the client about 150: the time outside the engine is the root.
+    (IDLE, _engine_served(16, 0.0005, 0.1), 0.05, True),
+])
+def test_the_human_text_carries_the_diagnosis_as_task_metrics_prints_it(before, after, pause, outside,
+                                                                       capsys, tmp_path):
+    with fault_server(_scrapes(before, after, pause)) as url:
+        code, result = _bench(url, tmp_path, "--input-tokens", "8", "--output-tokens", "2")
+    lines = capsys.readouterr().out.splitlines()
+    found = result["server"]["metrics"]["diagnosis"]
+    assert found["root_cause"] and (found["root_cause"]["kind"] == "outside_engine") == outside
+    told = diagnosis.format_diagnosis(found)
+    assert told[0].startswith(f"Root cause: [{found['root_cause']['kind']}] ") and told[0] in lines
+    first = lines.index(told[0])
+    assert lines[first:first + len(told)] == told  # the plan and the verify commands with it
+    assert "Plan (one change at a time, in this order):" in told
+    # The cross-check's finding is said once, as the diagnosis says it.
+    assert sum(found["root_cause"]["evidence"] in line for line in lines) == 1
 
 
 # ---------------------------------------------------------------------------------------------

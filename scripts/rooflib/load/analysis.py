@@ -1,6 +1,7 @@
 """From outcomes to a run's figures: TTFT, TPOT, ITL, e2e, the client's validity, the SLO verdict."""
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Sequence
 
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_SERVER
@@ -299,7 +300,31 @@ def requests_section(outcomes: Sequence[Outcome], measured: Sequence[Outcome], d
         "one_read": len(in_one_read(done)),
         "tokens_per_chunk": summarize(k for o in done for k in o.chunk_tokens),
         "first_errors": [f"#{o.index} {o.error}: {o.detail}" for o in failed[:5]],
+        "rejected": rejections(measured, failed),
     }
+
+
+# Error kinds of a request the server refused (an HTTP 4xx), not one it failed to serve.
+REJECTION_KINDS = ("http_4xx", "wrong_model")
+
+
+# What vLLM ("This model's maximum context length is N tokens") and SGLang ("... is longer than
+# the model's context length ...") answer a request longer than max_model_len, lower-cased.
+CONTEXT_LENGTH_WORDS = "context length"
+
+
+def rejection_cause(detail: str) -> str:
+    """Why the server refused a request, from its error detail: context_length or other."""
+    return "context_length" if CONTEXT_LENGTH_WORDS in detail.lower() else "other"
+
+
+def rejections(measured: Sequence[Outcome], failed: Sequence[Outcome]) -> dict[str, Any]:
+    """The measured requests the server refused (bench --over-limit measures how many): their
+    count, share, causes, and the first one's error detail."""
+    rejected = [o for o in failed if o.error in REJECTION_KINDS]
+    return {"count": len(rejected), "share": len(rejected) / len(measured) if measured else 0.0,
+            "by_cause": dict(Counter(rejection_cause(o.detail) for o in rejected)),
+            "first_body": rejected[0].detail if rejected else None}
 
 
 def request_warnings(done: Sequence[Outcome], config: dict[str, Any]) -> list[str]:

@@ -110,6 +110,7 @@ class BenchOptions:
     output_dist: str | None
     log: str | None
     extra_body: dict[str, Any]
+    over_limit: bool = False  # send requests over max_model_len: the server's rejections are measured
     prometheus: str | None = None  # read the GPUs' DCGM series there after the run
     prometheus_auth: fleet.Credentials = field(default_factory=fleet.Credentials, repr=False)  # never recorded
 
@@ -125,7 +126,7 @@ class BenchOptions:
                 "trace_block_tokens": self.trace_block_tokens, "timeline_interval_s": self.timeline_interval_s,
                 "probe": self.probe, "endpoint": self.endpoint, "workload": self.workload, "dataset": self.dataset,
                 "input_dist": self.input_dist, "output_dist": self.output_dist, "log": self.log,
-                "prometheus": self.prometheus}
+                "over_limit": self.over_limit, "prometheus": self.prometheus}
 
     def at_concurrency(self, concurrency: int, num_requests: int) -> "BenchOptions":
         """The same run at another concurrency (a sweep's point), checked: the warm-up follows
@@ -178,6 +179,7 @@ def read_options(args: Any, settings: conf.Settings) -> BenchOptions:
         output_dist=args.output_dist or None,
         log=settings.get("BENCH_LOG", args.log, None),
         extra_body=parse_extra_body(args.extra_body),
+        over_limit=args.over_limit,
         prometheus=prometheus or None,
         prometheus_auth=fleet.credentials(settings) if prometheus else fleet.Credentials())
 
@@ -270,6 +272,9 @@ def build_parser():
     p.add_argument("--probe", default="", help="time a trivial GET (e.g. /health) to split client-vs-engine gaps into network and server")
     p.add_argument("--seed", default="", help="seed for prompts and arrivals (default 0)")
     p.add_argument("--extra-body", default="", help="JSON object merged into every request body")
+    p.add_argument("--over-limit", action="store_true", help="send requests longer than the model's max_model_len "
+                   "as they are: the server's rejections are counted, with the error body's cause, as your users' "
+                   "requests would be")
     p.epilog += ("\n--timeout is per request: a stream that receives nothing for that long counts as a timeout.")
     return p
 
@@ -383,7 +388,7 @@ def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, qui
     complete the result, which then says interrupted."""
     started = time.perf_counter()
     load, prompt_source, turns = build_workload(target, options)
-    check_fits(target, options, load)
+    fit_warnings = check_fits(target, options, load)
     run_id = f"{random.Random().getrandbits(32):08x}"
     plan = make_plan(target, options, load, turns, run_id)
     config = {**options.recorded(), "num_requests": load.count - options.warmup,
@@ -419,15 +424,17 @@ def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, qui
         result["server"]["cross_check"] = checked
     if before is not None and after is not None and first_sent is not None and options.prometheus:
         result["server"]["gpu_telemetry"] = gpu_side(options, before, after, during, target.base_url)
-    result["warnings"] += other_traffic(result["server"]["metrics"], all_tokens)
+    result["warnings"] = fit_warnings + result["warnings"] + other_traffic(result["server"]["metrics"], all_tokens)
     result["records"] = [o.record() for o in run.outcomes]
     # One held since the load ended (during the last scrape, say) ends the run all the same.
     result["interrupted"] = run.interrupted or bool(hold.noted)
     return result
 
 
-def check_fits(target: Target, options: BenchOptions, load: workloads.Workload) -> None:
-    """A UsageError when the longest request (prompt + output) is over the model's max_model_len."""
+def check_fits(target: Target, options: BenchOptions, load: workloads.Workload) -> list[str]:
+    """A UsageError when the longest request (prompt + output) is over the model's max_model_len;
+    with --over-limit, instead, the warning that says how many measured requests are over it (the
+    server should reject them)."""
     max_len = target.info.get("max_model_len")
     longest = 0
     if load.input_dist and load.output_dist:
@@ -436,9 +443,17 @@ def check_fits(target: Target, options: BenchOptions, load: workloads.Workload) 
         longest = max(r.input_tokens + r.output_tokens for r in load.trace[:load.count])
     elif options.multi_turn == 1 and load.kind == "prompts" and options.workload == "synthetic":
         longest = options.input_tokens + options.output_tokens
-    if max_len and longest > max_len:
+    if not max_len or longest <= max_len:
+        return []
+    if not options.over_limit:
         raise UsageError(f"prompt + output tokens reach {longest}, over the model's max_model_len {max_len}: "
-                         "shorten --input-tokens/--output-tokens or their distributions")
+                         "shorten --input-tokens/--output-tokens or their distributions, or pass --over-limit "
+                         "to measure how many the server rejects")
+    # Counted from lengths alone (known here: the workloads above), and only now: building every
+    # prompt would delay a large run's start.
+    over = sum(1 for i in range(options.warmup, load.count) if sum(load.lengths(i)) > max_len)
+    return [f"{over} of the {load.count - options.warmup} measured requests are longer than max_model_len "
+            f"{max_len} (prompt + output tokens), so they are expected to be rejected (--over-limit)"] if over else []
 
 
 def make_plan(target: Target, options: BenchOptions, load: workloads.Workload,

@@ -334,28 +334,41 @@ class Workload:
     shared_prefix: str = ""  # synthetic: the same first words in every prompt
     shared_tokens: int = 0
 
-    def spec(self, index: int) -> Spec:
+    def lengths(self, index: int) -> tuple[int | None, int]:
+        """(prompt tokens, output tokens) of request `index` as spec builds it, without its text
+        (cheap for every request of a large run); prompt tokens None: a dataset's own text, which
+        only the server counts."""
         if self.kind == "trace":
             row = self.trace[index]
-            tokens = max(row.input_tokens, self.maker.overhead)
-            return Spec(self.maker.blocks(tokens, row.hash_ids, self.block_tokens, index), None,
-                        row.output_tokens, tokens)
+            return max(row.input_tokens, self.maker.overhead), row.output_tokens
         if self.kind == "synthetic":
             rng = random.Random(self.seed * 1_000_003 + index)
             tokens = self.input_dist.sample(rng)
             out = self.output_dist.sample(rng)
-            if self.shared_tokens:
-                if tokens <= self.shared_tokens:
-                    return Spec(self.shared_prefix, None, out, self.shared_tokens)
-                # The shared words, then this request's salt and filler (the head only once).
-                own = self.maker.fits(tokens - self.shared_tokens + self.maker.overhead, index)
-                rest = self.maker.text(own, index)
-                return Spec(self.shared_prefix + rest[len(self.maker.head):], None, out,
-                            self.shared_tokens + own - self.maker.overhead)
-            tokens = self.maker.fits(tokens, index)
-            return Spec(self.maker.text(tokens, index), None, out, tokens)
+            if not self.shared_tokens:
+                return self.maker.fits(tokens, index), out
+            if tokens <= self.shared_tokens:
+                return self.shared_tokens, out
+            own = self.maker.fits(tokens - self.shared_tokens + self.maker.overhead, index)
+            return self.shared_tokens + own - self.maker.overhead, out
         entry = self.entries[index % len(self.entries)]
-        return Spec(entry.prompt, entry.messages, entry.output_tokens or self.output_default, entry.prompt_tokens)
+        return entry.prompt_tokens, entry.output_tokens or self.output_default
+
+    def spec(self, index: int) -> Spec:
+        tokens, out = self.lengths(index)
+        if self.kind == "trace":
+            return Spec(self.maker.blocks(tokens, self.trace[index].hash_ids, self.block_tokens, index), None,
+                        out, tokens)
+        if self.kind == "synthetic":
+            if not self.shared_tokens:
+                return Spec(self.maker.text(tokens, index), None, out, tokens)
+            if tokens == self.shared_tokens:  # drawn no longer than the shared words
+                return Spec(self.shared_prefix, None, out, tokens)
+            # The shared words, then this request's salt and filler (the head only once).
+            rest = self.maker.text(tokens - self.shared_tokens + self.maker.overhead, index)
+            return Spec(self.shared_prefix + rest[len(self.maker.head):], None, out, tokens)
+        entry = self.entries[index % len(self.entries)]
+        return Spec(entry.prompt, entry.messages, out, tokens)
 
     def offsets_s(self, speed: float) -> list[float] | None:
         if self.trace is None:

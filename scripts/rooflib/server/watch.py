@@ -224,7 +224,9 @@ def outside_engine(delta: dict[str, Any], client: dict[str, Any], checks: dict[s
     e2e_excess = _mean_excess(delta, client, "e2e", "e2e_ms")
     buffered, streams = client.get("one_read", 0), client["ttft_ms"].get("n") or 0
     every_stream = buffered == streams > 0
-    if buffered and ttft_excess is not None:
+    # Streams held to their end make the client's first token later than the engine's, never
+    # earlier: a client ahead of the engine (its histograms hold other traffic) is no buffering.
+    if buffered and ttft_excess is not None and ttft_excess > (e2e_excess or 0.0):
         found.append(_buffering(buffered, streams, ttft_excess, e2e_excess))
     # With every stream buffered, TTFT is the stream's end: only e2e can show the rest.
     gated = [key for key, rows in checks.items() if all(r["side"] == "above" for r in rows.values())
