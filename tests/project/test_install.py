@@ -46,7 +46,7 @@ def test_install_ships_only_what_the_tasks_run(installed):
     # The list is written out so that a new script is a decision, not an accident.
     scripts = installed / "roofline-toolbox" / "scripts"
     assert sorted(p.name for p in scripts.glob("*.py")) == [
-        "accept.py", "bench.py", "compare.py", "metrics.py", "ppl.py", "report.py", "roofline.py", "serve.py",
+        "accept.py", "bench.py", "compare.py", "doctor.py", "metrics.py", "ppl.py", "report.py", "roofline.py", "serve.py",
         "setup_cpu_vllm.py", "smoke_toolcall.py", "sweep.py", "tiny_model.py", "tune.py", "vram.py"]
     assert sorted(p.name for p in scripts.iterdir() if p.is_dir()) == ["data", "rooflib"]
     shipped = {str(p.relative_to(scripts)) for p in (scripts / "rooflib").rglob("*") if p.is_file()}

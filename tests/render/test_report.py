@@ -20,6 +20,7 @@ import roofline
 import sweep
 from conftest import IN_CI
 
+from rooflib.core import taskcall
 from rooflib.load import analysis, request_outcome, sweeps
 from rooflib.render import report_html
 from rooflib.server.engine_metrics import Targets
@@ -411,7 +412,8 @@ def test_server_metrics_show_their_diagnosis(browser, capsys, tmp_path):
     assert past_answers(text).startswith("== Server metrics: metrics\n  - running_limit: --max-num-seqs is at least 2 (inferred: ")
     assert "\n  - queue: requests wait for a slot: queue mean 7.24 s" in text
     assert "\n  - plan 1: --max-num-seqs: at least 2 -> 16 (current: inferred)" in text
-    assert "\n  - verify: task infer:compare A=before.json B=after.json\n" in text
+    # Run outside any task: the skill's call form, runnable as printed.
+    assert f"\n  - verify: task -t {taskcall.toolbox_taskfile()} compare A=before.json B=after.json\n" in text
     assert re.search(r"\n  TTFT ms +p50 7,500, p95 18,667, p99 19,733\n", text) and "\n  queue ms " in text
 
 

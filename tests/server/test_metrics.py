@@ -18,6 +18,7 @@ import httpx
 import metrics
 import pytest
 
+from rooflib.core import taskcall
 from rooflib.core.errors import ServerError
 from rooflib.server import engine_metrics
 
@@ -650,4 +651,6 @@ def test_since_start_gauges_alone_never_name_the_running_cap():
     r = engine_metrics.report(engine_metrics.snapshot(fixture_text("vllm-0.32-queue-after.txt")))
     assert kinds(r) == ["queue"]
     assert "cannot tell the KV cache from the running-requests cap" in r["diagnosis"]["root_cause"]["evidence"]
-    assert r["diagnosis"]["plan"][0]["text"].startswith("task infer:metrics WINDOW=30 while the load is on")
+    # Run outside any task, the command is the toolbox's (a skill's) call: runnable as printed.
+    toolbox = taskcall.toolbox_taskfile()
+    assert r["diagnosis"]["plan"][0]["text"].startswith(f"task -t {toolbox} metrics WINDOW=30 while the load is on")

@@ -52,6 +52,7 @@ VLLM_FIELDS = {
     "block_size": ("cache_config", "block_size"),
     "max_model_len": ("model_config", "max_model_len"),
     "tensor_parallel_size": ("parallel_config", "tensor_parallel_size"),
+    "stream_interval": ("scheduler_config", "stream_interval"),
 }
 # setting -> SGLang ServerArgs field. The radix cache is SGLang's prefix cache: on unless
 # --disable-radix-cache; chunked_prefill_size plays max_num_batched_tokens' part (tokens
@@ -64,6 +65,7 @@ SGLANG_FIELDS = {
     "max_model_len": "context_length",
     "tensor_parallel_size": "tp_size",
     "gpu_memory_utilization": "mem_fraction_static",
+    "stream_interval": "stream_interval",
 }
 # What each setting must be to be read at all (a bool is not a count).
 FRACTIONS = {"gpu_memory_utilization"}

@@ -30,17 +30,20 @@ import math
 from dataclasses import asdict
 from typing import Any, Mapping, Sequence
 
+from rooflib.core import taskcall
 from rooflib.server.deployment import EXPORTED, INFERRED, UNKNOWN, Known, Served
 
 # Rules of thumb the findings use (the skill's diagnosis table; change them together).
 QUEUE_SHARE = 0.2           # requests spend a fifth or more of their time waiting for a slot
 KV_FULL = 0.9               # KV usage at which vLLM/SGLang start to hold requests back
+KV_ROOM = 0.5               # KV usage below which the cache has room for a waiting request
 PREFIX_LOW = 0.2            # prefix-cache hit rate below which long prompts are mostly recomputed
 PREFIX_LONG_PROMPT = 512    # mean prompt tokens from which recomputing a shared prefix costs real prefill
 STALL_RATIO = 4             # an ITL p99 this many times the mean gap: tokens wait behind prefills
 LARGE_BATCH = 64            # running requests from which a smaller batch is a decode lever
 KV_HEADROOM = 0.95          # the largest --gpu-memory-utilization a lever proposes
 KV_STEP = 0.03              # how far one lever raises it
+LIGHT_C, LIGHT_N = 2, 16    # a verify bench on a live server: light beside the users' traffic
 
 # vLLM's own defaults for --max-num-seqs, smallest first (vllm/engine/arg_utils.py,
 # _set_default_max_num_seqs_and_batched_tokens_args: 128 per GPU on CPU-class platforms, 256 or
@@ -200,6 +203,12 @@ def _infer_max_num_seqs(r: Mapping[str, Any]) -> Known:
     if floors:
         value, how = max(floors, key=lambda floor: floor[0])
         return Known(value, INFERRED, how, at_least=True)
+    if r["running_peak"]:
+        # No request waited for a slot (or the KV cache held them): every count of requests
+        # running at once is still a floor under the cap.
+        return Known(int(r["running_peak"]), INFERRED, (
+            f"{r['running_peak']:g} requests ran at once at the busiest of {r['gauge_samples']} gauge samples, none "
+            "held back by the cap"), at_least=True)
     if r["engine"] == "vllm":
         return Known(None, UNKNOWN, "no metric exports it (vLLM's /server_info does with VLLM_SERVER_DEV_MODE=1); "
                                     "vLLM defaults: " + "/".join(map(str, VLLM_DEFAULT_MAX_NUM_SEQS)) + " by platform")
@@ -303,6 +312,10 @@ def _limit(r: Mapping[str, Any], s: Mapping[str, Known]) -> tuple[str | None, st
     if fit is not None and seqs.value and seqs.source == EXPORTED and seqs.value < fit and (kv_max or 0) < KV_FULL:
         return "running_limit", (f"the KV cache holds {fit:.1f} requests of {footprint:,.0f} tokens, more than "
                                  "the cap"), "high: the exported cap and cache size"
+    if kv_max is not None and kv_max < KV_ROOM and (r["waiting_peak"] or 0) > 0:
+        return "running_limit", (f"{r['waiting_peak']:g} requests waited while the KV cache was at most {pct(kv_max)} "
+                                 "full: it had room, so only the cap on running requests can hold them"), \
+            "medium: gauge samples, but a cache this empty cannot be what holds them"
     if fit is not None and fit < VLLM_DEFAULT_MAX_NUM_SEQS[0]:
         return "kv_cache", (f"requests waited; unless the running cap (not exported) is below {fit:.0f}, "
                             "the KV cache is the limit"), \
@@ -511,7 +524,7 @@ def levers(finding: Mapping[str, Any], r: Mapping[str, Any], s: Mapping[str, Kno
 def _outside_levers(f, r, s, flags) -> list[dict[str, Any]]:
     return [_lever(None, None, None, "the client saw more time than the engine: a proxy, gateway, network or "
                    "the API server holds it", "the network's share (the probe's round trip) and the rest",
-                   action="split the gap from where the users are: task infer:bench -- --probe /health")]
+                   action="split the gap from where the users are: " + _task("bench", flags=["--probe", "/health"]))]
 
 
 def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
@@ -531,19 +544,19 @@ def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
                   "over the interval hides them): twice the size is a first step")
         result.append(_lever(f["setting"], known, proposed, reason,
                              f"{factor}x the KV tokens ({holds}); preemptions stop once the requests in flight fit "
-                             "(if the device has the memory: task infer:vram sizes it)", name="kv_cache_memory_bytes"))
+                             f"(if the device has the memory: {_task('vram')} sizes it)", name="kv_cache_memory_bytes"))
     elif f["current"] is None or f["current"] < KV_HEADROOM:
         step = round(min(f["current"] + KV_STEP, KV_HEADROOM), 2) if f["current"] is not None else None
         result.append(_lever(f["setting"], known, step,
                              "more of the device's memory for the KV cache, a small step: the rest holds "
                              "activations and graphs", f"more KV tokens ({holds}); each 0.01 is 1% of the device's "
-                                                       "memory (task infer:vram with GPU_UTIL sizes it)"))
+                                                       f"memory ({_task('vram')} with GPU_UTIL sizes it)"))
     dtype = s.get("cache_dtype")
     if not dtype or not str(dtype.value).startswith("fp8"):
         result.append(_lever(flags["kv_dtype"], dtype, FP8_KV[r["engine"]],
                              "FP8 KV entries take half the bytes of BF16 ones",
                              (f"about twice the KV tokens ({size:,} -> {2 * size:,})" if size else
-                              "about twice the KV tokens") + "; check accuracy with task infer:accept"))
+                              "about twice the KV tokens") + f"; check accuracy with {_task('accept')}"))
     tp = s.get("tensor_parallel_size")
     result.append(_lever(flags["tp"], tp, tp.value * 2 if tp and tp.value else None,
                          "the weights split over twice the GPUs, freeing memory for KV on each",
@@ -572,7 +585,7 @@ def _running_levers(f, r, s, flags) -> list[dict[str, Any]]:
         return [_lever(None, None, None, f"the {in_flight:.1f} requests in flight on average fit under the cap of "
                        f"{_current(seqs)}: requests wait in bursts above the mean",
                        "the peak the cap meets, and whether the bursts are the traffic's norm",
-                       action="task infer:metrics WINDOW=30 while the load peaks")]
+                       action=_task("metrics", [("WINDOW", 30)]) + " while the load peaks")]
     queue, service = r["queue_ms"]["mean"], _service_ms(r)
     rate = f"{r['requests'] / r['seconds']:.2g} req/s x {ms(r['e2e_ms']['mean'])} each, queue included" \
         if r["mode"] == "window" and r["seconds"] and r["requests"] and r["e2e_ms"]["mean"] else "the cap while busy"
@@ -599,7 +612,7 @@ def _running_levers(f, r, s, flags) -> list[dict[str, Any]]:
 def _queue_levers(f, r, s, flags) -> list[dict[str, Any]]:
     return [_lever(None, None, None, "a window under load tells a full KV cache from the running-requests cap",
                    "the root cause, KV cache or cap, with its setting",
-                   action="task infer:metrics WINDOW=30 while the load is on"),
+                   action=_task("metrics", [("WINDOW", 30)]) + " while the load is on"),
             _lever(None, None, None, "the load is more than one server runs at once",
                    "queue wait falls as the load spreads",
                    action=f"add replicas or data-parallel engines ({flags['dp']})")]
@@ -638,7 +651,7 @@ def _prefill_levers(f, r, s, flags) -> list[dict[str, Any]]:
                          "prefill is compute-bound: twice the GPUs share its work",
                          "prefill time and TTFT down by up to half (less what the GPUs spend talking)"))
     result.append(_lever(None, None, None, "FP8 tensor cores (compute capability 8.9+) prefill faster than BF16",
-                         "faster prefill and TTFT; check accuracy with task infer:accept",
+                         f"faster prefill and TTFT; check accuracy with {_task('accept')}",
                          action=f"FP8 weights ({flags['quant']} fp8)"))
     return result
 
@@ -657,7 +670,7 @@ def _decode_levers(f, r, s, flags) -> list[dict[str, Any]]:
                    "more tokens per step per request (speculative decoding gains fall as batch grows)",
                    action=f"speculative decoding ({flags['spec']})"),
             _lever(None, None, None, "fewer bytes read per token",
-                   "faster decode; check accuracy with task infer:accept",
+                   f"faster decode; check accuracy with {_task('accept')}",
                    action=f"FP8 weights ({flags['quant']} fp8)")]
 
 
@@ -677,36 +690,37 @@ def plan(found: Sequence[Mapping[str, Any]], r: Mapping[str, Any], s: Mapping[st
 # ---------------------------------------------------------------------------------------------
 # The proof
 
+def _task(name: str, variables: Sequence[tuple[str, Any]] = (), flags: Sequence[str] = ()) -> str:
+    """A task call in the form of the Taskfile that ran this (core/taskcall.py): runnable as printed."""
+    return taskcall.from_environment().command(name, variables, flags)
+
+
 def verify(r: Mapping[str, Any], url: str | None, root: Mapping[str, Any] | None) -> list[str]:
-    """The bench that replays the traffic's shape (lengths of the finished requests, their
-    endpoint, the concurrency Little's law gives) before and after the change, and the compare
-    that judges them. Half of each prompt shared stands for the traffic's shared start (an
-    assumption the user replaces with the system prompt's length): with caching off the change is
-    the server's flag, so both benches share it (the same workload, one the cache can serve);
-    with unstable prompts the change is the client's, so only the second does, and compare names
+    """A light bench (LIGHT_C at a time, LIGHT_N requests: a live server keeps serving its users)
+    at the traffic's lengths and endpoint before and after the change, and the compare that
+    judges them. Half of each prompt shared stands for the traffic's shared start (an assumption
+    the user replaces with the system prompt's length): with caching off the change is the
+    server's flag, so both benches share it (the same workload, one the cache can serve); with
+    unstable prompts the change is the client's, so only the second does, and compare names
     shared_prefix as the variable under test."""
-    variables = [f"INFER_URL={url}"] if url else []
+    variables: list[tuple[str, Any]] = [("INFER_URL", url)] if url else []
     if r.get("prompt_tokens_mean"):
-        variables.append(f"BENCH_IN={max(1, round(r['prompt_tokens_mean']))}")
+        variables.append(("BENCH_IN", max(1, round(r["prompt_tokens_mean"]))))
     if r.get("output_tokens_mean"):
-        variables.append(f"BENCH_OUT={max(1, round(r['output_tokens_mean']))}")
-    in_flight = r["running_mean"] + r["waiting_mean"] \
-        if r["mode"] == "window" and r["running_mean"] is not None and r["waiting_mean"] is not None else None
-    if in_flight:
-        concurrency = max(1, math.ceil(in_flight))
-        variables += [f"BENCH_C={concurrency}", f"BENCH_N={max(32, 4 * concurrency)}"]
+        variables.append(("BENCH_OUT", max(1, round(r["output_tokens_mean"]))))
+    variables += [("BENCH_C", LIGHT_C), ("BENCH_N", LIGHT_N)]
     if r["slo_source"] == "given":
-        variables += [f"SLO_TTFT_P95_MS={r['slo']['ttft_p95_ms']:g}", f"SLO_TPOT_P95_MS={r['slo']['tpot_p95_ms']:g}"]
-    before = ["--endpoint chat"] if r.get("endpoint") == "chat" else []
-    after, compare = list(before), "task infer:compare A=before.json B=after.json"
-    shared = [f"--shared-prefix {int(r['prompt_tokens_mean'] // 2)}"] if r.get("prompt_tokens_mean") else []
+        variables += [("SLO_TTFT_P95_MS", f"{r['slo']['ttft_p95_ms']:g}"), ("SLO_TPOT_P95_MS", f"{r['slo']['tpot_p95_ms']:g}")]
+    before = ["--endpoint", "chat"] if r.get("endpoint") == "chat" else []
+    after, compare_flags = list(before), []
+    shared = ["--shared-prefix", str(int(r["prompt_tokens_mean"] // 2))] if r.get("prompt_tokens_mean") else []
     if shared and root and root["kind"] == "prefix_cache_off":
         before, after = before + shared, after + shared
     elif shared and root and root["kind"] == "prefix_unstable":
-        after, compare = after + shared, f"{compare} -- --variable shared_prefix"
-    bench = " ".join(["task infer:bench", *variables, "--"])
-    return [f"{bench} {' '.join([*before, '--json-out before.json'])}",
-            f"{bench} {' '.join([*after, '--json-out after.json'])}", compare]
+        after, compare_flags = after + shared, ["--variable", "shared_prefix"]
+    return [_task("bench", variables, [*before, "--json-out", "before.json"]),
+            _task("bench", variables, [*after, "--json-out", "after.json"]),
+            _task("compare", [("A", "before.json"), ("B", "after.json")], compare_flags)]
 
 
 # ---------------------------------------------------------------------------------------------

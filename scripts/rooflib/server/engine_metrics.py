@@ -471,9 +471,9 @@ def difference(before: dict[str, Any], after: dict[str, Any],
     delta["time"] = after["time"]
     delta["seconds"] = (after["time"] - before["time"]
                         if after["time"] is not None and before["time"] is not None else None)
-    restarted = _restarted(before, after)
-    if restarted:
-        delta["warnings"].append(f"the server restarted between the scrapes ({restarted}): "
+    reset = restarted(before, after)
+    if reset:
+        delta["warnings"].append(f"the server restarted between the scrapes ({reset}): "
                                  "figures cover the time since the restart")
         before = {"histograms": {}, "counters": {}}
     delta["histograms"] = {}
@@ -494,7 +494,7 @@ def difference(before: dict[str, Any], after: dict[str, Any],
     delta["counters"] = {concept: {**c, "value": c["value"] - before["counters"].get(concept, {"value": 0})["value"]}
                          for concept, c in after["counters"].items()}
     delta["gauges"] = {}
-    sampled = [*during, after] if restarted else [before, *during, after]
+    sampled = [*during, after] if reset else [before, *during, after]
     for concept, gauge in after["gauges"].items():
         peak = max(s["gauges"][concept]["max"] for s in sampled if concept in s["gauges"])
         running = [s["gauges"][concept]["value"] for s in sampled if concept in s["gauges"]]
@@ -505,7 +505,7 @@ def difference(before: dict[str, Any], after: dict[str, Any],
     return delta
 
 
-def _restarted(before: dict[str, Any], after: dict[str, Any]) -> str:
+def restarted(before: dict[str, Any], after: dict[str, Any]) -> str:
     """Why the two snapshots cannot be subtracted, or '' when they can."""
     if before["start_time"] and after["start_time"] and abs(before["start_time"] - after["start_time"]) > 1e-3:
         return "its start time changed"

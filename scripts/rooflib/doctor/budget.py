@@ -1,0 +1,278 @@
+"""Where the time goes: the symptom's figure split into the parts of the request path.
+
+Each part is measured, not assumed (the probe's own timings, the engine's histograms over the
+same window), and the root is the part that holds most of the figure:
+
+  first-token  TTFT = connect + front (what a missing route pays: before routing) + route (what
+               the inference route adds before the engine: a gateway, the API server's parsing
+               and tokenizing) + queue + prefill (the engine's histograms) + first delivery (the
+               first text held after the engine made it)
+  streaming    TPOT p95 against its target (the engine's token time); else the gap between text
+               arrivals = the engine's time per token x tokens per event (the engine's stream
+               interval) x events per read (a layer that buffers), and what else holds text
+  errors       the failed share of requests by status and route (the server's counters), the
+               requests the engine aborted, and the probe's own failures
+  throughput   the tokens per second against what the engine holds back (a queue while it has
+               room) or the offered load
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from rooflib.doctor.evidence import Engine, Failures, Fit, Probe, Segment, Setting, Stream, Targets
+from rooflib.doctor.failures import failed_share
+from rooflib.server.diagnosis import QUEUE_SHARE
+
+
+@dataclass(frozen=True)
+class Facts:
+    """Everything the budgets read, gathered once (doctor.run)."""
+    symptom: str
+    targets: Targets
+    engine: Engine
+    probe: Probe
+    failures: Failures
+    settings: Mapping[str, Setting]
+    fit: Fit | None
+    fit_note: str
+    url: str
+    mixed: str = ""
+    diagnosis: Mapping[str, Any] = field(default_factory=dict)   # the engine's own (engine_metrics.report)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One figure of the symptom and its parts."""
+    symptom: str
+    figure: str
+    value: float | None
+    target: float | None
+    unit: str                 # "ms", "share" or "tok/s"
+    segments: tuple[Segment, ...]
+    misses: bool
+    note: str = ""
+
+    @property
+    def largest(self) -> Segment | None:
+        return max(self.segments, key=lambda s: s.size, default=None)
+
+
+def median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def p95(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+
+def ok_streams(probe: Probe) -> list[Stream]:
+    return [s for s in probe.streams if s.error is None and s.ttft_ms is not None]
+
+
+def _segments(parts: Sequence[tuple[str, float | None, str]], total: float) -> tuple[Segment, ...]:
+    return tuple(Segment(name, max(0.0, size), max(0.0, size) / total if total else 0.0, how)
+                 for name, size, how in parts if size is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# first-token
+
+def front_ms(probe: Probe) -> tuple[float | None, str]:
+    """What every request pays before the server routes it: a missing route's time to head on a
+    kept-alive connection (else /health's)."""
+    for route in sorted(probe.routes, key=lambda r: r.status != 404):
+        if route.reused_ms is not None:
+            return route.reused_ms, f"{route.path} (HTTP {route.status}) answers its head in {route.reused_ms:.1f} ms " \
+                                    "on a kept-alive connection"
+    return None, "no trivial route answered"
+
+
+def buffered(stream: Stream) -> bool:
+    """All of a stream's text came in one read: something held it (and its head) to the end."""
+    return len(stream.events_per_read) == 1 and stream.events_per_read[0] > 2
+
+
+def held_ms(stream: Stream, head_ms: float | None, engine_ttft: float | None) -> float | None:
+    """How long the first text waited after the engine made it: its arrival less the time to the
+    head (what a buffered stream's head would have taken: `head_ms`) and the engine's mean TTFT."""
+    head = head_ms if buffered(stream) else stream.head_ms
+    if head is None or engine_ttft is None or stream.ttft_ms is None:
+        return None
+    return stream.ttft_ms - head - engine_ttft
+
+
+def first_token(f: Facts) -> Budget:
+    streams = ok_streams(f.probe)
+    e = f.engine
+    if not streams:
+        return Budget("first-token", "TTFT", None, f.targets.ttft_p95_ms, "ms", (), False,
+                      "no probe request streamed text: see errors")
+    connect = median([s.connect_ms for s in streams]) or 0.0
+    ttft = median([s.ttft_ms for s in streams]) or 0.0
+    front, front_how = front_ms(f.probe)
+    streamed = [s for s in streams if not buffered(s)]
+    head = median([s.head_ms for s in streamed])
+    queue = e.queue_mean
+    prefill = None if e.ttft_mean is None else max(0.0, e.ttft_mean - (queue or 0.0))
+    route = None if head is None or front is None else head - front
+    held = median([held_ms(s, head if head is not None else front, e.ttft_mean) for s in streams])
+    total = connect + ttft
+    parts = [("connect", connect, "the probe's TCP connect, a new connection per request"),
+             ("front", front, front_how),
+             ("route", route, f"the inference route's head took {head or 0:.1f} ms, {route or 0:.1f} ms more than "
+                              "what a missing route pays"),
+             ("queue", queue, "the engine's queue time over the window (its histogram's mean)"),
+             ("prefill", prefill, "the engine's TTFT less its queue time over the window"),
+             ("first_delivery", held, f"the first text came {ttft:.1f} ms after sending; the head and the engine's "
+                                      f"mean TTFT ({e.ttft_mean or 0:.1f} ms) explain the rest"
+                                      + (f"; {len(streams) - len(streamed)} of {len(streams)} streams came whole in "
+                                         "one read" if len(streamed) < len(streams) else ""))]
+    segments = _segments(parts, total)
+    outside = sum(s.size for s in segments if s.name in ("connect", "front", "route", "first_delivery"))
+    p95_seen = (e.ttft_p95 or 0.0) + outside if e.ttft_p95 is not None else p95([s.ttft_ms for s in streams])
+    return Budget("first-token", "TTFT of a probe request (median)", total, f.targets.ttft_p95_ms, "ms", segments,
+                  bool(p95_seen and p95_seen > f.targets.ttft_p95_ms),
+                  f"TTFT p95 as users see it: about {p95_seen or 0:.0f} ms (the engine's p95 plus the time outside it)")
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming
+
+def tokens_per_event(streams: Sequence[Stream]) -> float | None:
+    """The tokens a middle event carries (the first event carries the first token, the last the rest)."""
+    middle = [t for s in streams for t in s.tokens_per_event[1:-1] if t > 0]
+    if not middle:  # a short stream: its events after the first
+        middle = [t for s in streams for t in s.tokens_per_event[1:] if t > 0]
+    return statistics.median(middle) if middle else None
+
+
+def events_per_read(streams: Sequence[Stream]) -> float | None:
+    """Text events per read after the first, the median (a stream's last two events often share
+    a read); a stream that came whole in one read counts all its events."""
+    reads = [n for s in streams for n in s.events_per_read[1:]]
+    singles = [len(s.tokens_per_event) for s in streams if buffered(s)]
+    every = reads + singles
+    return statistics.median(every) if every else None
+
+
+def per_token_ms(f: Facts, streams: Sequence[Stream]) -> tuple[float | None, str]:
+    """One token's time at the engine, p95 (the figure is a p95 gap too)."""
+    if f.engine.itl_p95:
+        return f.engine.itl_p95, "the engine's gap between tokens over the window, p95"
+    if f.engine.itl_mean:
+        return f.engine.itl_mean, "the engine's mean gap between tokens over the window"
+    client = [(s.e2e_ms - s.ttft_ms) / (s.completion_tokens - 1) for s in streams
+              if s.e2e_ms is not None and s.ttft_ms is not None and (s.completion_tokens or 0) > 1]
+    return (max(client), "the probe's own time per token, its slowest stream") if client else (None, "no tokens timed")
+
+
+def text_waits(f: Facts, streams: Sequence[Stream]) -> list[float]:
+    """Every wait for text a reader sees after the first token: the gaps between reads that
+    brought text, and the first text of a stream that came whole in one read, held beyond the
+    engine's TTFT (its first token waited for its last)."""
+    waits = [g for s in streams for g in s.text_gaps_ms]
+    head = median([s.head_ms for s in streams if not buffered(s)]) or front_ms(f.probe)[0]
+    for s in streams:
+        held = held_ms(s, head, f.engine.ttft_mean)
+        if buffered(s) and held is not None and held > 0:
+            waits.append(held)
+    return waits
+
+
+def streaming(f: Facts) -> Budget:
+    e, streams = f.engine, ok_streams(f.probe)
+    if e.tpot_p95 is not None and e.tpot_p95 > f.targets.tpot_p95_ms:
+        return Budget("streaming", "TPOT p95 (the engine's time per output token)", e.tpot_p95, f.targets.tpot_p95_ms,
+                      "ms", (Segment("decode", e.tpot_p95, 1.0, "the engine's TPOT histogram over the window"),), True)
+    per_token, how = per_token_ms(f, streams)
+    waits = text_waits(f, streams)
+    gap = p95(waits)
+    if per_token is None or gap is None:
+        return Budget("streaming", "gap between text arrivals (p95)", gap, f.targets.gap_p95_ms, "ms", (), False,
+                      "the probe streamed too few tokens to time the gaps")
+    tpe = tokens_per_event(streams) or 1.0
+    epr = events_per_read(streams) or 1.0
+    batched = epr if epr >= 2 else 1.0
+    # The engine's p95 token gap and the p95 text gap are quantiles of different things: the
+    # parts are kept within the figure.
+    per_token = min(per_token, gap / (tpe * batched))
+    interval = (tpe - 1) * per_token
+    delivery = (batched - 1) * tpe * per_token
+    rest = gap - tpe * batched * per_token
+    stalls = rest if e.itl_p99 is not None and e.itl_mean and e.itl_p99 >= 4 * e.itl_mean else 0.0
+    parts = [("decode", per_token, how),
+             ("stream_interval", interval, f"events carried {tpe:g} tokens each (the usage in every chunk)"),
+             ("delivery", delivery, f"{epr:g} events came in each read that brought text (median)"),
+             ("stalls", stalls, f"the engine's ITL p99 {e.itl_p99 or 0:.0f} ms against a mean of {e.itl_mean or 0:.0f} ms"),
+             ("other", rest - stalls, "what the engine, the events and the reads do not explain")]
+    return Budget("streaming", "gap between text arrivals (p95)", gap, f.targets.gap_p95_ms, "ms",
+                  _segments(parts, gap), gap > f.targets.gap_p95_ms,
+                  f"{len(waits)} waits for text over {len(streams)} probe streams")
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+def errors(f: Facts) -> Budget:
+    failed, total, by = failed_share(f.failures)
+    aborted = f.failures.finished.get("abort", 0.0)
+    finished = sum(f.failures.finished.values())
+    probe_failed = [s for s in f.probe.streams if s.error]
+    probe_total = len(f.probe.streams)
+    parts: list[tuple[str, float | None, str]] = []
+    if total:
+        parts += [(f"rejected: {key}", count / total, f"{count:.0f} of {total:.0f} requests on the inference routes "
+                                                       "(http_requests_total)") for key, count in by.items()]
+    if finished and aborted:
+        parts.append(("aborted", aborted / finished, f"{aborted:.0f} of {finished:.0f} finished requests ended "
+                                                     "aborted (vllm:request_success_total)"))
+    if probe_failed and not total:
+        kinds = sorted({s.error or "" for s in probe_failed})
+        parts.append((f"probe: {', '.join(kinds)}", len(probe_failed) / probe_total,
+                      f"{len(probe_failed)} of {probe_total} probe requests failed"))
+    share = (failed / total if total else 0.0) + (aborted / finished if finished else 0.0)
+    if not total and probe_total:
+        share = len(probe_failed) / probe_total
+    segments = tuple(Segment(name, size, size / share if share else 0.0, how) for name, size, how in parts)
+    return Budget("errors", "failed share of requests", share, f.targets.error_share, "share", segments,
+                  share > f.targets.error_share,
+                  f"{total:.0f} requests on the inference routes in the window (the probe's own left out)" if total
+                  else "no requests of the users on the inference routes in the window: the probe's own")
+
+
+# ---------------------------------------------------------------------------------------------
+# throughput
+
+def throughput(f: Facts) -> Budget:
+    """What holds tokens per second back: the share of each request's time spent waiting for a
+    slot (a queue while the engine could run more is its limit, not the load)."""
+    e = f.engine
+    if not e.e2e_mean or e.queue_mean is None:
+        return Budget("throughput", "share of request time spent queued", None, QUEUE_SHARE, "share", (), False,
+                      "no finished requests in the window")
+    queued = e.queue_mean / e.e2e_mean
+    parts = [("queue", queued, f"requests waited {e.queue_mean:.0f} ms of their {e.e2e_mean:.0f} ms "
+                               f"({e.waiting_mean or 0:.1f} waiting at a time)"),
+             ("offered_load", 1 - queued, f"{e.running_mean or 0:.1f} requests running at a time, "
+                                          f"{e.gen_tok_s or 0:,.0f} tok/s generated")]
+    return Budget("throughput", "share of request time spent queued", queued, QUEUE_SHARE, "share",
+                  _segments(parts, 1.0), queued >= QUEUE_SHARE, f"{e.gen_tok_s or 0:,.0f} tok/s generated")
+
+
+BUDGETS = {"first-token": first_token, "streaming": streaming, "errors": errors, "throughput": throughput}
+
+
+def budgets(f: Facts) -> list[Budget]:
+    """The symptom's budget; for `all`, every symptom's, those that miss their target first
+    (failures before time: a failed request has no latency)."""
+    if f.symptom != "all":
+        return [BUDGETS[f.symptom](f)]
+    found = [make(f) for make in BUDGETS.values()]
+    order = {"errors": 0, "first-token": 1, "streaming": 2, "throughput": 3}
+    return sorted(found, key=lambda b: (not b.misses, order[b.symptom]))

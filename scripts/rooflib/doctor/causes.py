@@ -1,0 +1,319 @@
+"""What causes the part of the path that holds the figure: its owner (an engine setting with
+its current value and how it is known, or the component outside the engine), the value to set
+with its reason, and the effect to expect.
+
+Inside the engine the engine's own diagnosis (rooflib/server/diagnosis.py) names the limit
+(the running cap or the KV cache for a queue, the prefix cache for prefill); outside it the
+probe's timings name the component.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+from rooflib.doctor import failures, tradeoff
+from rooflib.doctor.budget import Budget, Facts, events_per_read, median, ok_streams, tokens_per_event
+from rooflib.doctor.evidence import Finding, Owner, Segment, Setting
+
+ENGINE = "the engine"
+STREAM_FLAG = {"vllm": "--stream-interval", "sglang": "--stream-interval"}
+MODEL_LEN_FLAG = {"vllm": "--max-model-len", "sglang": "--context-length"}
+SEQS_FLAG = {"vllm": "--max-num-seqs", "sglang": "--max-running-requests"}
+# The settings the engine diagnosis names, by the flag it prints (diagnosis.FLAGS).
+SETTING_OF_FLAG = {"--max-num-seqs": "max_num_seqs", "--max-running-requests": "max_num_seqs",
+                   "--max-num-batched-tokens": "max_num_batched_tokens", "--chunked-prefill-size": "max_num_batched_tokens",
+                   "--enable-prefix-caching": "prefix_caching", "--disable-radix-cache": "prefix_caching",
+                   "--kv-cache-memory-bytes": "kv_cache_memory_bytes", "--gpu-memory-utilization": "gpu_memory_utilization",
+                   "--mem-fraction-static": "gpu_memory_utilization", "--tensor-parallel-size": "tensor_parallel_size",
+                   "--tp-size": "tensor_parallel_size"}
+
+
+def setting(f: Facts, name: str, flag: str) -> Setting:
+    found = f.settings.get(name)
+    if found is None:
+        return Setting(flag, None, "unknown", "the server does not say")
+    return Setting(flag, found.value, found.source, found.how, found.at_least)
+
+
+def _outside(segment: Segment, cause: str, evidence: str, component: str, action: str, reason: str, effect: str,
+             confidence: str) -> Finding:
+    return Finding(segment.name, cause, evidence, Owner(component), None, action, reason, effect, confidence)
+
+
+# ---------------------------------------------------------------------------------------------
+# Outside the engine
+
+def connect(f: Facts, seg: Segment) -> Finding:
+    return _outside(seg, "network_distance", f"a TCP connect takes {seg.size:.1f} ms ({seg.share:.0%} of the figure)",
+                    "the network between the clients and the server",
+                    "keep connections alive in the client, or serve from nearer the clients",
+                    "every new connection pays a round trip before the request leaves",
+                    f"up to {seg.size:.0f} ms less per request on a kept-alive connection", "high: measured per request")
+
+
+def front(f: Facts, seg: Segment) -> Finding:
+    connect_ms = median([s.connect_ms for s in ok_streams(f.probe)]) or 0.0
+    if seg.size <= 2 * connect_ms + 2:
+        return _outside(seg, "network_round_trip", (
+            f"every request waits {seg.size:.1f} ms before the server answers, about one TCP connect "
+            f"({connect_ms:.1f} ms): the round trip of the network"), "the network between the clients and the server",
+            "serve from nearer the clients (a replica in their region)", "each request crosses the network twice",
+            f"up to {seg.size:.0f} ms less TTFT", "medium: a round trip's size, not its path")
+    return _outside(seg, "delay_before_routing", (
+        f"every route answers {seg.size:.0f} ms late on a kept-alive connection, a missing one (404) too, while a "
+        f"TCP connect takes {connect_ms:.1f} ms: the delay sits in front of the server's routing, not in the network"),
+        f"a proxy, balancer or middleware in front of {f.url}",
+        "find the hop that holds each request and remove the hold (a rate limiter's delay, an auth call, a proxy "
+        "that buffers requests): bench the engine's own port to confirm",
+        "the server answers its own routes at once; something before it adds the same time to every request",
+        f"TTFT and e2e down by about {seg.size:.0f} ms for every request", "high: a missing route pays it too")
+
+
+def route(f: Facts, seg: Segment) -> Finding:
+    return _outside(seg, "inference_route", (
+        f"the inference route answers its head {seg.size:.0f} ms later than a missing route: a gateway on the inference "
+        "routes (auth, routing, rate limits) or the API server's own work before the engine (parsing, chat template, "
+        "tokenizing)"), "the gateway on the inference routes, or the engine's API server",
+        "bench the engine's own port: if the gap goes, the gateway adds it; if it stays, the API server does "
+        "(vLLM: --api-server-count runs more API server processes)",
+        "the time before the response head is spent before the engine sees the request",
+        f"up to {seg.size:.0f} ms less TTFT", "medium: the difference of two heads")
+
+
+def first_delivery(f: Facts, seg: Segment) -> Finding:
+    first_read = [s.events_per_read[0] for s in ok_streams(f.probe) if s.events_per_read]
+    if first_read and median(first_read) and median(first_read) > 1:
+        return delivery(f, seg)
+    return _outside(seg, "api_server_output", (
+        f"the first text reached the client {seg.size:.0f} ms after the engine's mean TTFT, in its own read: the API "
+        "server's output path (detokenizing, its event loop) or a slow client held it"),
+        "the engine's API server (its output path)", "check the API server's CPU (a saturated event loop), or run "
+        "more API server processes (vLLM: --api-server-count)", "the engine made the token; it left late",
+        f"up to {seg.size:.0f} ms less TTFT", "medium: the engine's mean against the probe's median")
+
+
+def delivery(f: Facts, seg: Segment) -> Finding:
+    streams = ok_streams(f.probe)
+    tpe = tokens_per_event(streams) or 1
+    epr = events_per_read(streams) or 1
+    return _outside(seg, "buffering", (
+        f"the server sends {tpe:g} token(s) per event, but the client got {epr:.1f} events per read: a layer between "
+        f"the server and the client holds the stream back and passes it on in batches ({seg.size:.0f} ms of the "
+        "figure)"), "a proxy or middleware between the server and the clients that buffers responses",
+        "turn off response buffering on the streaming routes (nginx: proxy_buffering off, or send X-Accel-Buffering: "
+        "no; no compression of text/event-stream)", "the engine streams; the text arrives in bursts",
+        "text arrives as the engine sends it: gaps of one event", "high: events counted per read")
+
+
+def other(f: Facts, seg: Segment) -> Finding:
+    return _outside(seg, "unexplained", f"{seg.size:.0f} ms between text arrivals that the engine's token time, its "
+                    "events and the reads do not explain", "the client or the API server",
+                    "check the client's own CPU and the API server's (a saturated event loop delays every event)",
+                    "neither the engine's figures nor the stream's shape hold this time", "an even stream",
+                    "low: what is left over")
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+
+def _from_diagnosis(f: Facts, seg: Segment, kinds: tuple[str, ...]) -> Finding | None:
+    """The engine diagnosis' finding of one of `kinds` (first in its order) with its plan's lever."""
+    found = next((x for x in f.diagnosis.get("findings", []) if x["kind"] in kinds), None)
+    if found is None:
+        return None
+    lever = next((lv for lv in f.diagnosis.get("plan", []) if found["setting"] and lv["setting"] == found["setting"]),
+                 None) or next((lv for lv in f.diagnosis.get("plan", [])), None)
+    owner_setting = None
+    if found["setting"]:
+        name = SETTING_OF_FLAG.get(found["setting"], "")
+        known = f.settings.get(name)
+        owner_setting = Setting(found["setting"], found["current"], found["current_source"] or "unknown",
+                                known.how if known else "", bool(known and known.at_least))
+    return Finding(seg.name, found["kind"], found["evidence"], Owner(ENGINE, owner_setting),
+                   lever["proposed"] if lever else None,
+                   "" if lever is None or lever["setting"] else lever["text"].split(": ")[0],
+                   lever["reason"] if lever else "", lever["effect"] if lever else "", found["confidence"])
+
+
+def queue(f: Facts, seg: Segment) -> Finding:
+    found = _from_diagnosis(f, seg, ("kv_cache", "running_limit", "queue"))
+    if found:
+        return found
+    return Finding(seg.name, "queue", f"requests wait {seg.size:.0f} ms for a slot", Owner(ENGINE), None,
+                   "measure under load with a longer window", "", "", "low")
+
+
+def prefill(f: Facts, seg: Segment) -> Finding:
+    found = _from_diagnosis(f, seg, ("prefix_cache_off", "prefix_unstable", "prefill"))
+    if found:
+        return found
+    prompt = f.engine.prompt_tokens_mean or 0
+    return Finding(seg.name, "prefill", f"the engine spends {seg.size:.0f} ms computing prompts of {prompt:,.0f} tokens",
+                   Owner(ENGINE), None, "shorter prompts, a shared cached prefix, or faster prefill (more GPUs)",
+                   "prefill time grows with the prompt", "TTFT down with the prompt's computed part", "medium")
+
+
+def decode(f: Facts, seg: Segment) -> Finding:
+    """Tokens slower than the target: from the step-time model, the running cap that meets it,
+    what one server makes at that cap against what arrives, and what the user gives for it."""
+    e = f.engine
+    seqs = setting(f, "max_num_seqs", SEQS_FLAG.get(e.engine, "--max-num-seqs"))
+    ratio = (e.tpot_p95 / e.tpot_mean) if e.tpot_p95 and e.tpot_mean else 1.0
+    arriving = e.gen_tok_s if (e.waiting_mean or 0) < 0.5 else None
+    cap = tradeoff.cap_for(f.fit, f.targets.tpot_p95_ms, ratio, arriving) if f.fit else None
+    running = e.running_mean or e.running_peak or 0
+    if f.fit is None or cap is None or cap.cap >= running:
+        found = _from_diagnosis(f, seg, ("decode",))
+        why = f.fit_note if f.fit is None else (
+            "the time per token does not grow with the batch" if f.fit.slope_ms <= 0 else
+            f"the fit (per token {f.fit.intercept_ms:.2f} + {f.fit.slope_ms:.3f} ms x running) meets the target only "
+            f"below one request" if cap is None else "the fit's cap is above what runs now")
+        if found:
+            return Finding(found.segment, found.cause, f"{found.evidence}; no smaller batch is proposed: {why}",
+                           found.owner, found.proposed, found.action, found.reason, found.effect, found.confidence)
+        return Finding(seg.name, "decode", f"TPOT p95 {e.tpot_p95 or 0:.1f} ms > target {f.targets.tpot_p95_ms:g} ms; {why}",
+                       Owner(ENGINE), None, "faster decode: a smaller or quantized model, speculative decoding, faster "
+                       "hardware", "each step reads the weights and the KV of every running request",
+                       "faster tokens", "medium")
+    model = f.fit
+    fit_text = (f"per-token time = {model.intercept_ms:.2f} + {model.slope_ms:.3f} ms x running (fit over "
+                f"{model.points} seconds, {model.running_low:.0f}-{model.running_high:.0f} running, r2 {model.r2:.2f})")
+    evidence = (f"TPOT p95 {e.tpot_p95:.1f} ms > target {f.targets.tpot_p95_ms:g} ms with {running:.0f} requests running "
+                f"and {e.waiting_mean or 0:.1f} waiting: each step serves too large a batch; {fit_text}")
+    reason = f"at {cap.cap} running the fit gives {cap.per_token_ms:.1f} ms per token (p95 about " \
+             f"{cap.per_token_ms * ratio:.1f} ms, the window's p95/mean {ratio:.2f})"
+    if cap.keeps_up is False:
+        effect = (f"TPOT within the target, but one server then makes {cap.tok_s_at_cap:,.0f} tok/s against "
+                  f"{cap.arriving_tok_s:,.0f} tok/s arriving: at this load the queue grows without bound; "
+                  f"{cap.replicas} replicas at this cap keep up")
+    else:
+        effect = (f"TPOT within the target; one server makes {cap.tok_s_at_cap:,.0f} tok/s at this cap" +
+                  (f", enough for the {cap.arriving_tok_s:,.0f} tok/s arriving" if cap.arriving_tok_s else ""))
+    return Finding(seg.name, "batch_too_large", evidence, Owner(ENGINE, seqs), cap.cap, "", reason, effect,
+                   f"medium: a fit of {model.points} points")
+
+
+def stream_interval(f: Facts, seg: Segment) -> Finding:
+    streams = ok_streams(f.probe)
+    tpe = tokens_per_event(streams) or 1
+    flag = STREAM_FLAG.get(f.engine.engine, "--stream-interval")
+    known = setting(f, "stream_interval", flag)
+    shapes = [list(s.tokens_per_event[:6]) for s in streams[:2]]
+    if known.value is None:
+        known = Setting(flag, int(tpe), "inferred", f"the probe's events carried {shapes} tokens each, one event per "
+                        "read: the engine sends every that many tokens")
+    per_token = f.engine.itl_mean or 0
+    return Finding(seg.name, "stream_interval", (
+        f"streamed text arrives every {tpe:g} tokens (events of {shapes} tokens, each in its own read): the engine "
+        f"holds tokens back and sends them in groups, {seg.size:.0f} ms of the gap between text arrivals"),
+        Owner(ENGINE, known), 1, "", "the engine then sends each token as it is made (more events: more work for the "
+        "API server at high load)", f"text about every {per_token:.0f} ms (a token) instead of a p95 gap of "
+        f"{seg.size / seg.share if seg.share else seg.size:.0f} ms; TPOT unchanged", "high: tokens counted per event")
+
+
+def stalls(f: Facts, seg: Segment) -> Finding:
+    found = _from_diagnosis(f, seg, ("decode",))
+    if found:
+        return found
+    return Finding(seg.name, "stalls", f"tokens stall {seg.size:.0f} ms behind prefills", Owner(ENGINE), None,
+                   "smaller prefill chunks", "a long prefill holds the running requests' next token",
+                   "shorter stalls", "medium")
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures and throughput
+
+def _users_length(f: Facts, limit: int | None, given: int | None) -> tuple[int | None, str]:
+    """The length of the requests the server rejects: given by the user, else estimated from the
+    request sizes (their mean over every request, the accepted requests' prompt tokens, and the
+    bytes per token of the probe's own prompts)."""
+    if given:
+        return given, "as you gave it (--prompt-tokens)"
+    failed, total, _ = failures.failed_share(f.failures)
+    sized = [s for s in f.probe.streams if s.request_bytes and s.prompt_tokens]
+    mean_bytes, accepted = f.failures.request_bytes_mean, f.engine.prompt_tokens_mean
+    if not (failed and total and sized and mean_bytes and accepted):
+        return None, "not measurable here: give the users' prompt length with --prompt-tokens"
+    per_token = median([s.request_bytes / s.prompt_tokens for s in sized]) or 1.0
+    share = failed / total
+    rejected = (mean_bytes / per_token - (1 - share) * accepted) / share
+    if limit and rejected <= limit:
+        return None, "the request sizes do not show longer prompts: give them with --prompt-tokens"
+    return int(rejected), (f"estimated from http_request_size_bytes: requests average {mean_bytes:,.0f} bytes, "
+                           f"{share:.0%} are rejected, accepted prompts average {accepted:,.0f} tokens, at "
+                           f"{per_token:.1f} bytes per token (the probe's own)")
+
+
+def rejected(f: Facts, seg: Segment, given_prompt_tokens: int | None = None) -> Finding:
+    over = f.probe.over_limit
+    detail = over.detail if over else ""
+    cause = failures.cause_of(detail) if over and over.error else None
+    if seg.name.startswith("rejected: 4") and cause == "context_length":
+        flag = MODEL_LEN_FLAG.get(f.engine.engine, "--max-model-len")
+        known = setting(f, "max_model_len", flag)
+        limit = known.value or failures.limit_in(detail)
+        length, how = _users_length(f, limit, given_prompt_tokens)
+        out = int(f.engine.output_tokens_mean or 0)
+        proposed = 1 << math.ceil(math.log2(length + out)) if length else (limit * 2 if limit else None)
+        kv = f.engine.kv_cache_tokens
+        fits = "" if not (kv and proposed) else (
+            f"; it fits the KV cache ({kv:,} tokens: {kv // proposed} requests of {proposed:,} at once)" if kv >= proposed
+            else f"; it does NOT fit the KV cache ({kv:,} tokens < {proposed:,}): the engine would refuse to start; "
+                 "add KV space first (task vram sizes it)")
+        return Finding(seg.name, "context_length", (
+            f"{seg.size:.0%} of requests fail with HTTP 400 before the engine runs them: prompts longer than {flag} "
+            f"{limit} are rejected (a request just over it got: \"{detail[:160]}\"); the users' prompts: "
+            f"{length or 'unknown'} tokens, {how}"),
+            Owner(ENGINE, known), proposed, "", f"room for the users' prompts and answers{fits}",
+            f"the rejected {seg.size:.0%} served (each holds more KV: fewer at once)", "high: the error body and the "
+            "status counters")
+    if seg.name.startswith("rejected: 5"):
+        return _outside(seg, "server_errors", f"{seg.size:.0%} of requests fail with HTTP 5xx", "the engine process",
+                        "read the engine's log for the first exception (an engine core that died answers 503)",
+                        "the server fails requests it accepted", "no failures once the cause is fixed", "high")
+    return _outside(seg, cause or "rejected", f"{seg.size:.0%} of requests fail ({seg.name[len('rejected: '):]})"
+                    + (f"; the server says: \"{detail[:160]}\"" if detail else ""),
+                    "the clients' requests, or a gateway's limits", "read the error bodies the clients get",
+                    "the server refuses them", "no rejections once the requests fit", "medium")
+
+
+def aborted(f: Facts, seg: Segment) -> Finding:
+    e2e = f.engine.e2e_mean or 0
+    return _outside(seg, "client_gave_up", (
+        f"{seg.size:.0%} of the requests the engine finished were aborted: the client went away before the end "
+        f"(requests take {e2e / 1000:.1f} s on average)"), "the clients (their timeout) or a proxy's read timeout",
+        "raise the client's and proxies' timeouts above the requests' e2e p95, or make the requests shorter",
+        "an aborted request spent engine time and delivered nothing", "no aborts", "medium")
+
+
+def offered_load(f: Facts, seg: Segment) -> Finding:
+    e = f.engine
+    return _outside(seg, "offered_load", (
+        f"the server keeps up: {e.running_mean or 0:.1f} requests run at a time and none wait; throughput follows the "
+        f"offered load ({e.gen_tok_s or 0:,.0f} tok/s)"), "the load (clients)",
+        "send more requests at once to find the ceiling: task sweep", "an idle server makes what it is asked",
+        "more tok/s up to the engine's cap", "high")
+
+
+EXPLAIN: Mapping[str, Callable[[Facts, Segment], Finding]] = {
+    "connect": connect, "front": front, "route": route, "first_delivery": first_delivery, "queue": queue,
+    "prefill": prefill, "decode": decode, "stream_interval": stream_interval, "delivery": delivery,
+    "stalls": stalls, "other": other, "aborted": aborted, "offered_load": offered_load,
+}
+
+
+def explain(f: Facts, budget: Budget, seg: Segment, given_prompt_tokens: int | None = None) -> Finding:
+    if seg.name.startswith(("rejected", "probe")):
+        return rejected(f, seg, given_prompt_tokens)
+    return EXPLAIN[seg.name](f, seg)
+
+
+def as_json(finding: Finding) -> dict[str, Any]:
+    owner = finding.owner
+    return {"segment": finding.segment, "cause": finding.cause, "evidence": finding.evidence,
+            "owner": {"component": owner.component,
+                      "setting": None if owner.setting is None else {
+                          "flag": owner.setting.flag, "current": owner.setting.value, "source": owner.setting.source,
+                          "how": owner.setting.how, "at_least": owner.setting.at_least}},
+            "proposed": finding.proposed, "action": finding.action or None, "reason": finding.reason,
+            "effect": finding.effect, "confidence": finding.confidence}

@@ -1,0 +1,117 @@
+"""Failures by the server's own counters, and the cause an error body names.
+
+vLLM's API server counts every request by route and status class
+(http_requests_total{handler, method, status="2xx"|"4xx"|"5xx"}, prometheus-fastapi-instrumentator,
+which groups status codes by default), rejected ones included: the engine's histograms see only
+the requests it ran. vLLM counts finished requests by why they finished
+(vllm:request_success_total{finished_reason="stop"|"length"|"abort"|"error"|...}: `abort` is a
+client that went away, or a cancelled request). http_request_size_bytes (a summary per route)
+sizes every request the route received.
+"""
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from rooflib.doctor.evidence import Failures, Probe, StatusCount
+from rooflib.server.engine_metrics import Exposition
+
+INFERENCE_ROUTE = re.compile(r"^/v1/(chat/)?completions$|^/v1/(responses|messages|embeddings)$|^/generate$")
+
+
+def _statuses(exposition: Exposition) -> dict[tuple[str, str], float]:
+    counts: dict[tuple[str, str], float] = {}
+    for labels, value in exposition.samples.get("http_requests_total", []):
+        key = (labels.get("handler", ""), labels.get("status", ""))
+        counts[key] = counts.get(key, 0.0) + value
+    return counts
+
+
+def _finished(exposition: Exposition) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for labels, value in exposition.samples.get("vllm:request_success_total", []):
+        reason = labels.get("finished_reason", "")
+        counts[reason] = counts.get(reason, 0.0) + value
+    return counts
+
+
+def _request_bytes(exposition: Exposition) -> tuple[float, float]:
+    total = count = 0.0
+    for suffix in ("_sum", "_count"):
+        for labels, value in exposition.samples.get(f"http_request_size_bytes{suffix}", []):
+            if INFERENCE_ROUTE.match(labels.get("handler", "")):
+                if suffix == "_sum":
+                    total += value
+                else:
+                    count += value
+    return total, count
+
+
+def between(before: Exposition, after: Exposition) -> Failures:
+    """The window's failures: each counter's increase (a counter that fell counts from zero)."""
+    old, new = _statuses(before), _statuses(after)
+    statuses = tuple(StatusCount(handler, status, value - old.get((handler, status), 0.0)
+                                 if value >= old.get((handler, status), 0.0) else value)
+                     for (handler, status), value in sorted(new.items()))
+    old_f, new_f = _finished(before), _finished(after)
+    finished = {reason: (value - old_f.get(reason, 0.0)) if value >= old_f.get(reason, 0.0) else value
+                for reason, value in new_f.items()}
+    (sum0, n0), (sum1, n1) = _request_bytes(before), _request_bytes(after)
+    return Failures(statuses=tuple(s for s in statuses if INFERENCE_ROUTE.match(s.handler) and s.count > 0),
+                    finished={k: v for k, v in finished.items() if v > 0},
+                    request_bytes=sum1 - sum0 if n1 >= n0 else sum1, sized_requests=n1 - n0 if n1 >= n0 else n1)
+
+
+def without_probe(failures: Failures, probe: Probe, handler: str) -> Failures:
+    """The window's failures less the probe's own requests (its request just over the limit
+    fails on purpose): the users' traffic alone."""
+    own: dict[str, float] = {}
+    streams = [*probe.streams, *([probe.over_limit] if probe.over_limit else [])]
+    for stream in streams:
+        if stream.status is not None:
+            status = f"{stream.status // 100}xx"
+            own[status] = own.get(status, 0.0) + 1
+    statuses = tuple(StatusCount(s.handler, s.status, max(0.0, s.count - own.get(s.status, 0.0)))
+                     if s.handler == handler else s for s in failures.statuses)
+    sent = [s for s in streams if s.status is not None]
+    return Failures(statuses=tuple(s for s in statuses if s.count > 0), finished=failures.finished,
+                    request_bytes=max(0.0, failures.request_bytes - sum(s.request_bytes for s in sent)),
+                    sized_requests=max(0.0, failures.sized_requests - len(sent)))
+
+
+def failed_share(failures: Failures) -> tuple[float, float, dict[str, float]]:
+    """(failed, all, failed by "handler status") on the inference routes."""
+    by: dict[str, float] = {}
+    total = failed = 0.0
+    for row in failures.statuses:
+        total += row.count
+        if not row.status.startswith(("2", "3")):
+            failed += row.count
+            key = f"{row.status} on {row.handler}"
+            by[key] = by.get(key, 0.0) + row.count
+    return failed, total, by
+
+
+# What an error body says, in the words vLLM and SGLang use (vllm/entrypoints/openai/serving_engine.py:
+# "This model's maximum context length is N tokens. However, you requested M tokens ...";
+# SGLang: "... is longer than the model's context length (N tokens)").
+CAUSES: Sequence[tuple[str, re.Pattern[str]]] = (
+    ("context_length", re.compile(r"maximum context length|context length|max_model_len|too long", re.I)),
+    ("rate_limited", re.compile(r"rate limit|too many requests", re.I)),
+    ("auth", re.compile(r"api key|unauthori[sz]ed|forbidden", re.I)),
+    ("wrong_model", re.compile(r"model .*(does not exist|not found)", re.I)),
+    ("overloaded", re.compile(r"overload|capacity|try again", re.I)),
+)
+LIMIT_IN_BODY = re.compile(r"maximum context length is (\d+)|context length \((\d+) tokens\)", re.I)
+
+
+def cause_of(detail: str) -> str | None:
+    for cause, pattern in CAUSES:
+        if pattern.search(detail or ""):
+            return cause
+    return None
+
+
+def limit_in(detail: str) -> int | None:
+    match = LIMIT_IN_BODY.search(detail or "")
+    return int(next(g for g in match.groups() if g)) if match else None

@@ -1,0 +1,95 @@
+"""The passive window: /metrics of each server scraped once a second while the probe runs.
+
+One URL may be a balancer in front of several engines: then consecutive scrapes come from
+different engines (another start time, or counters that fell), and no figure of that URL may be
+read as one engine's. `mixed` says so; the replicas' own URLs give figures per replica.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from rooflib.core import printing
+from rooflib.server import engine_metrics
+from rooflib.server.engine_metrics import Exposition
+
+
+@dataclass(frozen=True)
+class Scrape:
+    exposition: Exposition = field(repr=False)
+    snap: dict[str, Any] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Window:
+    """One server's window: its first and last scrape, every snapshot between, and why its
+    scrapes cannot be one engine's ('' when they can)."""
+    url: str
+    first: Scrape
+    last: Scrape
+    snaps: tuple[dict[str, Any], ...]
+    mixed: str
+
+    @property
+    def seconds(self) -> float:
+        return (self.last.snap["time"] or 0) - (self.first.snap["time"] or 0)
+
+    def delta(self) -> dict[str, Any]:
+        return engine_metrics.difference(self.snaps[0], self.snaps[-1], self.snaps[1:-1])
+
+
+def scrape(url: str, api_key: str | None, timeout: float) -> Scrape:
+    text, at = engine_metrics.scrape(url, api_key, timeout)
+    exposition = engine_metrics.parse_exposition(text)
+    return Scrape(exposition, engine_metrics.snapshot(exposition, url, at))
+
+
+def mixed_engines(snaps: Sequence[dict[str, Any]]) -> str:
+    """Why consecutive scrapes of one URL are not one engine's: a start time that changes back
+    and forth, or counters that fall and rise (a restart changes once and stays)."""
+    changes = 0
+    for a, b in zip(snaps, snaps[1:]):
+        if engine_metrics.restarted(a, b):
+            changes += 1
+    starts = {round(s["start_time"], 3) for s in snaps if s.get("start_time")}
+    if len(starts) > 1 and changes > 1:
+        return (f"consecutive scrapes came from {len(starts)} engines (start times differ, counters fell "
+                f"{changes} times): a balancer answers this URL")
+    if changes > 1:
+        return f"counters fell {changes} times between consecutive scrapes: more than one engine answers this URL"
+    return ""
+
+
+def collect(urls: Sequence[str], api_key: str | None, timeout: float, seconds: float,
+            during: Callable[[], Any]) -> tuple[list[Window], Any, BaseException | None, bool]:
+    """Scrape every URL, run `during()` in a thread, scrape once a second until `seconds` have
+    passed and it returned, scrape again. Returns the windows, what `during` returned (or the
+    exception it raised) and whether Ctrl-C ended the window early."""
+    firsts = [scrape(url, api_key, timeout) for url in urls]
+    series: list[list[dict[str, Any]]] = [[f.snap] for f in firsts]
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            outcome["value"] = during()
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller, never lost
+            outcome["error"] = exc
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + seconds
+    printing.progress(f"measuring for {seconds:g} s while the probe runs (Ctrl-C ends early and still reports)...")
+    interrupted = False
+    lasts = firsts
+    try:
+        while time.monotonic() < deadline or worker.is_alive():
+            time.sleep(1)
+            lasts = [scrape(url, api_key, timeout) for url in urls]
+            for i, last in enumerate(lasts):
+                series[i].append(last.snap)
+    except KeyboardInterrupt:
+        interrupted = True
+    windows = [Window(url, firsts[i], lasts[i], tuple(series[i]), mixed_engines(series[i]))
+               for i, url in enumerate(urls)]
+    return windows, outcome.get("value"), outcome.get("error"), interrupted

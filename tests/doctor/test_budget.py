@@ -1,0 +1,159 @@
+"""The doctor's budgets and causes on evidence made by hand: one row per fault class, the root
+part of the path, its cause, its owner and the value (the pure functions doctor runs)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from rooflib.core.taskcall import TaskCall
+from rooflib.doctor import examine, tradeoff
+from rooflib.doctor.budget import Facts
+from rooflib.doctor.evidence import Engine, Failures, Fit, Probe, Route, Setting, StatusCount, Stream, Targets
+
+TARGETS = Targets(ttft_p95_ms=2000, tpot_p95_ms=50, gap_p95_ms=100, error_share=0.01)
+
+
+def stream(head=5.0, ttft=60.0, tokens=(1,) + (1,) * 63, reads=None, gap=10.0, connect=0.5, status=200,
+           error=None, detail="") -> Stream:
+    reads = tuple(reads) if reads is not None else (1,) * len(tokens)
+    return Stream(status=status, error=error, detail=detail, connect_ms=connect, head_ms=head, ttft_ms=ttft,
+                  e2e_ms=ttft + gap * (len(reads) - 1), prompt_tokens=300, completion_tokens=sum(tokens),
+                  tokens_per_event=tuple(tokens), events_per_read=reads, text_gaps_ms=(gap,) * (len(reads) - 1),
+                  request_bytes=1300)
+
+
+def probe(streams=None, missing_ms=0.6, over=None) -> Probe:
+    routes = (Route("/health", 200, 0.5, 1.0, 0.4), Route("/missing", 404, missing_ms, missing_ms + 0.4, 0.4))
+    return Probe("test probe", routes, tuple(streams or [stream()] * 6), over_limit=over)
+
+
+def engine(**figures) -> Engine:
+    base = dict(engine="vllm", seconds=20.0, requests=40, ttft_mean=50.0, ttft_p95=80.0, queue_mean=1.0,
+                queue_p95=2.0, prefill_mean=49.0, tpot_mean=10.0, tpot_p95=12.0, itl_mean=10.0, itl_p95=12.0,
+                itl_p99=14.0, e2e_mean=700.0, running_mean=2.0, running_peak=3.0, waiting_mean=0.0, waiting_peak=0.0,
+                kv_usage_max=0.01, kv_cache_tokens=524288, preemptions=0.0, prompt_tokens_mean=300.0,
+                output_tokens_mean=64.0, gen_tok_s=180.0, endpoint="completions")
+    return Engine(**{**base, **figures})
+
+
+def facts(symptom="all", probed=None, eng=None, failures=None, settings=None, fit=None, targets=TARGETS,
+          diagnosis=None) -> Facts:
+    return Facts(symptom=symptom, targets=targets, engine=eng or engine(), probe=probed or probe(),
+                 failures=failures or Failures(()), settings=settings or {}, fit=fit, fit_note="no fit",
+                 url="http://u:8000", diagnosis=diagnosis or {"findings": [], "plan": []})
+
+
+def options(symptom="all", prompt_tokens=None) -> examine.Options:
+    return examine.Options(url="http://u:8000", replicas=(), api_key=None, model=None, symptom=symptom,
+                           targets=TARGETS, give="queue", window_s=1, probe_n=6, probe_c=2,
+                           prompt_tokens=prompt_tokens, timeout=5, call=TaskCall("task "))
+
+
+QUEUE_DIAGNOSIS = {"findings": [{"kind": "running_limit", "evidence": "--max-num-seqs is 2 (exported: x); requests wait",
+                                 "confidence": "high", "caused_by": None, "setting": "--max-num-seqs", "current": 2,
+                                 "current_source": "exported"}],
+                   "plan": [{"setting": "--max-num-seqs", "current": 2, "current_source": "exported", "proposed": 16,
+                             "reason": "in flight", "effect": "no queue", "text": "--max-num-seqs: 2 -> 16"}]}
+CONTEXT_BODY = "HTTP 400: This model's maximum context length is 1024 tokens. However, you requested 1100 tokens"
+REJECTED = Failures((StatusCount("/v1/completions", "2xx", 80), StatusCount("/v1/completions", "4xx", 20)),
+                    request_bytes=80 * 1300 + 20 * 7000, sized_requests=100)
+FIT = Fit(intercept_ms=3.3, slope_ms=0.2, points=20, running_low=40, running_high=124, r2=0.9)
+
+CASES = {
+    # name: (facts, symptom, (segment, cause, owner's flag or component, proposed))
+    "a fixed delay in front": (
+        facts(probed=probe([stream(head=352, ttft=400)] * 6, missing_ms=350), targets=replace(TARGETS, ttft_p95_ms=300)),
+        "first-token", ("front", "delay_before_routing", "a proxy, balancer or middleware in front of http://u:8000",
+                        None)),
+    "a gateway on the inference routes": (
+        facts(probed=probe([stream(head=352, ttft=400)] * 6), targets=replace(TARGETS, ttft_p95_ms=300)),
+        "first-token", ("route", "inference_route", "the gateway on the inference routes, or the engine's API server",
+                        None)),
+    "a queue behind the running cap": (
+        facts(eng=engine(ttft_mean=3000, ttft_p95=5000, queue_mean=2900, waiting_mean=12), diagnosis=QUEUE_DIAGNOSIS,
+              probed=probe([stream(ttft=3100)] * 6)),
+        "first-token", ("queue", "running_limit", "--max-num-seqs", 16)),
+    "an engine stream interval": (
+        facts(probed=probe([stream(tokens=(1, 32, 32, 31), gap=320)] * 6),
+              settings={"stream_interval": Setting("stream_interval", 32, "exported", "/server_info")}),
+        "streaming", ("stream_interval", "stream_interval", "--stream-interval", 1)),
+    "a buffering layer": (
+        facts(probed=probe([stream(ttft=700, head=700, reads=(64,))] * 6)),
+        "streaming", ("delivery", "buffering", "a proxy or middleware between the server and the clients that buffers "
+                                               "responses", None)),
+    "a batch too large for the TPOT target": (
+        facts(eng=engine(tpot_mean=22.0, tpot_p95=26.0, running_mean=90, running_peak=124, gen_tok_s=4000.0),
+              fit=FIT, targets=replace(TARGETS, tpot_p95_ms=7),
+              settings={"max_num_seqs": Setting("max_num_seqs", 124, "inferred", "124 ran at once", True)}),
+        "streaming", ("decode", "batch_too_large", "--max-num-seqs", 13)),
+    "requests over the context limit": (
+        facts(failures=REJECTED, probed=probe(over=stream(status=400, error="http_4xx", detail=CONTEXT_BODY)),
+              settings={"max_model_len": Setting("max_model_len", 1024, "exported", "/v1/models")}),
+        # The rejected fifth average 7,000 bytes, 1,615 tokens at the probe's 4.3 bytes a token:
+        # with 64 out, the next power of two is 2,048.
+        "errors", ("rejected: 4xx on /v1/completions", "context_length", "--max-model-len", 2048)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_root_is_the_part_that_holds_the_figure(name):
+    made, symptom, (segment, cause, owner, proposed) = CASES[name]
+    made = replace(made, symptom=symptom)
+    verdict = examine.decide(options(symptom), made)
+    root = verdict.root
+    assert root is not None, examine.first_line(verdict)
+    got_owner = root.owner.setting.flag if root.owner.setting else root.owner.component
+    assert (root.segment, root.cause, got_owner, root.proposed) == (segment, cause, owner, proposed), root
+    line = examine.first_line(verdict)
+    assert line.startswith(f"Root cause: [{segment}] {cause} (")
+    assert (f"-> set {owner} " in line) == (proposed is not None)
+    assert verdict.verify and all(command.startswith("task ") for command in verdict.verify)
+
+
+def test_nothing_over_its_target_is_no_root_cause():
+    verdict = examine.decide(options(), facts())
+    assert verdict.root is None and examine.first_line(verdict).startswith("Root cause: none for ")
+    assert not verdict.verify
+
+
+def test_the_users_length_given_sizes_the_context_limit_exactly():
+    made = replace(CASES["requests over the context limit"][0], symptom="errors")
+    verdict = examine.decide(options("errors", prompt_tokens=1500), made)
+    assert verdict.root.proposed == 2048 and "fits the KV cache (524,288 tokens: 256 requests" in verdict.root.reason
+    assert "--over-limit" in verdict.verify[0] and "BENCH_IN=1500" in verdict.verify[0]
+
+
+def test_a_limit_the_kv_cache_cannot_hold_is_said_not_to_fit():
+    made = replace(CASES["requests over the context limit"][0], symptom="errors", engine=engine(kv_cache_tokens=1500))
+    verdict = examine.decide(options("errors", prompt_tokens=1500), made)
+    assert "does NOT fit the KV cache (1,500 tokens < 2,048)" in verdict.root.reason
+
+
+def test_the_queue_grows_without_bound_when_the_cap_cannot_keep_up():
+    """TPOT = 3.3 + 0.2 ms x running: a 7 ms p95 target (p95/mean 26/22: a 5.9 ms mean) holds at
+    13 running, where one server makes about 2.2k tok/s of the 4k tok/s arriving."""
+    cap = tradeoff.cap_for(FIT, 7.0, 26 / 22, 4000.0)
+    assert cap.cap == 13 and cap.keeps_up is False and cap.replicas == 2
+    assert round(cap.tok_s_at_cap) == round(13 * 1000 / (3.3 + 0.2 * 13))
+    verdict = examine.decide(options("streaming"), replace(CASES["a batch too large for the TPOT target"][0],
+                                                           symptom="streaming"))
+    assert "the queue grows without bound" in verdict.root.effect and "2 replicas" in verdict.root.effect
+
+
+def test_the_fit_is_the_line_through_the_seconds():
+    """Gauges 0, 4, 8, ... at the seconds' ends: the seconds average 2, 6, 10, 14, 18 running, with
+    3 + 0.5 ms per running request per token."""
+    gauges = [0, 4, 8, 12, 16, 20]
+    snaps, total, count = [], 0.0, 0.0
+    for i, running in enumerate(gauges):
+        if i:
+            middle = (gauges[i - 1] + running) / 2
+            total, count = total + 100 * (3 + 0.5 * middle) / 1000, count + 100
+        snaps.append({"gauges": {"running": {"value": running}}, "histograms": {"itl": {"sum": total, "count": count}}})
+    model, note = tradeoff.fit(snaps)
+    assert note == "" and model.points == 5
+    assert (round(model.intercept_ms, 6), round(model.slope_ms, 6), round(model.r2, 6)) == (3.0, 0.5, 1.0)
+    assert (model.running_low, model.running_high) == (2, 18)
+    short, why = tradeoff.fit(snaps[:3])
+    assert short is None and "2 seconds with tokens generated" in why

@@ -1,0 +1,69 @@
+"""Live traffic for the doctor's fault deployments: users' requests in the background.
+
+`traffic(url, model, ...)` keeps `concurrency` users sending completions (text prompts of about
+the given lengths, some of them longer than the context limit when `long_share` says so) until
+the block ends, and counts their answers by status. Users wait `think_s` between requests (a
+Poisson-like pause), so the load is live but not a wall.
+"""
+from __future__ import annotations
+
+import random
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import httpx
+
+WORDS = "time year people way day man thing woman life child world school state family student".split()
+
+
+@dataclass
+class Counts:
+    by_status: dict[int, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, status: int) -> None:
+        with self.lock:
+            self.by_status[status] = self.by_status.get(status, 0) + 1
+
+
+def prompt(words: int, rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+@contextmanager
+def traffic(url: str, model: str, concurrency: int = 2, prompt_words: int = 200, output_tokens: int = 32,
+            long_share: float = 0.0, long_words: int = 0, think_s: float = 0.2, stream: bool = False,
+            seed: int = 0) -> Iterator[Counts]:
+    counts = Counts()
+    stop = threading.Event()
+
+    def user(number: int) -> None:
+        rng = random.Random(seed * 1000 + number)
+        with httpx.Client(base_url=url, timeout=300) as http:
+            while not stop.is_set():
+                words = long_words if rng.random() < long_share else prompt_words
+                body = {"model": model, "prompt": prompt(words, rng), "max_tokens": output_tokens,
+                        "ignore_eos": True, "stream": stream}
+                try:
+                    if stream:
+                        with http.stream("POST", "/v1/completions", json=body) as response:
+                            for _ in response.iter_bytes():
+                                pass
+                            counts.add(response.status_code)
+                    else:
+                        counts.add(http.post("/v1/completions", json=body).status_code)
+                except httpx.HTTPError:
+                    counts.add(0)
+                stop.wait(rng.expovariate(1 / think_s) if think_s else 0)
+
+    users = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(concurrency)]
+    for thread in users:
+        thread.start()
+    try:
+        yield counts
+    finally:
+        stop.set()
+        for thread in users:
+            thread.join(timeout=300)
