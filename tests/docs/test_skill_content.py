@@ -21,8 +21,8 @@ SEED_SECTIONS = [
       ("20-40 tokens/s per user", "20-40 токенов в секунду на пользователя"),
       ("confirm them with the user", "согласуй эти цели с пользователем")]),
     ("one-minute diagnosis", "One-minute diagnosis", "Диагностика за минуту",
-     [("`diagnosis`", "`diagnosis`"), ("proxy in between", "прокси посередине"),
-      ("route by session", "маршрутизируй по сессии")]),
+     [("`doctor`",), ("`diagnosis`", "`diagnosis`"), ("not by TPOT", "а не по TPOT"),
+      ("Behind a balancer", "За балансировщиком")]),
     ("memory", "Memory", "Память",
      [("`kv_cache_tokens`", "`kv_cache_tokens`"), ("marginal fit", "впритык")]),
     ("batching and cache", "Batching and cache", "Батчинг и кеш",
@@ -50,7 +50,8 @@ SEED_SECTIONS = [
 
 # What the skill adds on top of the seed: the three questions it must lead to a decision.
 DECISIONS = [
-    ("Why is my server slow?", "Почему тормозит сервер?", [("`Diagnosis:`",), ("unknown", "неизвестно")]),
+    ("Why is my server slow?", "Почему тормозит сервер?", [("`doctor`",), ("`Also:`",), ("unknown", "неизвестно"),
+                                                            ("exactly as printed", "ровно как напечатано")]),
     ("Will model X fit on GPU Y, and for how many users?", "Влезет ли модель X на GPU Y и на сколько пользователей?",
      [("concurrent requests at a stated length", "одновременные запросы заданной длины"),
       ("marginal", "на грани"), ("`GPU_UTIL=0.9`",)]),
