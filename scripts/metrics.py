@@ -110,6 +110,7 @@ from typing import Any, Mapping, Sequence
 from rooflib.core import catalogs, cli, conf, fileio, printing, signals
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, UsageError
 from rooflib.server import deployment, diagnosis, engine_metrics, fleet, gpu_telemetry, prefix_probe
+from rooflib.server import replicas as replicas_of
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,7 +179,8 @@ def options(args: argparse.Namespace) -> Options:
         for piece in re.split(r"[,\s]+", raw):
             if piece:
                 url, api_key = conf.server_settings(argparse.Namespace(url=piece, env_file=args.env_file))
-                urls.append(url)
+                if url not in urls:  # the same URL given twice (INFER_URL and --url) is one engine
+                    urls.append(url)
     if files and prometheus:
         raise UsageError("give --file or --prometheus, not both")
     if len(files) > 2:
@@ -239,7 +241,11 @@ def window_reports(opts: Options, seconds: float, hold: signals.SignalHold, befo
         interrupted = True
         hold.start()
     after = scrape_all(opts)
-    replicas = [engine_metrics.difference(before[i], after[i], [d[i] for d in during]) for i in range(len(after))]
+    replicas = []
+    for i in range(len(after)):
+        delta = engine_metrics.difference(before[i], after[i], [d[i] for d in during])
+        delta["mixed_engines"] = replicas_of.mixed_engines([before[i], *(d[i] for d in during), after[i]])
+        replicas.append(delta)
     return replicas, interrupted or bool(hold.noted), after
 
 
@@ -247,7 +253,7 @@ def results(opts: Options, replicas: list[dict[str, Any]], served: Sequence[depl
             ) -> tuple[dict[str, Any], str]:
     """The aggregated report (with per-replica reports when several) and its human text;
     `served` holds each live server's own settings."""
-    reports = [engine_metrics.report(s, opts.gpu, opts.slo, served[i] if served else None)
+    reports = [replicas_of.unblended(s, engine_metrics.report(s, opts.gpu, opts.slo, served[i] if served else None))
                for i, s in enumerate(replicas)]
     if len(replicas) == 1:
         return reports[0], engine_metrics.format_report(reports[0])

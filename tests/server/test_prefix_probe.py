@@ -134,3 +134,16 @@ def test_an_unreachable_server_is_one_line(capsys):
     assert metrics.main(["--url", "http://127.0.0.1:9", "--prefix-probe", "--timeout", "2"]) == 3
     err = capsys.readouterr().err
     assert err.startswith("error: cannot reach http://127.0.0.1:9/metrics") and err.count("\n") == 1
+
+
+def test_behind_a_balancer_the_counters_of_two_engines_are_not_read_as_one():
+    """The reported case: consecutive scrapes from two replicas made the probe print "found -9,216"
+    and "looked up 0". Counters that fall are another engine's: no evidence from them."""
+    busy, idle = scrape(50_000.0, 12_000.0), scrape(400.0, 10.0)
+    verdict = prefix_probe.judge((busy, idle, busy), answers(None))
+    assert (verdict["verdict"], verdict["cause"]) == ("unknown", "mixed_engines")
+    assert "a balancer answers this URL" in " ".join(verdict["evidence"])
+    assert "one engine's own URL" in verdict["meaning"]
+    assert all(step["server"]["hits"] is not None for step in verdict["requests"])  # kept, but not judged
+    # The answer's own usage still speaks for the engine that served it.
+    assert prefix_probe.judge((busy, idle, busy), answers(1280))["verdict"] == "can_hit"

@@ -10,7 +10,7 @@ from rooflib.core.errors import ServerError
 from rooflib.core.taskcall import TaskCall
 from rooflib.doctor import budget as budgets
 from rooflib.doctor import causes, failures, probe, tradeoff, window
-from rooflib.doctor.evidence import Engine, Failures, Finding, Probe, Setting, Targets
+from rooflib.doctor.evidence import Engine, Failures, Finding, Owner, Probe, Setting, Targets
 from rooflib.load import promptgen
 from rooflib.load.asyncclient import ENDPOINTS, Target, find_target
 from rooflib.server import deployment, engine_metrics
@@ -135,6 +135,22 @@ def gather(opts: Options) -> tuple[budgets.Facts, list[window.Window], dict[str,
     measured: Probe = found or Probe(load="interrupted before the probe finished", routes=(), streams=())
     if attribution:
         measured = replace(measured, replica_of_stream=tuple(attribution.served.get(i) for i in range(len(plan.prompts))))
+    facts, extra = facts_of(opts, windows, measured, served, ENDPOINTS[plan.endpoint])
+    return facts, windows, {**extra, "target": target.info, "interrupted": interrupted}
+
+
+def blind(r: dict[str, Any]) -> Engine:
+    """An engine none of whose figures can be read (its URL's scrapes mix engines)."""
+    known = engine_of(r)
+    return Engine(engine=known.engine, seconds=known.seconds, requests=0, **{
+        name: None for name in Engine.__dataclass_fields__ if name not in ("engine", "seconds", "requests", "report")},
+        report=r)
+
+
+def facts_of(opts: Options, windows: Sequence[window.Window], measured: Probe, served: deployment.Served,
+             handler: str) -> tuple[budgets.Facts, dict[str, Any]]:
+    """The budgets' facts from the windows (merged over replicas; none of the engine's figures
+    when a URL's scrapes mix engines: the probe's own timings still hold) and the probe."""
     slo = engine_metrics.Targets(opts.targets.ttft_p95_ms, opts.targets.tpot_p95_ms, opts.targets.gap_p95_ms)
     mixed = "; ".join(w.mixed for w in windows if w.mixed)
     deltas = [w.delta() for w in windows]
@@ -142,21 +158,19 @@ def gather(opts: Options) -> tuple[budgets.Facts, list[window.Window], dict[str,
     if len(deltas) > 1:
         merged["seconds"] = max(d["seconds"] or 0 for d in deltas)
     report = engine_metrics.report(merged, slo=slo, served=served if len(deltas) == 1 else None)
-    fails = [failures.between(w.first.exposition, w.last.exposition) for w in windows]
+    fails = [failures.between(w.first.exposition, w.last.exposition) for w in windows if not w.mixed]
     failed = failures.without_probe(
         Failures(tuple(s for f in fails for s in f.statuses),
                  {k: sum(f.finished.get(k, 0) for f in fails) for f in fails for k in f.finished},
-                 sum(f.request_bytes for f in fails), sum(f.sized_requests for f in fails)),
-        measured, ENDPOINTS[plan.endpoint])
-    model, note = tradeoff.fit(windows[0].snaps) if len(windows) == 1 else (None, "several replicas: no single fit")
-    settings = settings_of(report)
-    facts = budgets.Facts(symptom=opts.symptom, targets=opts.targets, engine=engine_of(report), probe=measured,
-                          failures=failed, settings=settings, fit=model, fit_note=note, url=opts.url, mixed=mixed,
-                          diagnosis=report["diagnosis"])
-    extra = {"target": target.info, "interrupted": interrupted,
-             "replicas": [{"url": w.url, "mixed": w.mixed or None} for w in windows],
+                 sum(f.request_bytes for f in fails), sum(f.sized_requests for f in fails)), measured, handler)
+    model, note = tradeoff.fit(windows[0].snaps) if len(windows) == 1 and not mixed else \
+        (None, "several engines: no single fit")
+    facts = budgets.Facts(symptom=opts.symptom, targets=opts.targets, engine=blind(report) if mixed else engine_of(report),
+                          probe=measured, failures=failed, settings=settings_of(report), fit=model, fit_note=note,
+                          url=opts.url, mixed=mixed, diagnosis={} if mixed else report["diagnosis"])
+    extra = {"replicas": [{"url": w.url, "mixed": w.mixed or None} for w in windows],
              "replica_reports": [engine_metrics.report(d, slo=slo) for d in deltas] if len(deltas) > 1 else []}
-    return facts, windows, extra
+    return facts, extra
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,6 +209,11 @@ def decide(opts: Options, facts: budgets.Facts) -> Verdict:
         if other.misses and other.largest is not None:
             also.append(causes.explain(facts, other, other.largest, opts.prompt_tokens))
     also = [a for a in also if root is None or (a.cause, a.segment) != (root.cause, root.segment)]
+    if facts.mixed:
+        also.insert(0, Finding("engine", "mixed_engines", f"{facts.mixed}: the engine's figures are left out, the "
+                               "probe's own timings stand", Owner("the balancer in front of the engines"), None,
+                               "give each engine's own URL (--replica, REPLICAS=url,url)",
+                               "one engine's /metrics is one engine's", "figures per engine", "high"))
     return Verdict(tuple(found), root, tuple(also), tuple(verify(opts, facts, root) if root else ()), facts)
 
 
@@ -252,6 +271,13 @@ def human_text(verdict: Verdict, extra: dict[str, Any]) -> str:
         for seg in sorted(b.segments, key=lambda s: -s.size):
             size = f"{seg.size:.1%}" if b.unit == "share" else _figure(seg.size, b.unit)
             lines.append(f"  {seg.name:<16} {size:>10} {seg.share:>5.0%}  {seg.measured}")
+    for replica in extra.get("replica_reports", []):
+        lines.append(f"Replica: {engine_metrics.format_replica_line(replica).strip()}")
+    served_by = [url for url in facts.probe.replica_of_stream]
+    if served_by:
+        named = sum(1 for url in served_by if url)
+        lines.append(f"Probe requests by replica: " + ", ".join(url or "not attributed" for url in served_by)
+                     + ("" if named == len(served_by) else " (other requests finished on several replicas meanwhile)"))
     lines.append(f"Probe: {facts.probe.load}")
     for route in facts.probe.routes:
         lines.append(f"  {route.path}: HTTP {route.status}, head {_figure(route.reused_ms, 'ms')} kept alive, "

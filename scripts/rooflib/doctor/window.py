@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 from rooflib.core import printing
 from rooflib.server import engine_metrics
+from rooflib.server.replicas import mixed_engines
 from rooflib.server.engine_metrics import Exposition
 
 
@@ -44,22 +45,6 @@ def scrape(url: str, api_key: str | None, timeout: float) -> Scrape:
     text, at = engine_metrics.scrape(url, api_key, timeout)
     exposition = engine_metrics.parse_exposition(text)
     return Scrape(exposition, engine_metrics.snapshot(exposition, url, at))
-
-
-def mixed_engines(snaps: Sequence[dict[str, Any]]) -> str:
-    """Why consecutive scrapes of one URL are not one engine's: a start time that changes back
-    and forth, or counters that fall and rise (a restart changes once and stays)."""
-    changes = 0
-    for a, b in zip(snaps, snaps[1:]):
-        if engine_metrics.restarted(a, b):
-            changes += 1
-    starts = {round(s["start_time"], 3) for s in snaps if s.get("start_time")}
-    if len(starts) > 1 and changes > 1:
-        return (f"consecutive scrapes came from {len(starts)} engines (start times differ, counters fell "
-                f"{changes} times): a balancer answers this URL")
-    if changes > 1:
-        return f"counters fell {changes} times between consecutive scrapes: more than one engine answers this URL"
-    return ""
 
 
 def collect(urls: Sequence[str], api_key: str | None, timeout: float, seconds: float,

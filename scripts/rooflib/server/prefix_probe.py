@@ -24,7 +24,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import httpx
 
@@ -48,6 +48,7 @@ class Counters:
     cached_by_source: Mapping[str, float]
     cache_config: Mapping[str, str]
     kv_usage: float | None
+    start_time: float | None = None   # when the engine started: another value is another engine
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def counters(text: str, source: str = "") -> Counters:
     kv = snap["gauges"].get("kv_cache_usage")
     return Counters(snap["engine"], value("prefix_queries"), value("prefix_hits"),
                     sum(v for _, v in cached) if cached else None, by_source, snap["cache_config"],
-                    kv["value"] if kv else None)
+                    kv["value"] if kv else None, snap["start_time"])
 
 
 def block_size(scrape: Counters) -> tuple[int, str]:
@@ -103,6 +104,13 @@ def delta(before: Counters, after: Counters) -> dict[str, Any]:
             "cached": minus(after.cached, before.cached), "cached_by_source": {k: v for k, v in moved.items() if v}}
 
 
+def mixed_engines(scrapes: Sequence[Counters], steps: Sequence[Mapping[str, Any]]) -> bool:
+    """The scrapes came from more than one engine (a balancer in front): a counter fell, or the
+    start time changed. Their differences are then no request's."""
+    starts = {round(s.start_time, 3) for s in scrapes if s.start_time}
+    return len(starts) > 1 or any((step[k] or 0) < 0 for step in steps for k in ("queries", "hits", "cached"))
+
+
 def judge(scrapes: tuple[Counters, Counters, Counters], answers: tuple[Answer, Answer]) -> dict[str, Any]:
     """The verdict from the scrapes before, between and after the two identical requests."""
     first_scrape, _, last_scrape = scrapes
@@ -116,6 +124,8 @@ def judge(scrapes: tuple[Counters, Counters, Counters], answers: tuple[Answer, A
     # vLLM counts a lookup per prompt token; SGLang's "queries" are all prompt tokens. Any other
     # count means other requests ran in between, and the counters are theirs too.
     other = tokens is not None and any(s["queries"] not in (None, 0, tokens) for s in steps)
+    mixed = mixed_engines(scrapes, steps)
+    other = other or mixed
     cached_now = answers[1].cached_tokens
     hits_now = None if other else steps[1]["hits"]
     evidence, cause = [], None
@@ -140,7 +150,12 @@ def judge(scrapes: tuple[Counters, Counters, Counters], answers: tuple[Answer, A
             evidence.append(f"KV-cache usage {last_scrape.kv_usage:.0%} after the probe")
     else:
         verdict = "unknown"
-    if other:
+    if mixed:
+        verdict = "unknown" if verdict != "can_hit" else verdict
+        cause = "mixed_engines"
+        evidence.append("consecutive scrapes came from different engines (a counter fell or the start time changed): "
+                        "a balancer answers this URL, so its counters cannot be read as one engine's")
+    elif other:
         evidence.append("other requests ran during the probe: the counters are not the probe's alone")
     return {"engine": engine, "block_size": block, "block_size_source": block_source, "prefix_caching": switch,
             "prompt_tokens": tokens, "cacheable_tokens": cacheable, "other_traffic": other,
@@ -164,6 +179,9 @@ def meaning(verdict: str, cause: str | None, block: int, engine: str) -> str:
         return ("this server's prefix cache cannot hit: caching is on and looked the prompt up, but the first "
                 "request's blocks were evicted before the second came: the KV cache is too small for the traffic "
                 "(more KV memory: --gpu-memory-utilization or --kv-cache-memory-bytes, fewer running requests)")
+    if cause == "mixed_engines":
+        return ("cannot tell from this URL: its /metrics comes from several engines behind a balancer. Run the "
+                "probe against one engine's own URL (both requests must reach the same engine to share a cache)")
     if cause == "off_or_evicted":
         return ("this server's prefix cache cannot hit: the radix cache is off (--disable-radix-cache) or evicted "
                 "the first request's pages before the second came; SGLang's metrics do not say which")
