@@ -35,16 +35,19 @@ def prompt(words: int, rng: random.Random) -> str:
 @contextmanager
 def traffic(url: str, model: str, concurrency: int = 2, prompt_words: int = 200, output_tokens: int = 32,
             long_share: float = 0.0, long_words: int = 0, think_s: float = 0.2, stream: bool = False,
-            seed: int = 0) -> Iterator[Counts]:
+            shared: bool = False, timeout_s: float = 300, seed: int = 0) -> Iterator[Counts]:
+    """`shared`: every prompt is the same system prompt and a different question after it;
+    `timeout_s`: a user gives up on a request after this long (the server counts an abort)."""
     counts = Counts()
     stop = threading.Event()
 
     def user(number: int) -> None:
         rng = random.Random(seed * 1000 + number)
-        with httpx.Client(base_url=url, timeout=300) as http:
+        with httpx.Client(base_url=url, timeout=timeout_s) as http:
             while not stop.is_set():
                 words = long_words if rng.random() < long_share else prompt_words
-                body = {"model": model, "prompt": prompt(words, rng), "max_tokens": output_tokens,
+                text = f"{prompt(words, random.Random(seed))} question {rng.random()}" if shared else prompt(words, rng)
+                body = {"model": model, "prompt": text, "max_tokens": output_tokens,
                         "ignore_eos": True, "stream": stream}
                 try:
                     if stream:

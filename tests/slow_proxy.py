@@ -2,9 +2,11 @@
 
 It forwards each request after a fixed delay (on every path, as a distant network or a slow
 proxy delays them, or on the inference routes only, as a gateway does), and passes each answer
-on as it comes, or whole once it is complete (a proxy that buffers responses: a stream then
-arrives in one read). One upstream connection per client connection, keep-alive; requests carry
-a Content-Length (bench's client and httpx send one), answers a Content-Length or chunks.
+on as it comes, piece by piece after a hold (a drip), or whole once it is complete (a proxy that
+buffers responses: a stream then arrives in one read). It may also hold each new connection
+before serving it, or answer every Nth request 429 itself (a rate limiter the engine never sees).
+One upstream connection per client connection, keep-alive; requests carry a Content-Length
+(bench's client and httpx send one), answers a Content-Length or chunks.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ class Behaviour:
     delay_s: float = 0.0
     delayed_prefix: str = "/"   # the paths that are delayed (all by default)
     buffer: bool = False        # send each answer on only once it is complete
+    drip_s: float = 0.0         # hold each piece of an answer this long before passing it on
+    accept_delay_s: float = 0.0  # a new connection waits this long before the proxy serves it
+    limit_every: int = 0        # answer every Nth request on the delayed paths 429 (a rate limiter)
 
 
 def _head(reader: BinaryIO) -> bytes:
@@ -58,6 +63,10 @@ def _body(reader: BinaryIO, head: bytes) -> Iterator[bytes]:
     yield reader.read(int(_header(head, b"content-length") or 0))
 
 
+LIMITED = (b'HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nContent-Length: 64\r\n\r\n'
+           + b'{"error": {"message": "rate limit exceeded, try again later."}}'.ljust(64))
+
+
 class Proxy:
     def __init__(self, upstream: str, behaviour: Behaviour):
         parts = urlsplit(upstream)
@@ -66,6 +75,8 @@ class Proxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.requests = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -78,6 +89,7 @@ class Proxy:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, client: socket.socket) -> None:
+        time.sleep(self.behaviour.accept_delay_s)
         upstream = socket.create_connection(self.upstream)
         self.sockets.append(upstream)
         for sock in (client, upstream):  # each piece goes on at once (no Nagle delay behind a small write)
@@ -91,6 +103,9 @@ class Proxy:
                 request += from_client.read(int(_header(request, b"content-length") or 0))
                 if request.split(b" ")[1].decode("latin-1").startswith(self.behaviour.delayed_prefix):
                     time.sleep(self.behaviour.delay_s)
+                    if self._limited():
+                        client.sendall(LIMITED)
+                        continue
                 upstream.sendall(request)
                 answer = _head(from_upstream)
                 if not answer:
@@ -100,12 +115,18 @@ class Proxy:
                     continue
                 client.sendall(answer)
                 for piece in _body(from_upstream, answer):
+                    time.sleep(self.behaviour.drip_s)
                     client.sendall(piece)
         except OSError:
             return
         finally:
             client.close()
             upstream.close()
+
+    def _limited(self) -> bool:
+        with self.lock:
+            self.requests += 1
+            return bool(self.behaviour.limit_every) and self.requests % self.behaviour.limit_every == 0
 
     def close(self) -> None:
         self.listener.close()

@@ -20,7 +20,7 @@ def stream(head=5.0, ttft=60.0, tokens=(1,) + (1,) * 63, reads=None, gap=10.0, c
     return Stream(status=status, error=error, detail=detail, connect_ms=connect, head_ms=head, ttft_ms=ttft,
                   e2e_ms=ttft + gap * (len(reads) - 1), prompt_tokens=300, completion_tokens=sum(tokens),
                   tokens_per_event=tuple(tokens), events_per_read=reads, text_gaps_ms=(gap,) * (len(reads) - 1),
-                  request_bytes=1300)
+                  request_bytes=1300, prompt_bytes=1100)
 
 
 def probe(streams=None, missing_ms=0.6, over=None) -> Probe:
@@ -90,8 +90,8 @@ CASES = {
     "requests over the context limit": (
         facts(failures=REJECTED, probed=probe(over=stream(status=400, error="http_4xx", detail=CONTEXT_BODY)),
               settings={"max_model_len": Setting("max_model_len", 1024, "exported", "/v1/models")}),
-        # The rejected fifth average 7,000 bytes, 1,615 tokens at the probe's 4.3 bytes a token:
-        # with 64 out, the next power of two is 2,048.
+        # The rejected fifth average 7,000 bytes: less 200 bytes of fields, 1,855 tokens at the
+        # probe's 3.67 bytes a token; with 64 out, the next power of two is 2,048.
         "errors", ("rejected: 4xx on /v1/completions", "context_length", "--max-model-len", 2048)),
 }
 

@@ -52,8 +52,17 @@ def root_of(result: dict) -> tuple[str, str, str | None, object, object]:
 
 @pytest.fixture(scope="module")
 def shaped(vllm_factory):
-    """A context limit of 1,024 tokens and an engine that streams every 32 tokens."""
-    with vllm_factory(sets=["max_model_len=1024", 'extra_args=["--stream-interval", "32"]']) as server:
+    """A context limit of 1,024 tokens, an engine that streams every 32 tokens, at most 2 running."""
+    with vllm_factory(sets=["max_model_len=1024", "max_num_seqs=2", 'extra_args=["--stream-interval", "32"]']) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def starved(vllm_factory):
+    """A KV cache of 2,048 tokens (env={} drops VLLM_CPU_KVCACHE_SPACE, which would win) and no
+    prefix caching."""
+    with vllm_factory(sets=["env={}", "max_model_len=1024", "kv_cache_memory_bytes=4194304",
+                            "enable_prefix_caching=false"]) as server:
         yield server
 
 
@@ -115,11 +124,11 @@ def test_an_engine_stream_interval_is_named_with_its_value(shaped):
 
 
 @pytest.mark.real_vllm
-@pytest.mark.parametrize("given", [None, 1500])
+@pytest.mark.parametrize("given", [None, 2606])
 def test_requests_rejected_for_length_name_the_context_limit_and_a_value_that_fits(shaped, given):
-    """A fifth of the users send prompts longer than the 1,024-token limit; the engine never sees
-    them. With the users' length given (1,500 tokens) the value is exact; without it, estimated
-    from the request sizes the server counts."""
+    """A fifth of the users send prompts longer than the 1,024-token limit (1,500 words, 2,606
+    tokens); the engine never sees them. With the users' length given the value is exact; without
+    it, estimated from the request sizes the server counts: either way one that takes them."""
     with traffic(shaped.url, shaped.model, concurrency=2, prompt_words=150, long_share=0.2, long_words=1500) as counts:
         args = ["--symptom", "errors", "--window", WINDOW] + (["--prompt-tokens", str(given)] if given else [])
         code, result = doctor(shaped.url, *args)
@@ -127,7 +136,7 @@ def test_requests_rejected_for_length_name_the_context_limit_and_a_value_that_fi
     segment, cause, owner, current, proposed = root_of(result)
     assert (code, segment, cause, owner, current) == (1, "rejected: 4xx on /v1/completions", "context_length",
                                                       "--max-model-len", 1024), result["first_line"]
-    assert proposed == 2048 if given else proposed >= 2048 and proposed & (proposed - 1) == 0
+    assert proposed == 4096 if given else proposed >= 4096 and proposed & (proposed - 1) == 0
     assert "fits the KV cache" in result["root"]["reason"]
     # The probe's own request over the limit is not counted as the users'.
     assert "maximum context length is 1024" in result["probe"]["over_limit"]["detail"]
@@ -173,3 +182,39 @@ def test_a_healthy_server_has_no_root_cause(vllm_server):
                               "--slo-tpot-p95-ms", "60000", "--slo-gap-p95-ms", "60000")
     assert (code, result["root"]) == (0, None), result["first_line"]
     assert result["first_line"].startswith("Root cause: none")
+
+
+@pytest.mark.real_vllm
+def test_a_queue_behind_the_running_cap_names_the_cap(shaped):
+    """Six users of 450-word (about 790-token) prompts on a cap of 2: most of their first-token time
+    is the queue."""
+    with traffic(shaped.url, shaped.model, concurrency=6, prompt_words=450, output_tokens=16, think_s=0.05):
+        code, result = doctor(shaped.url, "--symptom", "first-token", "--slo-ttft-p95-ms", "500", "--window", WINDOW)
+    segment, cause, owner, current, proposed = root_of(result)
+    assert (code, segment, cause, owner) == (1, "queue", "running_limit", "--max-num-seqs"), result["first_line"]
+    assert current == 2 and proposed > 2
+
+
+@pytest.mark.real_vllm
+def test_a_kv_cache_too_small_names_its_size(starved):
+    """Sixteen users of 400-word (about 690-token) prompts and 256-token answers on 2,048 KV
+    tokens: preemptions."""
+    with traffic(starved.url, starved.model, concurrency=16, prompt_words=400, output_tokens=256, think_s=0.05):
+        code, result = doctor(starved.url, "--symptom", "first-token", "--slo-ttft-p95-ms", "500", "--window", "12")
+    segment, cause, owner, current, proposed = root_of(result)
+    assert (code, segment, cause, owner, current) == (1, "queue", "kv_cache", "--kv-cache-memory-bytes", 4194304), \
+        result["first_line"]
+    assert proposed > 4194304
+
+
+@pytest.mark.real_vllm
+def test_prefix_caching_off_under_a_shared_prefix_names_the_switch(starved):
+    """One user at a time re-sends a 450-word (about 790-token) system prompt: with caching off,
+    prefill is the time."""
+    with traffic(starved.url, starved.model, concurrency=1, prompt_words=450, output_tokens=8, shared=True):
+        code, result = doctor(starved.url, "--symptom", "first-token", "--slo-ttft-p95-ms", "20", "--window", WINDOW,
+                              "--probe-concurrency", "1")
+    segment, cause, owner, current, proposed = root_of(result)
+    assert (code, segment, cause, owner, current, proposed) == (1, "prefill", "prefix_cache_off",
+                                                                "--enable-prefix-caching", False, True), \
+        result["first_line"]

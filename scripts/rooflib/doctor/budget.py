@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from rooflib.doctor.evidence import Engine, Failures, Fit, Probe, Segment, Setting, Stream, Targets
-from rooflib.doctor.failures import failed_share
+from rooflib.doctor.failures import failed_share, gave_up
+
+ABANDONED_FLOOR = 2   # requests at the window's edges can end in one counter before the other
 from rooflib.server.diagnosis import QUEUE_SHARE
 
 
@@ -107,6 +109,13 @@ def held_ms(stream: Stream, head_ms: float | None, engine_ttft: float | None) ->
     return stream.ttft_ms - head - engine_ttft
 
 
+def setup_ms(probe: Probe) -> float | None:
+    """What a new connection pays after its TCP connect before its first answer, beyond a kept-alive
+    one (a TLS handshake, an accept queue, a proxy's per-connection work): the trivial routes'."""
+    return median([max(0.0, r.new_ms - (r.connect_ms or 0.0) - r.reused_ms) for r in probe.routes
+                   if r.new_ms is not None and r.reused_ms is not None])
+
+
 def first_token(f: Facts) -> Budget:
     streams = ok_streams(f.probe)
     e = f.engine
@@ -120,10 +129,15 @@ def first_token(f: Facts) -> Budget:
     head = median([s.head_ms for s in streamed])
     queue = e.queue_mean
     prefill = None if e.ttft_mean is None else max(0.0, e.ttft_mean - (queue or 0.0))
-    route = None if head is None or front is None else head - front
+    setup = setup_ms(f.probe)
+    route = None if head is None or front is None else head - front - (setup or 0.0)
     held = median([held_ms(s, head if head is not None else front, e.ttft_mean) for s in streams])
+    client = None if held is None else min(max(held, 0.0), f.probe.loop_lag_p95_ms or 0.0)
+    held = None if held is None else held - (client or 0.0)
     total = connect + ttft
     parts = [("connect", connect, "the probe's TCP connect, a new connection per request"),
+             ("connection_setup", setup, "a trivial route's first answer on a new connection, beyond its connect and "
+                                         "a kept-alive connection's answer"),
              ("front", front, front_how),
              ("route", route, f"the inference route's head took {head or 0:.1f} ms, {route or 0:.1f} ms more than "
                               "what a missing route pays"),
@@ -132,11 +146,13 @@ def first_token(f: Facts) -> Budget:
              ("first_delivery", held, f"the first text came {ttft:.1f} ms after sending; the head and the engine's "
                                       f"mean TTFT ({e.ttft_mean or 0:.1f} ms) explain the rest"
                                       + (f"; {len(streams) - len(streamed)} of {len(streams)} streams came whole in "
-                                         "one read" if len(streamed) < len(streams) else ""))]
+                                         "one read" if len(streamed) < len(streams) else "")),
+             ("client", client, f"the probe's own event loop ran up to {f.probe.loop_lag_p95_ms or 0:.1f} ms late (p95)")]
     segments = _segments(parts, total)
-    outside = sum(s.size for s in segments if s.name in ("connect", "front", "route", "first_delivery"))
+    outside = sum(s.size for s in segments if s.name in ("connect", "connection_setup", "front", "route",
+                                                         "first_delivery"))
     p95_seen = (e.ttft_p95 or 0.0) + outside if e.ttft_p95 is not None else p95([s.ttft_ms for s in streams])
-    return Budget("first-token", "TTFT of a probe request (median)", total, f.targets.ttft_p95_ms, "ms", segments,
+    return Budget("first-token", "TTFT (a probe request's median)", total, f.targets.ttft_p95_ms, "ms", segments,
                   bool(p95_seen and p95_seen > f.targets.ttft_p95_ms),
                   f"TTFT p95 as users see it: about {p95_seen or 0:.0f} ms (the engine's p95 plus the time outside it)")
 
@@ -185,33 +201,64 @@ def text_waits(f: Facts, streams: Sequence[Stream]) -> list[float]:
     return waits
 
 
+LAG_SHARE = 0.25   # text this much slower than the engine's token pace was held on the way
+
+
+def end_lag_ms(f: Facts, streams: Sequence[Stream]) -> float | None:
+    """How much later the probe's streams ended than the engine's pace explains (median): the time
+    from the first text to the last less the engine's mean gap between tokens times the gaps. It
+    does not depend on the lengths of the traffic's requests, only on the engine's token time."""
+    pace = f.engine.itl_mean
+    lags = [(s.e2e_ms - s.ttft_ms) - pace * (s.completion_tokens - 1) for s in streams
+            if pace and s.e2e_ms is not None and s.ttft_ms is not None and (s.completion_tokens or 0) > 1
+            and not buffered(s)]
+    return median(lags)
+
+
+def paced_ms(f: Facts, streams: Sequence[Stream]) -> float | None:
+    """The time the engine's pace gives a probe stream from its first text to its last (median)."""
+    pace = f.engine.itl_mean
+    return median([pace * (s.completion_tokens - 1) for s in streams if pace and (s.completion_tokens or 0) > 1])
+
+
 def streaming(f: Facts) -> Budget:
     e, streams = f.engine, ok_streams(f.probe)
     if e.tpot_p95 is not None and e.tpot_p95 > f.targets.tpot_p95_ms:
         return Budget("streaming", "TPOT p95 (the engine's time per output token)", e.tpot_p95, f.targets.tpot_p95_ms,
                       "ms", (Segment("decode", e.tpot_p95, 1.0, "the engine's TPOT histogram over the window"),), True)
-    per_token, how = per_token_ms(f, streams)
+    engine_token, how = per_token_ms(f, streams)
     waits = text_waits(f, streams)
     gap = p95(waits)
-    if per_token is None or gap is None:
-        return Budget("streaming", "gap between text arrivals (p95)", gap, f.targets.gap_p95_ms, "ms", (), False,
+    if engine_token is None or gap is None:
+        return Budget("streaming", "text gap p95 (between text arrivals)", gap, f.targets.gap_p95_ms, "ms", (), False,
                       "the probe streamed too few tokens to time the gaps")
     tpe = tokens_per_event(streams) or 1.0
     epr = events_per_read(streams) or 1.0
     batched = epr if epr >= 2 else 1.0
-    # The engine's p95 token gap and the p95 text gap are quantiles of different things: the
-    # parts are kept within the figure.
-    per_token = min(per_token, gap / (tpe * batched))
-    interval = (tpe - 1) * per_token
-    delivery = (batched - 1) * tpe * per_token
-    rest = gap - tpe * batched * per_token
+    # The gap is the time per token times the tokens an event carries times the events a
+    # delivery brings: each factor holds its share of the gap (a stream interval of 32 holds
+    # 31/32 of it whatever the time per token is), and what is left is one token's time.
+    interval = gap * (tpe - 1) / tpe
+    delivery = gap / tpe * (batched - 1) / batched
+    per_token = gap / (tpe * batched)
+    decode = min(per_token, engine_token)
+    rest = per_token - decode
+    lag, paced = end_lag_ms(f, streams), paced_ms(f, streams)
+    client = min(rest, f.probe.loop_lag_p95_ms or 0.0)
+    rest -= client
+    # The text came much slower than the engine made its tokens: the rest was held on the way (a
+    # layer that passes events on slower than they come, one by one), not in the engine.
+    if lag is not None and paced and lag > LAG_SHARE * paced:
+        delivery, rest = delivery + rest, 0.0
     stalls = rest if e.itl_p99 is not None and e.itl_mean and e.itl_p99 >= 4 * e.itl_mean else 0.0
-    parts = [("decode", per_token, how),
+    parts = [("decode", decode, how),
              ("stream_interval", interval, f"events carried {tpe:g} tokens each (the usage in every chunk)"),
-             ("delivery", delivery, f"{epr:g} events came in each read that brought text (median)"),
+             ("delivery", delivery, f"{epr:g} events came in each read that brought text (median); the streams "
+                                    f"ended {lag or 0:.0f} ms later than the engine's token pace gives"),
              ("stalls", stalls, f"the engine's ITL p99 {e.itl_p99 or 0:.0f} ms against a mean of {e.itl_mean or 0:.0f} ms"),
+             ("client", client, f"the probe's own event loop ran up to {f.probe.loop_lag_p95_ms or 0:.1f} ms late (p95)"),
              ("other", rest - stalls, "what the engine, the events and the reads do not explain")]
-    return Budget("streaming", "gap between text arrivals (p95)", gap, f.targets.gap_p95_ms, "ms",
+    return Budget("streaming", "text gap p95 (between text arrivals)", gap, f.targets.gap_p95_ms, "ms",
                   _segments(parts, gap), gap > f.targets.gap_p95_ms,
                   f"{len(waits)} waits for text over {len(streams)} probe streams")
 
@@ -220,25 +267,29 @@ def streaming(f: Facts) -> Budget:
 # errors
 
 def errors(f: Facts) -> Budget:
+    """The failed share: what the server counted (by status and route, aborted requests) and what
+    the probe met that the server did not count (a layer in front answered it)."""
     failed, total, by = failed_share(f.failures)
     aborted = f.failures.finished.get("abort", 0.0)
-    finished = sum(f.failures.finished.values())
     probe_failed = [s for s in f.probe.streams if s.error]
     probe_total = len(f.probe.streams)
     parts: list[tuple[str, float | None, str]] = []
     if total:
         parts += [(f"rejected: {key}", count / total, f"{count:.0f} of {total:.0f} requests on the inference routes "
                                                        "(http_requests_total)") for key, count in by.items()]
-    if finished and aborted:
-        parts.append(("aborted", aborted / finished, f"{aborted:.0f} of {finished:.0f} finished requests ended "
-                                                     "aborted (vllm:request_success_total)"))
-    if probe_failed and not total:
+    abandoned = gave_up(f.failures)
+    if total and aborted + abandoned > ABANDONED_FLOOR:
+        parts.append(("aborted", (aborted + abandoned) / total, (
+            f"{abandoned:.0f} of {total:.0f} requests the inference routes answered never finished in the engine "
+            f"(http_requests_total against vllm:request_success_total), {aborted:.0f} aborted by the engine")))
+        aborted += abandoned
+    server_share = (failed + aborted) / total if total else 0.0
+    probe_share = len(probe_failed) / probe_total if probe_total else 0.0
+    if probe_failed and probe_share > server_share:
         kinds = sorted({s.error or "" for s in probe_failed})
-        parts.append((f"probe: {', '.join(kinds)}", len(probe_failed) / probe_total,
-                      f"{len(probe_failed)} of {probe_total} probe requests failed"))
-    share = (failed / total if total else 0.0) + (aborted / finished if finished else 0.0)
-    if not total and probe_total:
-        share = len(probe_failed) / probe_total
+        parts.append((f"probe: {', '.join(kinds)}", probe_share,
+                      f"{len(probe_failed)} of {probe_total} probe requests failed, more than the server counted"))
+    share = max(server_share, probe_share)
     segments = tuple(Segment(name, size, size / share if share else 0.0, how) for name, size, how in parts)
     return Budget("errors", "failed share of requests", share, f.targets.error_share, "share", segments,
                   share > f.targets.error_share,
@@ -254,14 +305,14 @@ def throughput(f: Facts) -> Budget:
     slot (a queue while the engine could run more is its limit, not the load)."""
     e = f.engine
     if not e.e2e_mean or e.queue_mean is None:
-        return Budget("throughput", "share of request time spent queued", None, QUEUE_SHARE, "share", (), False,
+        return Budget("throughput", "queued share (of request time)", None, QUEUE_SHARE, "share", (), False,
                       "no finished requests in the window")
     queued = e.queue_mean / e.e2e_mean
     parts = [("queue", queued, f"requests waited {e.queue_mean:.0f} ms of their {e.e2e_mean:.0f} ms "
                                f"({e.waiting_mean or 0:.1f} waiting at a time)"),
              ("offered_load", 1 - queued, f"{e.running_mean or 0:.1f} requests running at a time, "
                                           f"{e.gen_tok_s or 0:,.0f} tok/s generated")]
-    return Budget("throughput", "share of request time spent queued", queued, QUEUE_SHARE, "share",
+    return Budget("throughput", "queued share (of request time)", queued, QUEUE_SHARE, "share",
                   _segments(parts, 1.0), queued >= QUEUE_SHARE, f"{e.gen_tok_s or 0:,.0f} tok/s generated")
 
 

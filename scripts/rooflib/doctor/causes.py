@@ -12,7 +12,7 @@ import math
 from typing import Any, Callable, Mapping
 
 from rooflib.doctor import failures, tradeoff
-from rooflib.doctor.budget import Budget, Facts, events_per_read, median, ok_streams, tokens_per_event
+from rooflib.doctor.budget import Budget, Facts, end_lag_ms, events_per_read, median, ok_streams, tokens_per_event
 from rooflib.doctor.evidence import Finding, Owner, Segment, Setting
 
 ENGINE = "the engine"
@@ -49,6 +49,16 @@ def connect(f: Facts, seg: Segment) -> Finding:
                     "keep connections alive in the client, or serve from nearer the clients",
                     "every new connection pays a round trip before the request leaves",
                     f"up to {seg.size:.0f} ms less per request on a kept-alive connection", "high: measured per request")
+
+
+def connection_setup(f: Facts, seg: Segment) -> Finding:
+    return _outside(seg, "new_connection_held", (
+        f"a new connection waits {seg.size:.0f} ms after its TCP connect before its first answer, a kept-alive one "
+        "does not: the server or a proxy in front does work per connection (a TLS handshake, an accept queue that "
+        "fills, per-connection auth)"), f"whatever accepts connections for {f.url}",
+        "keep connections alive in the clients (a pool); check the accept backlog, TLS session reuse and the proxy's "
+        "per-connection work", "every request on a new connection pays it before it is read",
+        f"up to {seg.size:.0f} ms less TTFT for clients that open connections", "high: the same route, new and kept alive")
 
 
 def front(f: Facts, seg: Segment) -> Finding:
@@ -96,6 +106,15 @@ def delivery(f: Facts, seg: Segment) -> Finding:
     streams = ok_streams(f.probe)
     tpe = tokens_per_event(streams) or 1
     epr = events_per_read(streams) or 1
+    lag = end_lag_ms(f, streams)
+    if epr < 2 and lag is not None:
+        return _outside(seg, "slow_delivery", (
+            f"the text came one event at a time, yet the streams ended {lag:.0f} ms later than the engine's token pace "
+            "gives: something between the server and the client passes the stream on slower than the engine sends it"), "a proxy between the server and the clients, or a slow client",
+            "find the layer that holds each event (a proxy's flow control or per-chunk work, a client that reads "
+            "slowly): bench the engine's own port to confirm", "the engine streams in time; the text is late",
+            f"gaps of the engine's token time, about {lag:.0f} ms earlier ends", "medium: the engine's mean gap "
+            "between tokens against the probe's streams")
     return _outside(seg, "buffering", (
         f"the server sends {tpe:g} token(s) per event, but the client got {epr:.1f} events per read: a layer between "
         f"the server and the client holds the stream back and passes it on in batches ({seg.size:.0f} ms of the "
@@ -103,6 +122,14 @@ def delivery(f: Facts, seg: Segment) -> Finding:
         "turn off response buffering on the streaming routes (nginx: proxy_buffering off, or send X-Accel-Buffering: "
         "no; no compression of text/event-stream)", "the engine streams; the text arrives in bursts",
         "text arrives as the engine sends it: gaps of one event", "high: events counted per read")
+
+
+def client(f: Facts, seg: Segment) -> Finding:
+    return _outside(seg, "client_lag", (
+        f"the probe's own event loop woke up to {f.probe.loop_lag_p95_ms or 0:.1f} ms late: its timestamps are that late, "
+        "so this part is the measuring machine's, not the server's"), "the machine the doctor runs on",
+        "run the doctor again from a quieter machine (or with fewer processes beside it)",
+        "a busy client timestamps late", "the figure without the client's own lag", "high: measured in the probe")
 
 
 def other(f: Facts, seg: Segment) -> Finding:
@@ -224,66 +251,97 @@ def stalls(f: Facts, seg: Segment) -> Finding:
 # Failures and throughput
 
 def _users_length(f: Facts, limit: int | None, given: int | None) -> tuple[int | None, str]:
-    """The length of the requests the server rejects: given by the user, else estimated from the
-    request sizes (their mean over every request, the accepted requests' prompt tokens, and the
-    bytes per token of the probe's own prompts)."""
+    """The prompt length of the requests the server rejects: given by the user, else estimated
+    from the sizes the server counted for every request of the window. Each request is its fields
+    (`fields` bytes, the probe's own less its prompt) and its prompt (`per_token` bytes a token,
+    the probe's prompts'): the accepted ones' prompts are the engine's, the rest is the rejected."""
     if given:
         return given, "as you gave it (--prompt-tokens)"
     failed, total, _ = failures.failed_share(f.failures)
-    sized = [s for s in f.probe.streams if s.request_bytes and s.prompt_tokens]
+    sized = [s for s in f.probe.streams if s.request_bytes and s.prompt_bytes and s.prompt_tokens]
     mean_bytes, accepted = f.failures.request_bytes_mean, f.engine.prompt_tokens_mean
     if not (failed and total and sized and mean_bytes and accepted):
         return None, "not measurable here: give the users' prompt length with --prompt-tokens"
-    per_token = median([s.request_bytes / s.prompt_tokens for s in sized]) or 1.0
+    per_token = median([s.prompt_bytes / s.prompt_tokens for s in sized]) or 1.0
+    fields = median([s.request_bytes - s.prompt_bytes for s in sized]) or 0.0
     share = failed / total
-    rejected = (mean_bytes / per_token - (1 - share) * accepted) / share
+    rejected = ((mean_bytes - fields) / per_token - (1 - share) * accepted) / share
     if limit and rejected <= limit:
         return None, "the request sizes do not show longer prompts: give them with --prompt-tokens"
     return int(rejected), (f"estimated from http_request_size_bytes: requests average {mean_bytes:,.0f} bytes, "
                            f"{share:.0%} are rejected, accepted prompts average {accepted:,.0f} tokens, at "
-                           f"{per_token:.1f} bytes per token (the probe's own)")
+                           f"{per_token:.1f} bytes a token and {fields:,.0f} bytes of fields (the probe's own)")
 
 
 def rejected(f: Facts, seg: Segment, given_prompt_tokens: int | None = None) -> Finding:
+    """Requests the server refused. HTTP 400 is the context limit when a request just over it
+    earns the same refusal and the users' requests are longer than the limit (given, or as their
+    sizes show); other refusals are the clients' to read (a wrong model name, bad parameters)."""
     over = f.probe.over_limit
     detail = over.detail if over else ""
     cause = failures.cause_of(detail) if over and over.error else None
     if seg.name.startswith("rejected: 4") and cause == "context_length":
-        flag = MODEL_LEN_FLAG.get(f.engine.engine, "--max-model-len")
-        known = setting(f, "max_model_len", flag)
+        known = setting(f, "max_model_len", MODEL_LEN_FLAG.get(f.engine.engine, "--max-model-len"))
         limit = known.value or failures.limit_in(detail)
         length, how = _users_length(f, limit, given_prompt_tokens)
-        out = int(f.engine.output_tokens_mean or 0)
-        proposed = 1 << math.ceil(math.log2(length + out)) if length else (limit * 2 if limit else None)
-        kv = f.engine.kv_cache_tokens
-        fits = "" if not (kv and proposed) else (
-            f"; it fits the KV cache ({kv:,} tokens: {kv // proposed} requests of {proposed:,} at once)" if kv >= proposed
-            else f"; it does NOT fit the KV cache ({kv:,} tokens < {proposed:,}): the engine would refuse to start; "
-                 "add KV space first (task vram sizes it)")
-        return Finding(seg.name, "context_length", (
-            f"{seg.size:.0%} of requests fail with HTTP 400 before the engine runs them: prompts longer than {flag} "
-            f"{limit} are rejected (a request just over it got: \"{detail[:160]}\"); the users' prompts: "
-            f"{length or 'unknown'} tokens, {how}"),
-            Owner(ENGINE, known), proposed, "", f"room for the users' prompts and answers{fits}",
-            f"the rejected {seg.size:.0%} served (each holds more KV: fewer at once)", "high: the error body and the "
-            "status counters")
+        if length is not None or "not measurable" in how:
+            return context_limit(f, seg, known, limit, length, how, detail)
+        detail, cause = f"{how}, so the context limit is not why", None
+    if seg.name.startswith("probe"):
+        return outside_failures(f, seg)
     if seg.name.startswith("rejected: 5"):
         return _outside(seg, "server_errors", f"{seg.size:.0%} of requests fail with HTTP 5xx", "the engine process",
                         "read the engine's log for the first exception (an engine core that died answers 503)",
                         "the server fails requests it accepted", "no failures once the cause is fixed", "high")
     return _outside(seg, cause or "rejected", f"{seg.size:.0%} of requests fail ({seg.name[len('rejected: '):]})"
-                    + (f"; the server says: \"{detail[:160]}\"" if detail else ""),
-                    "the clients' requests, or a gateway's limits", "read the error bodies the clients get",
-                    "the server refuses them", "no rejections once the requests fit", "medium")
+                    + (f"; {detail[:200]}" if detail else ""),
+                    "the clients' requests, or a gateway's limits", "read the error bodies the clients get (a model "
+                    "name the server does not serve, bad parameters, auth)", "the server refuses them",
+                    "no rejections once the requests are right", "medium")
+
+
+def context_limit(f: Facts, seg: Segment, known: Setting, limit: int | None, length: int | None, how: str,
+                  detail: str) -> Finding:
+    """The context limit rejects the users' prompts: the power of two that takes them and their
+    answers, and whether the KV cache holds one request of it (vLLM refuses to start otherwise)."""
+    out = int(f.engine.output_tokens_mean or 0)
+    proposed = 1 << math.ceil(math.log2(length + out)) if length else (limit * 2 if limit else None)
+    kv = f.engine.kv_cache_tokens
+    fits = "" if not (kv and proposed) else (
+        f"; it fits the KV cache ({kv:,} tokens: {kv // proposed} requests of {proposed:,} at once)" if kv >= proposed
+        else f"; it does NOT fit the KV cache ({kv:,} tokens < {proposed:,}): the engine would refuse to start; "
+             "add KV space first (the vram task sizes it)")
+    return Finding(seg.name, "context_length", (
+        f"{seg.size:.0%} of requests fail with HTTP 400 before the engine runs them: prompts longer than {known.flag} "
+        f"{limit} are rejected (a request just over it got: \"{detail[:160]}\"); the users' prompts: "
+        f"{length or 'unknown'} tokens, {how}"),
+        Owner(ENGINE, known), proposed, "", f"room for the users' prompts and answers{fits}",
+        f"the rejected {seg.size:.0%} served (each holds more KV: fewer at once)", "high: the error body and the "
+        "status counters")
+
+
+def outside_failures(f: Facts, seg: Segment) -> Finding:
+    """Probe requests that failed while the server counted no such failure: a layer in front of
+    the engine answered them (a rate limiter, an auth gateway), or the connection broke on the way."""
+    failed = [s for s in f.probe.streams if s.error]
+    detail = failed[0].detail if failed else ""
+    cause = failures.cause_of(detail) or (failed[0].error if failed else "failed")
+    return _outside(seg, cause, (
+        f"{seg.size:.0%} of the probe's requests failed ({seg.name[len('probe: '):]}), more than the engine's own "
+        f"counters show: something in front of it answered them" + (f"; it said: \"{detail[:160]}\"" if detail else "")),
+        "the gateway or proxy in front of the engine", "read its limits (a rate limit per client or key, auth) and "
+        "raise them or spread the load", "the engine never saw these requests", "no such failures once the limit "
+        "fits the load", "medium: the probe's own requests against the engine's counters")
 
 
 def aborted(f: Facts, seg: Segment) -> Finding:
     e2e = f.engine.e2e_mean or 0
     return _outside(seg, "client_gave_up", (
-        f"{seg.size:.0%} of the requests the engine finished were aborted: the client went away before the end "
-        f"(requests take {e2e / 1000:.1f} s on average)"), "the clients (their timeout) or a proxy's read timeout",
+        f"{seg.size:.0%} of the requests were abandoned before the end: the client went away (requests that finish "
+        f"take {e2e / 1000:.1f} s on average); {seg.measured}"), "the clients (their timeout) or a proxy's read timeout",
         "raise the client's and proxies' timeouts above the requests' e2e p95, or make the requests shorter",
-        "an aborted request spent engine time and delivered nothing", "no aborts", "medium")
+        "an abandoned request spent engine time and delivered nothing", "no abandoned requests",
+        "medium: two counters that count a request when it ends")
 
 
 def offered_load(f: Facts, seg: Segment) -> Finding:
@@ -296,9 +354,9 @@ def offered_load(f: Facts, seg: Segment) -> Finding:
 
 
 EXPLAIN: Mapping[str, Callable[[Facts, Segment], Finding]] = {
-    "connect": connect, "front": front, "route": route, "first_delivery": first_delivery, "queue": queue,
+    "connect": connect, "connection_setup": connection_setup, "front": front, "route": route, "first_delivery": first_delivery, "queue": queue,
     "prefill": prefill, "decode": decode, "stream_interval": stream_interval, "delivery": delivery,
-    "stalls": stalls, "other": other, "aborted": aborted, "offered_load": offered_load,
+    "stalls": stalls, "client": client, "other": other, "aborted": aborted, "offered_load": offered_load,
 }
 
 

@@ -50,6 +50,7 @@ class Stream:
     events_per_read: tuple[int, ...]    # text events in each delivery: reads within 2 ms are one
     text_gaps_ms: tuple[float, ...]     # gaps between the deliveries of text
     request_bytes: int = 0              # the request's body
+    prompt_bytes: int = 0               # its prompt text (UTF-8), the rest being the request's fields
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class Probe:
     over_limit: Stream | None = None
     endpoint: str = "completions"
     replica_of_stream: tuple[str | None, ...] = ()   # the replica URL that served each stream
+    loop_lag_p95_ms: float | None = None  # how late the probe's own event loop woke (its timestamps are that late)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class Failures:
     """What failed in the window, by the server's own counters."""
     statuses: tuple[StatusCount, ...]
     finished: dict[str, float] = field(default_factory=dict)  # vLLM finished_reason -> requests
+    engine_counts: bool = False   # the engine counts its finished requests (vllm:request_success_total)
     request_bytes: float = 0.0    # http_request_size_bytes over the inference routes: their sum
     sized_requests: float = 0.0   # and how many requests it counts
 

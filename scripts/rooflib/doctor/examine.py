@@ -235,10 +235,13 @@ def first_line(verdict: Verdict) -> str:
                 + (f" ({lead.note})" if lead.note else ""))
     root = verdict.root
     seg = next(s for s in lead.segments if s.name == root.segment)
-    share = f"{seg.share:.0%} of {lead.figure}" if lead.unit != "share" else f"{seg.size:.1%} of requests"
+    figure = lead.figure.split(" (")[0]
+    share = (f"{_figure(seg.size, lead.unit)} of {figure} {_figure(lead.value, lead.unit)}" if lead.unit == "ms"
+             else f"{seg.size:.1%} of requests" if lead.symptom == "errors" else f"{seg.share:.0%} of {figure}")
     owner = root.owner.setting.said() if root.owner.setting else root.owner.component
+    # The action's first clause: the rest (how to confirm) is in the lines below.
     change = (f" -> set {root.owner.setting.flag} {_value(root.proposed)}" if root.owner.setting and root.proposed is not None
-              else f" -> {root.action}" if root.action else "")
+              else f" -> {root.action.split(':')[0]}" if root.action else "")
     return f"Root cause: [{root.segment}] {root.cause} ({share}); owner: {owner}{change}"
 
 
@@ -257,7 +260,8 @@ def human_text(verdict: Verdict, extra: dict[str, Any]) -> str:
     lines = [first_line(verdict)]
     if verdict.root:
         root = verdict.root
-        lines += [f"  evidence: {root.evidence} (confidence {root.confidence})",
+        lines += [f"  do: {root.action}" if root.action and ":" in root.action else "",
+                  f"  evidence: {root.evidence} (confidence {root.confidence})",
                   f"  why: {root.reason}" if root.reason else "", f"  expect: {root.effect}" if root.effect else ""]
     for finding in verdict.also:
         owner = finding.owner.setting.said() if finding.owner.setting else finding.owner.component

@@ -58,7 +58,7 @@ def between(before: Exposition, after: Exposition) -> Failures:
                 for reason, value in new_f.items()}
     (sum0, n0), (sum1, n1) = _request_bytes(before), _request_bytes(after)
     return Failures(statuses=tuple(s for s in statuses if INFERENCE_ROUTE.match(s.handler) and s.count > 0),
-                    finished={k: v for k, v in finished.items() if v > 0},
+                    finished={k: v for k, v in finished.items() if v > 0}, engine_counts=bool(new_f),
                     request_bytes=sum1 - sum0 if n1 >= n0 else sum1, sized_requests=n1 - n0 if n1 >= n0 else n1)
 
 
@@ -74,9 +74,26 @@ def without_probe(failures: Failures, probe: Probe, handler: str) -> Failures:
     statuses = tuple(StatusCount(s.handler, s.status, max(0.0, s.count - own.get(s.status, 0.0)))
                      if s.handler == handler else s for s in failures.statuses)
     sent = [s for s in streams if s.status is not None]
-    return Failures(statuses=tuple(s for s in statuses if s.count > 0), finished=failures.finished,
+    # The probe's requests run to max_tokens (ignore_eos): they finished by length.
+    finished = dict(failures.finished)
+    if "length" in finished:
+        finished["length"] = max(0.0, finished["length"] - own.get("2xx", 0.0))
+    return Failures(statuses=tuple(s for s in statuses if s.count > 0), finished=finished,
+                    engine_counts=failures.engine_counts,
                     request_bytes=max(0.0, failures.request_bytes - sum(s.request_bytes for s in sent)),
                     sized_requests=max(0.0, failures.sized_requests - len(sent)))
+
+
+def gave_up(failures: Failures) -> float:
+    """Requests the inference routes answered that the engine never finished: a client that goes
+    away mid-request is counted by the HTTP layer (its status is the 200 it began with) and aborted
+    in the engine, which counts no finished request for it (vLLM 0.32: OutputProcessor.abort_requests
+    records no finish stats). Both count a request when it ends, so over a window the difference
+    is the requests abandoned in it, less a few at its edges."""
+    if not failures.engine_counts:
+        return 0.0
+    answered = sum(s.count for s in failures.statuses if s.status.startswith("2"))
+    return max(0.0, answered - sum(failures.finished.values()))
 
 
 def failed_share(failures: Failures) -> tuple[float, float, dict[str, float]]:

@@ -97,7 +97,7 @@ def _deliveries(outcome: Outcome) -> list[tuple[int, int]]:
     return grouped
 
 
-def stream_of(outcome: Outcome, api_key: str | None, request_bytes: int = 0) -> Stream:
+def stream_of(outcome: Outcome, api_key: str | None, request_bytes: int = 0, prompt_bytes: int = 0) -> Stream:
     reads = _deliveries(outcome)
     gaps = tuple((reads[i][0] - reads[i - 1][0]) / 1e6 for i in range(1, len(reads)))
     detail = redaction.redact(outcome.detail, api_key) if outcome.detail else ""
@@ -106,7 +106,8 @@ def stream_of(outcome: Outcome, api_key: str | None, request_bytes: int = 0) -> 
                   ttft_ms=outcome.ttft_ms if outcome.token_times else None,
                   e2e_ms=outcome.e2e_ms if outcome.token_times else None, prompt_tokens=outcome.prompt_tokens,
                   completion_tokens=outcome.completion_tokens, tokens_per_event=tuple(outcome.chunk_tokens),
-                  events_per_read=tuple(n for _, n in reads), text_gaps_ms=gaps, request_bytes=request_bytes)
+                  events_per_read=tuple(n for _, n in reads), text_gaps_ms=gaps, request_bytes=request_bytes,
+                  prompt_bytes=prompt_bytes)
 
 
 async def _stream(client: Client, target: Target, endpoint: str, prompt: str, output_tokens: int,
@@ -118,7 +119,7 @@ async def _stream(client: Client, target: Target, endpoint: str, prompt: str, ou
     reads = list(sent.reads)
     settled = settle(sent, endpoint == "chat")
     settled.reads = reads
-    return stream_of(settled, target.api_key, len(request) - request.index(b"\r\n\r\n") - 4)
+    return stream_of(settled, target.api_key, len(request) - request.index(b"\r\n\r\n") - 4, len(prompt.encode()))
 
 
 async def _streams(client: Client, target: Target, endpoint: str, prompts: Sequence[str], output_tokens: int,
@@ -147,6 +148,23 @@ async def _watch(client: Client, stop: asyncio.Event) -> None:
             pass
 
 
+LAG_TICK_S = 0.005
+
+
+async def _loop_lag(samples: list[float], stop: asyncio.Event) -> None:
+    """How late the loop wakes from a short sleep: every timestamp the probe takes can be that
+    late (a busy machine, or this process's other thread parsing /metrics)."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        asked = loop.time()
+        await asyncio.sleep(LAG_TICK_S)
+        samples.append(max(0.0, (loop.time() - asked - LAG_TICK_S) * 1000))
+
+
+def _p95(samples: list[float]) -> float | None:
+    return sorted(samples)[int(0.95 * (len(samples) - 1))] if samples else None
+
+
 @dataclass(frozen=True)
 class Plan:
     """What the probe sends: the endpoint, the prompts (one stream each), the output tokens, how
@@ -170,6 +188,8 @@ async def _probe(target: Target, plan: Plan, timeout_s: float, around: Callable[
     client = Client(target, timeout_s)
     stop = asyncio.Event()
     watchdog = asyncio.ensure_future(_watch(client, stop))
+    lags: list[float] = []
+    lag_watch = asyncio.ensure_future(_loop_lag(lags, stop))
     try:
         routes = tuple([await route(client, target, path) for path in ("/health", MISSING_PATH, "/v1/models")])
         streams = await _streams(client, target, plan.endpoint, plan.prompts, plan.output_tokens, plan.concurrency,
@@ -180,9 +200,10 @@ async def _probe(target: Target, plan: Plan, timeout_s: float, around: Callable[
     finally:
         stop.set()
         await watchdog
+        await lag_watch
         client.close()
     return Probe(load=load_text(plan, streams), routes=routes, streams=tuple(streams), over_limit=over,
-                 endpoint=plan.endpoint)
+                 endpoint=plan.endpoint, loop_lag_p95_ms=_p95(lags))
 
 
 def run(target: Target, plan: Plan, timeout_s: float, around: Callable[[int, str], None] | None = None) -> Probe:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from rooflib.core import printing
+from rooflib.core.errors import ServerError
 from rooflib.server import engine_metrics
 from rooflib.server.replicas import mixed_engines
 from rooflib.server.engine_metrics import Exposition
@@ -67,14 +68,21 @@ def collect(urls: Sequence[str], api_key: str | None, timeout: float, seconds: f
     printing.progress(f"measuring for {seconds:g} s while the probe runs (Ctrl-C ends early and still reports)...")
     interrupted = False
     lasts = firsts
+    missed = 0
     try:
         while time.monotonic() < deadline or worker.is_alive():
             time.sleep(1)
-            lasts = [scrape(url, api_key, timeout) for url in urls]
+            try:
+                lasts = [scrape(url, api_key, timeout) for url in urls]
+            except ServerError:  # a sample the server did not answer (busy, or limited): the next one may
+                missed += 1
+                continue
             for i, last in enumerate(lasts):
                 series[i].append(last.snap)
     except KeyboardInterrupt:
         interrupted = True
+    if missed:
+        printing.progress(f"{missed} of the window's scrapes went unanswered; the window uses the others")
     windows = [Window(url, firsts[i], lasts[i], tuple(series[i]), mixed_engines(series[i]))
                for i, url in enumerate(urls)]
     return windows, outcome.get("value"), outcome.get("error"), interrupted
