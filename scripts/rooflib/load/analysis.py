@@ -127,9 +127,12 @@ def slo_check(ttft_p95: float | None, tpot_p95: float | None, slo: Targets) -> d
 
 
 def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequence[float],
-            cpu_s: float, wall_s: float, interrupted: bool = False, slo: Targets | None = None) -> dict[str, Any]:
+            cpu_s: float, wall_s: float, interrupted: bool = False, slo: Targets | None = None,
+            client: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run's result document (--json), from per-request outcomes: `config` is the run's
-    settings as the document records them, `slo` the targets it is judged against (None: none)."""
+    settings as the document records them, `slo` the targets it is judged against (None: none).
+    The client's self-check is measured from `lag_ms`, `cpu_s` and `wall_s`, unless `client` gives
+    it (a merged run's: the self-checks its shards made, rooflib/load/merging.py)."""
     slo = slo or Targets()
     measured = [o for o in outcomes if not o.warmup]
     done = [o for o in measured if o.ok]
@@ -139,7 +142,8 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
     tpot = summarize(o.tpot_ms for o in done if o.tpot_ms is not None)
     itl, e2e = summarize(g for o in done for g in o.chunk_gaps_ms()), summarize(o.e2e_ms for o in done)
     decode = summarize(o.e2e_ms - o.ttft_ms for o in done if o.tpot_ms is not None)
-    client = client_section(measured, config, lag_ms, cpu_s, wall_s, lag_limits(ttft, decode, itl, e2e), errors)
+    if client is None:
+        client = client_section(measured, config, lag_ms, cpu_s, wall_s, lag_limits(ttft, decode, itl, e2e), errors)
     checks = slo_check(ttft["p95"], tpot["p95"], slo)
     verdict, reasons = judge(measured, done, failed, errors, client["valid"], checks)
     return {

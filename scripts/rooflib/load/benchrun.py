@@ -17,11 +17,11 @@ from typing import Any, Callable, Sequence
 
 from rooflib.core import cli, conf, http_client, printing, signals
 from rooflib.core.errors import EXIT_USAGE, ServerError, UsageError
-from rooflib.load import workloads
+from rooflib.load import shards, workloads
 from rooflib.load.analysis import analyse
 from rooflib.load.asyncclient import ENDPOINTS, Target
 from rooflib.load.promptgen import WORDS, TokenCounter, build_prompts, fallback_counter, payload, server_counter
-from rooflib.load.runner import Plan, RequestSource, RunResult, run_in_loop, run_workers
+from rooflib.load.runner import Plan, RequestSource, RunResult, arrival_offsets, run_in_loop, run_workers, share
 from rooflib.server import deployment, fleet, gpu_telemetry, watch
 from rooflib.server.deployment import Served
 from rooflib.server.engine_metrics import Targets
@@ -113,6 +113,9 @@ class BenchOptions:
     over_limit: bool = False  # send requests over max_model_len: the server's rejections are measured
     prometheus: str | None = None  # read the GPUs' DCGM series there after the run
     prometheus_auth: fleet.Credentials = field(default_factory=fleet.Credentials, repr=False)  # never recorded
+    shard: shards.Shard | None = None  # this process sends part I of N of the run (--shard)
+    start_at: float | None = None      # the measured phase starts at this Unix time, in s (--start-at)
+    records: str | None = None         # --records: the per-request lines go to this file
 
     def recorded(self) -> dict[str, Any]:
         """The settings as the result's `config` records them (saved results and compare.py read
@@ -126,7 +129,9 @@ class BenchOptions:
                 "trace_block_tokens": self.trace_block_tokens, "timeline_interval_s": self.timeline_interval_s,
                 "probe": self.probe, "endpoint": self.endpoint, "workload": self.workload, "dataset": self.dataset,
                 "input_dist": self.input_dist, "output_dist": self.output_dist, "log": self.log,
-                "over_limit": self.over_limit, "prometheus": self.prometheus}
+                "over_limit": self.over_limit, "prometheus": self.prometheus,
+                "shard": None if self.shard is None else str(self.shard),
+                "start_at": None if self.start_at is None else shards.iso(self.start_at), "records": self.records}
 
     def at_concurrency(self, concurrency: int, num_requests: int) -> "BenchOptions":
         """The same run at another concurrency (a sweep's point), checked: the warm-up follows
@@ -134,6 +139,27 @@ class BenchOptions:
         return check_options(replace(
             self, concurrency=concurrency, num_requests=num_requests, num_requests_given=True,
             warmup=self.warmup if self.warmup_given else concurrency))
+
+
+def as_flags(options: BenchOptions) -> list[str]:
+    """The options as bench's flags, every setting written out (a pod reads no inference.env):
+    bench run with them reads the same options back. Not the ones a run of several machines sets
+    for each (--shard, --start-at, --records, --log) nor --prometheus (its credentials would travel)."""
+    dataset = (f"--{options.workload}", options.dataset) if options.dataset else ("--prompts", None)
+    pairs = [("-n", options.num_requests if options.num_requests_given else None), ("-c", options.concurrency),
+             ("--rate", options.rate), ("--input-tokens", options.input_tokens),
+             ("--output-tokens", options.output_tokens), ("--slo-ttft-p95-ms", options.slo.ttft_p95_ms),
+             ("--slo-tpot-p95-ms", options.slo.tpot_p95_ms), ("--burstiness", options.burstiness),
+             ("--duration", options.duration_s), ("--warmup", options.warmup if options.warmup_given else None),
+             ("--shared-prefix", options.shared_prefix), ("--workers", options.workers),
+             ("--multi-turn", options.multi_turn), ("--timeout", options.timeout_s), ("--seed", options.seed),
+             ("--speed", options.speed), ("--trace-block-tokens", options.trace_block_tokens),
+             ("--timeline-interval", options.timeline_interval_s), ("--probe", options.probe),
+             ("--endpoint", options.endpoint), dataset, ("--input-dist", options.input_dist),
+             ("--output-dist", options.output_dist),
+             ("--extra-body", json.dumps(options.extra_body) if options.extra_body else None)]
+    flags = [part for flag, value in pairs if value is not None for part in (flag, str(value))]
+    return flags + (["--over-limit"] if options.over_limit else [])
 
 
 def make_options(args: Any, settings: conf.Settings) -> BenchOptions:
@@ -181,7 +207,11 @@ def read_options(args: Any, settings: conf.Settings) -> BenchOptions:
         extra_body=parse_extra_body(args.extra_body),
         over_limit=args.over_limit,
         prometheus=prometheus or None,
-        prometheus_auth=fleet.credentials(settings) if prometheus else fleet.Credentials())
+        prometheus_auth=fleet.credentials(settings) if prometheus else fleet.Credentials(),
+        # sweep's parser has no --shard: its points run one after another on one machine
+        shard=shards.parse_shard(getattr(args, "shard", "")),
+        start_at=shards.parse_start_at(getattr(args, "start_at", ""), time.time()),
+        records=args.records or None)
 
 
 def parse_extra_body(text: str) -> dict[str, Any]:
@@ -214,9 +244,25 @@ def check_options(options: BenchOptions) -> BenchOptions:
         raise UsageError("--multi-turn sends --input-tokens per turn: drop --input-dist/--output-dist")
     if options.multi_turn > 1 and options.endpoint != "chat":
         raise UsageError("--multi-turn needs --endpoint chat: a conversation is a list of chat messages")
-    if options.workers > 1 and options.concurrency is not None and options.workers > options.concurrency:
-        raise UsageError(f"--workers {options.workers} exceeds the concurrency {options.concurrency}: "
-                         "each worker needs a share")
+    return check_parts(options)
+
+
+def check_parts(options: BenchOptions) -> BenchOptions:
+    """The options, when the run splits into its shards and workers: each gets a share of the
+    concurrency and of the requests, and shards share a start time."""
+    shard = options.shard
+    if shard and options.start_at is None:
+        raise UsageError("--shard needs --start-at: the shards start their measured requests together at "
+                         "that time, and derive the run's identity from it")
+    if shard and options.concurrency is not None and shard.count > options.concurrency:
+        raise UsageError(f"--shard {shard} splits a concurrency of {options.concurrency} over {shard.count} shards: "
+                         "each shard needs at least one stream; raise -c or use fewer shards")
+    if shard and options.num_requests_given and shard.count > options.num_requests:
+        raise UsageError(f"--shard {shard}: {options.num_requests} requests cannot be split over {shard.count} shards")
+    streams = options.concurrency if options.concurrency is None or not shard else options.concurrency // shard.count
+    if options.workers > 1 and streams is not None and options.workers > streams:
+        raise UsageError(f"--workers {options.workers} exceeds the concurrency {streams}"
+                         f"{' of this shard' if shard else ''}: each worker needs a share")
     return options
 
 
@@ -235,7 +281,9 @@ def describe_load(options: BenchOptions, n: int) -> str:
                    + (f", {options.warmup} warm-up" if options.warmup else ""))
 
 
-def build_parser():
+def build_parser(sharded: bool = False):
+    """bench's and sweep's flags; `sharded` adds --shard and --start-at (bench only: a sweep's
+    points run one after another)."""
     p = cli.parser(__doc__)
     cli.add_server_args(p)
     printing.add_output_args(p)
@@ -275,6 +323,12 @@ def build_parser():
     p.add_argument("--over-limit", action="store_true", help="send requests longer than the model's max_model_len "
                    "as they are: the server's rejections are counted, with the error body's cause, as your users' "
                    "requests would be")
+    if sharded:
+        p.add_argument("--shard", default="", help="send part I of N of this run (0 <= I < N, as $JOB_COMPLETION_INDEX): "
+                       "requests I, I+N, ..., a share of the concurrency, the run's schedule; needs --start-at and "
+                       "--records, and merge.py joins the N results")
+        p.add_argument("--start-at", default="", help="start the measured requests at this time, after the warm-up: "
+                       "a Unix time or ISO 8601 with its zone (2026-01-01T12:00:00Z); every shard waits for it")
     p.epilog += ("\n--timeout is per request: a stream that receives nothing for that long counts as a timeout.")
     return p
 
@@ -282,10 +336,11 @@ def build_parser():
 VERIFY_SAMPLE = 16
 
 
-def calibrate_maker(counter: TokenCounter, seed: int) -> workloads.PromptMaker | None:
+def calibrate_maker(counter: TokenCounter, seed: int, run_id: str) -> workloads.PromptMaker | None:
     """Find the words that are one token each after the run's head (one tokenizer call per
-    word); None when too few are, or they do not add up."""
-    head = " ".join(random.SystemRandom().choice(WORDS) for _ in range(3))
+    word); None when too few are, or they do not add up. The head is drawn from the run id: new
+    for every run, the same in every shard of one (their prompts, a shared prefix too, are one run's)."""
+    head = " ".join(random.Random(run_id).choice(WORDS) for _ in range(3))
     base = counter.count(head)
     with ThreadPoolExecutor(8 if counter.exact else 1) as pool:
         counts = list(pool.map(lambda word: counter.count(f"{head} {word}"), WORDS))
@@ -306,7 +361,8 @@ def verify_sample(counter: TokenCounter, load: workloads.Workload) -> list[str]:
             if n != spec.prompt_tokens]
 
 
-def build_workload(target: Target, options: BenchOptions) -> tuple[workloads.Workload, str, list[list[str]] | None]:
+def build_workload(target: Target, options: BenchOptions,
+                   run_id: str) -> tuple[workloads.Workload, str, list[list[str]] | None]:
     """The run's workload, its prompt-length source (for the report), and multi-turn texts."""
     chat = options.endpoint == "chat"
     kind, dataset = options.workload, options.dataset
@@ -336,7 +392,7 @@ def build_workload(target: Target, options: BenchOptions) -> tuple[workloads.Wor
                 "synthetic", total, out, options.seed,
                 input_dist=workloads.parse_distribution(options.input_dist or str(options.input_tokens), "--input-dist"),
                 output_dist=workloads.parse_distribution(options.output_dist or str(out), "--output-dist"))
-        load.maker = calibrate_maker(counter, options.seed)
+        load.maker = calibrate_maker(counter, options.seed, run_id)
         if load.maker is not None and options.shared_prefix:
             load.shared_tokens = load.maker.fits(options.shared_prefix, 0)
             load.shared_prefix = load.maker.text(load.shared_tokens, 0)
@@ -366,6 +422,8 @@ def workload_identity(options: BenchOptions, load: workloads.Workload) -> dict[s
     identity = {k: getattr(options, k) for k in ("workload", "endpoint", "concurrency", "rate", "burstiness", "duration_s",
                                     "warmup", "multi_turn", "shared_prefix", "speed")}
     identity["requests"] = load.count - options.warmup
+    if options.shard:  # a part of the run: compared only once merged (merge.py drops this key)
+        identity["shard"] = str(options.shard)
     identity["extra_body"] = options.extra_body or None
     if options.workload == "synthetic":
         identity["input_tokens"] = options.input_dist or options.input_tokens
@@ -380,28 +438,31 @@ def workload_identity(options: BenchOptions, load: workloads.Workload) -> dict[s
 
 def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, quiet: bool = False,
             served: Served | None = None) -> dict[str, Any]:
-    """Build the workload, run the load, watch the server, analyse: the result document (`served`:
-    the settings the server is known to run with, for the diagnosis; else what it says of them).
+    """Build the workload, run the load (this shard's part of it, with --shard), watch the server,
+    analyse: the result document (`served`: the settings the server is known to run with, for the
+    diagnosis; else what it says of them).
     A Ctrl-C or SIGTERM while the workload is built raises KeyboardInterrupt (nothing measured); during the
     load it stops the load; from the end of the load it waits in `hold` (started here, kept by the
     caller until the result is printed and written), so that the last scrape and the analysis
     complete the result, which then says interrupted."""
     started = time.perf_counter()
-    load, prompt_source, turns = build_workload(target, options)
+    run_id = shards.run_id(options.seed, options.start_at, options.shard.count) if options.shard \
+        else f"{random.Random().getrandbits(32):08x}"
+    load, prompt_source, turns = build_workload(target, options, run_id)
     fit_warnings = check_fits(target, options, load)
-    run_id = f"{random.Random().getrandbits(32):08x}"
-    plan = make_plan(target, options, load, turns, run_id)
-    config = {**options.recorded(), "num_requests": load.count - options.warmup,
-              "load": describe_load(options, load.count - options.warmup),
-              "url": target.base_url, "model": target.model, "prompt_tokenizer": prompt_source, "run_id": run_id,
-              "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "extra_body": options.extra_body or None}
+    indices, plan = own_part(make_plan(target, options, load, turns, run_id), options.shard)
+    config = run_config(options, load, target, prompt_source, run_id)
     probed = watch.probe(target.base_url, target.api_key, options.probe) if options.probe else None
     before, note = metrics_snapshot(target, options.timeout_s)
     timeline = watch.Timeline(target.base_url, target.api_key, options.timeline_interval_s) \
         if before is not None and options.timeline_interval_s else None
-    printing.progress(f"bench: {config['load']} against {target.base_url} ({target.model})")
+    # A shard's clocks, read before the load: what puts its timestamps on the wall clock.
+    reading = shards.clock() if options.shard else None
+    part = f"; shard {options.shard}: {len(plan.requests) - plan.warmup} of the requests" if options.shard else ""
+    printing.progress(f"bench: {config['load']}{part} against {target.base_url} ({target.model})")
     run = run_load(plan, options, hold, timeline, before, quiet)
+    for outcome in run.outcomes if indices is not None else ():  # a shard's records name the run's requests
+        outcome.index = indices[outcome.index]
     first_sent = min((o.sent_ns for o in run.outcomes if o.sent_ns), default=None)
     # vLLM counts a request's last tokens just after it streamed them: by now it has.
     after, note_after = metrics_snapshot(target, options.timeout_s) if before is not None else (None, note)
@@ -413,22 +474,53 @@ def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, qui
     all_tokens = sum(o.completion_tokens or 0 for o in run.outcomes if o.ok or o.error == "stream_cut")
     during = timeline.during() if timeline else []
     delta = server_delta(before, after, during)
-    checked = cross_check(delta, result, probed) if delta is not None and first_sent is not None else None
-    if served is None and delta is not None:  # what the server says of its settings, as metrics reads it
-        served = deployment.server_settings(target.base_url, delta["engine"], target.api_key, options.timeout_s)
-    result["server"] = {"info": target.info, **server_side(delta, note or note_after, all_tokens, options.slo,
-                                                           checked["findings"] if checked else [], served)}
-    result["timeline"] = timeline.result(after) if timeline else None
-    result["server"]["probe"] = probed
-    if checked:
-        result["server"]["cross_check"] = checked
+    result["server"] = server_view(target, options, result, delta, probed, first_sent is not None,
+                                   note or note_after, all_tokens, served)
     if before is not None and after is not None and first_sent is not None and options.prometheus:
         result["server"]["gpu_telemetry"] = gpu_side(options, before, after, during, target.base_url)
-    result["warnings"] = fit_warnings + result["warnings"] + other_traffic(result["server"]["metrics"], all_tokens)
+    result["timeline"] = timeline.result(after) if timeline else None
+    # A shard's server also serves the other shards: that traffic is the run's, not another's.
+    result["warnings"] = fit_warnings + result["warnings"] + (
+        [] if options.shard else other_traffic(result["server"]["metrics"], all_tokens))
     result["records"] = [o.record() for o in run.outcomes]
+    result["shard"] = shards.section(options.shard, options.start_at, run.measured_from_ns, reading,
+                                     len(plan.requests) - plan.warmup, plan.concurrency, options.records)
     # One held since the load ended (during the last scrape, say) ends the run all the same.
     result["interrupted"] = run.interrupted or bool(hold.noted)
     return result
+
+
+def own_part(plan: Plan, shard: shards.Shard | None) -> tuple[list[int] | None, Plan]:
+    """The part of the run this process sends: with --shard, the shard's (its request indices in
+    the run, and its plan: runner.share, the split --workers makes), else the whole plan."""
+    return (None, plan) if shard is None else share(plan, shard.index, shard.count)
+
+
+def run_config(options: BenchOptions, load: workloads.Workload, target: Target, prompt_source: str,
+               run_id: str) -> dict[str, Any]:
+    """The result's `config`: the settings as recorded, and what was run against what (a shard's
+    too: the whole run's; its part is in the result's `shard`)."""
+    return {**options.recorded(), "num_requests": load.count - options.warmup,
+            "load": describe_load(options, load.count - options.warmup),
+            "url": target.base_url, "model": target.model, "prompt_tokenizer": prompt_source, "run_id": run_id,
+            "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "extra_body": options.extra_body or None}
+
+
+def server_view(target: Target, options: BenchOptions, result: dict[str, Any], delta: dict[str, Any] | None,
+                probed: dict[str, Any] | None, sent: bool, note: str, all_tokens: int,
+                served: Served | None) -> dict[str, Any]:
+    """The result's `server`: what the server said of itself, its metrics over the run with the
+    diagnosis, the probe, and the client's figures against the server's (`sent`: a request went out)."""
+    checked = cross_check(delta, result, probed) if delta is not None and sent else None
+    if served is None and delta is not None:  # what the server says of its settings, as metrics reads it
+        served = deployment.server_settings(target.base_url, delta["engine"], target.api_key, options.timeout_s)
+    server = {"info": target.info, **server_side(delta, note, all_tokens, options.slo,
+                                                 checked["findings"] if checked else [], served)}
+    server["probe"] = probed
+    if checked:
+        server["cross_check"] = checked
+    return server
 
 
 def check_fits(target: Target, options: BenchOptions, load: workloads.Workload) -> list[str]:
@@ -458,15 +550,21 @@ def check_fits(target: Target, options: BenchOptions, load: workloads.Workload) 
 
 def make_plan(target: Target, options: BenchOptions, load: workloads.Workload,
               turns: list[list[str]] | None, run_id: str) -> Plan:
-    """What the runner sends: the requests made from the workload, with the load's shape."""
+    """What the runner sends: the requests made from the workload, with the load's shape; an
+    open loop's arrivals are drawn here, once for the whole run, so that the parts of a run
+    (--workers, --shard) send on one schedule."""
     template = {k: v for k, v in payload(options.endpoint, target.model, "", 0, {}).items()
                 if k not in ("prompt", "messages", "max_tokens")}
     source = RequestSource(load, target, ENDPOINTS[options.endpoint], template, options.extra_body, run_id)
     offsets = load.offsets_s(options.speed)
     if offsets is not None and options.warmup < len(offsets):
         offsets = [o - offsets[options.warmup] for o in offsets]
-    return Plan(source, options.warmup, options.concurrency, options.endpoint == "chat", options.rate,
-                options.burstiness, options.duration_s, options.seed, turns, offsets)
+    elif offsets is None and options.rate:
+        offsets = [0.0] * options.warmup + arrival_offsets(len(source) - options.warmup, options.rate,
+                                                           options.burstiness, options.seed)
+    start_at_ns = None if options.start_at is None else round(options.start_at * 1e9)
+    return Plan(source, options.warmup, options.concurrency, options.endpoint == "chat", options.duration_s,
+                turns, offsets, start_at_ns)
 
 
 def run_load(plan: Plan, options: BenchOptions, hold: signals.SignalHold, timeline: watch.Timeline | None,

@@ -110,7 +110,10 @@ class Outcome:
                "completion_tokens": self.completion_tokens, "finish_reason": self.finish_reason,
                "cached_tokens": self.cached_tokens,
                "schedule_delay_ms": None if self.scheduled_ns is None else
-               round((self.sent_ns - self.scheduled_ns) / 1e6, 3)}
+               round((self.sent_ns - self.scheduled_ns) / 1e6, 3),
+               # What the analysis reads besides the times: a merge rebuilds the outcome from them.
+               "requested_tokens": self.requested_tokens, "prompt_target": self.prompt_target,
+               "usage_reported": self.usage_reported}
         if self.token_times:
             rec.update(ttft_ms=round(self.ttft_ms, 3), e2e_ms=round(self.e2e_ms, 3),
                        tpot_ms=None if self.tpot_ms is None else round(self.tpot_ms, 4),
@@ -118,7 +121,8 @@ class Outcome:
                        chunk_tokens=self.chunk_tokens)
             if self.reasoning_seen:
                 rec.update(reasoning_tokens=self.reasoning_tokens, answer_tokens=self.answer_tokens,
-                           ttft_answer_ms=None if self.ttft_answer_ms is None else round(self.ttft_answer_ms, 3))
+                           ttft_answer_ms=None if self.ttft_answer_ms is None else round(self.ttft_answer_ms, 3),
+                           answer_at=self.answer_at)
         return rec
 
 

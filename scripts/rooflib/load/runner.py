@@ -38,8 +38,12 @@ class RequestSource:
     def __len__(self) -> int:
         return self.workload.count if self.indices is None else len(self.indices)
 
+    def index_of(self, i: int) -> int:
+        """The workload's index of this source's request i (a part's i is its own count)."""
+        return i if self.indices is None else self.indices[i]
+
     def get(self, i: int) -> tuple[bytes, workloads.Spec]:
-        index = i if self.indices is None else self.indices[i]
+        index = self.index_of(i)
         spec = self.workload.spec(index)
         body = dict(self.template, max_tokens=spec.output_tokens)
         if spec.messages is not None and self.path == ENDPOINTS["chat"]:
@@ -60,26 +64,41 @@ class RequestSource:
 @dataclass
 class Plan:
     """What to send: the first `warmup` requests are warm-up requests, sent at the same
-    concurrency and not counted. `offsets_s` (a trace) are intended send times, per request."""
+    concurrency and not counted. `offsets_s` are intended send times, per request (an open loop's
+    arrivals, drawn once for the whole run, or a trace's): with them the measured requests go out
+    on that schedule, else as slots free up (a closed loop)."""
     requests: RequestSource
     warmup: int
     concurrency: int | None
     chat: bool
-    rate: float | None = None
-    burstiness: float = 1.0
     duration_s: float | None = None
-    seed: int = 0
     # Multi-turn chat: the user message of every turn of conversation i (requests[i] is its
     # first turn); later turns carry the history, with the answers the server gave.
     turns: list[list[str]] | None = None
     offsets_s: list[float] | None = None
+    # The wall-clock time (ns since the epoch) the measured phase starts at (--start-at): after
+    # the warm-up every part of the run waits for it, on whatever machine it runs.
+    start_at_ns: int | None = None
 
-    def part(self, indices: list[int], concurrency: int | None, rate: float | None, seed: int) -> "Plan":
-        """The share of a worker process: the requests (conversations) `indices`."""
+    def part(self, indices: list[int], concurrency: int | None) -> "Plan":
+        """The requests (conversations) `indices` of this plan, sent with `concurrency` in flight."""
         return Plan(self.requests.subset(indices), sum(i < self.warmup for i in indices), concurrency,
-                    self.chat, rate, self.burstiness, self.duration_s, seed,
+                    self.chat, self.duration_s,
                     None if self.turns is None else [self.turns[i] for i in indices],
-                    None if self.offsets_s is None else [self.offsets_s[i] for i in indices])
+                    None if self.offsets_s is None else [self.offsets_s[i] for i in indices], self.start_at_ns)
+
+
+def share(plan: Plan, number: int, parts: int) -> tuple[list[int], Plan]:
+    """Part `number` of `parts` of a plan, as worker processes (--workers) and machines (--shard)
+    split it: (its request indices in the plan, its plan). Requests go round robin (requests
+    number, number + parts, ...), so every part gets its share of the warm-up and of the measured
+    requests, and no request is in two parts; the concurrency is divided (the first parts take
+    the remainder); an open loop's or a trace's send times stay the whole plan's, so the parts
+    together keep its rate, burstiness and schedule exactly."""
+    indices = list(range(number, len(plan.requests), parts))
+    concurrency = None if plan.concurrency is None else \
+        max(1, plan.concurrency // parts + (number < plan.concurrency % parts))
+    return indices, plan.part(indices, concurrency)
 
 
 def arrival_offsets(count: int, rate: float, burstiness: float, seed: int) -> list[float]:
@@ -101,6 +120,7 @@ class RunResult:
     cpu_s: float
     wall_s: float
     interrupted: bool = False
+    measured_from_ns: int | None = None  # when the measured phase started (perf_counter ns; the latest part's)
 
 
 async def lag_probe(samples: list[float], stop: asyncio.Event) -> None:
@@ -128,6 +148,7 @@ class _Sending:
     interrupt: asyncio.Event
     on_done: Callable[[Outcome], None] | None
     outcomes: list[Outcome] = field(default_factory=list)
+    measured_from_ns: int | None = None  # when the measured phase started (perf_counter ns)
 
     def _done(self, outcome: Outcome) -> None:
         self.outcomes.append(outcome)
@@ -154,7 +175,7 @@ class _Sending:
             request = first if turn == 0 else request_bytes(
                 source.target, source.path, {**source.template, "max_tokens": spec.output_tokens,
                                              "messages": messages, **source.extra},
-                f"bench-{source.run_id}-{index}-{turn}")
+                f"bench-{source.run_id}-{source.index_of(index)}-{turn}")
             outcome = Outcome(index=index, turn=turn, warmup=index < self.plan.warmup,
                               scheduled_ns=scheduled_ns if turn == 0 else None,
                               requested_tokens=spec.output_tokens)
@@ -176,30 +197,30 @@ class _Sending:
                 return
             await self.one(index)
 
-    async def open_loop(self, indices: list[int]) -> None:
+    async def open_loop(self, indices: list[int], start: int) -> None:
+        """The requests `indices` at their intended times after `start` (perf_counter ns)."""
         plan = self.plan
         limit = asyncio.Semaphore(plan.concurrency) if plan.concurrency else None
-        if plan.offsets_s is not None:  # a trace: its own times (the first measured one at 0)
-            offsets = [plan.offsets_s[i] for i in indices]
-        else:
-            offsets = arrival_offsets(len(indices), plan.rate, plan.burstiness, plan.seed)
-        start = time.perf_counter_ns()
         deadline = start + int(plan.duration_s * 1e9) if plan.duration_s else None
         tasks = []
-        for index, offset in zip(indices, offsets):
-            scheduled = start + int(offset * 1e9)
+        for index in indices:
+            scheduled = start + int(plan.offsets_s[index] * 1e9)
             if deadline and scheduled >= deadline:
                 break
-            delay = (scheduled - time.perf_counter_ns()) / 1e9
-            if delay > 0:
-                try:
-                    await asyncio.wait_for(self.interrupt.wait(), delay)
-                except asyncio.TimeoutError:
-                    pass
-            if self.interrupt.is_set():
+            if not await self._until(scheduled):
                 break
             tasks.append(asyncio.create_task(self._capped(limit, index, scheduled)))
         await asyncio.gather(*tasks)
+
+    async def _until(self, moment_ns: int) -> bool:
+        """Wait until `moment_ns` (perf_counter ns); False when a Ctrl-C came first."""
+        delay = (moment_ns - time.perf_counter_ns()) / 1e9
+        if delay > 0:
+            try:
+                await asyncio.wait_for(self.interrupt.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+        return not self.interrupt.is_set()
 
     async def _capped(self, limit: asyncio.Semaphore | None, index: int, scheduled: int) -> None:
         if limit is None:
@@ -207,8 +228,17 @@ class _Sending:
         async with limit:
             await self.one(index, scheduled)
 
+    def measured_start(self) -> int:
+        """When the measured phase starts (perf_counter ns): now, or the plan's wall-clock start
+        on this machine's monotonic clock when that is still ahead."""
+        now = time.perf_counter_ns()
+        if self.plan.start_at_ns is None:
+            return now
+        return max(now, now + self.plan.start_at_ns - time.time_ns())
+
     async def phases(self, before_measured: Callable[[], Any] | None) -> None:
-        """The warm-up, then (once `before_measured` agrees) the measured requests."""
+        """The warm-up, then (once `before_measured` agrees, at the plan's start time) the
+        measured requests."""
         plan = self.plan
         indices = list(range(len(plan.requests)))
         warm, measured = indices[:plan.warmup], indices[plan.warmup:]
@@ -216,10 +246,14 @@ class _Sending:
             await self.closed_loop(warm, None)
         if before_measured and not await before_measured():  # workers start measuring together
             return
-        if plan.rate or plan.offsets_s is not None:
-            await self.open_loop(measured)
+        start = self.measured_start()
+        if not await self._until(start):
+            return
+        self.measured_from_ns = start
+        if plan.offsets_s is not None:
+            await self.open_loop(measured, start)
         else:
-            deadline = time.perf_counter_ns() + int(plan.duration_s * 1e9) if plan.duration_s else None
+            deadline = start + int(plan.duration_s * 1e9) if plan.duration_s else None
             await self.closed_loop(measured, deadline)
 
 
@@ -260,7 +294,7 @@ async def run_plan(plan: Plan, timeout_s: float,
         gc.unfreeze()
     cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
     return RunResult(sorted((settle(o, plan.chat) for o in sending.outcomes), key=lambda o: (o.index, o.turn)),
-                     lag, cpu_s, wall_s, interrupted=interrupt.is_set())
+                     lag, cpu_s, wall_s, interrupted=interrupt.is_set(), measured_from_ns=sending.measured_from_ns)
 
 
 def raise_open_file_limit(needed: int) -> None:
@@ -350,9 +384,9 @@ def _worker(number: int, plan: Plan, timeout_s: float, barrier, queue) -> None:
 
 
 def run_workers(plan: Plan, workers: int, timeout_s: float, hold: signals.SignalHold | None = None) -> RunResult:
-    """Split the plan over worker processes (round robin). They finish their warm-up, meet at
-    a barrier and start the measured phase together; they share CLOCK_MONOTONIC, so their
-    timestamps merge directly. A Ctrl-C or SIGTERM stops them and keeps what they measured;
+    """Split the plan over worker processes (`share`, as --shard splits it over machines). They
+    finish their warm-up, meet at a barrier and start the measured phase together; they share
+    CLOCK_MONOTONIC, so their timestamps merge directly. A Ctrl-C or SIGTERM stops them and keeps what they measured;
     from the end of the run a further one waits in `hold`."""
     # A Ctrl-C or SIGTERM is noted and acted on between steps, not raised in the middle of
     # multiprocessing (a worker left unstarted or unstopped, a semaphore leaked).
@@ -369,10 +403,11 @@ def run_workers(plan: Plan, workers: int, timeout_s: float, hold: signals.Signal
             outcome.index = shares[number][outcome.index]
             outcomes.append(outcome)
         lag += result.loop_lag_ms
+    starts = [r.measured_from_ns for r in results.values() if r.measured_from_ns is not None]
     return RunResult(sorted(outcomes, key=lambda o: (o.index, o.turn)), lag,
                      max((r.cpu_s for r in results.values()), default=0.0),
                      max((r.wall_s for r in results.values()), default=0.0),
-                     interrupted or any(r.interrupted for r in results.values()))
+                     interrupted or any(r.interrupted for r in results.values()), max(starts, default=None))
 
 
 def _share_out(plan: Plan, workers: int, timeout_s: float,
@@ -383,10 +418,7 @@ def _share_out(plan: Plan, workers: int, timeout_s: float,
     barrier, queue = context.Barrier(workers), context.Queue()
     shares, processes = [], []
     for number in range(workers):
-        mine = list(range(number, len(plan.requests), workers))
-        concurrency = None if plan.concurrency is None else \
-            max(1, plan.concurrency // workers + (number < plan.concurrency % workers))
-        sub = plan.part(mine, concurrency, None if plan.rate is None else plan.rate / workers, plan.seed + number)
+        mine, sub = share(plan, number, workers)
         shares.append(mine)
         processes.append(context.Process(target=_worker, daemon=True,
                                          args=(number, sub, timeout_s, barrier, queue)))
