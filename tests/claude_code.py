@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from setup_cpu_vllm import locked
+from rooflib.serving.engine_setup import locked
 
 from rooflib.core.conf import cache_dir
 

@@ -1,9 +1,9 @@
-"""Shared fixtures. The real-vLLM fixture starts one CPU vLLM per test session.
+"""Shared fixtures. The real-engine fixtures start one CPU vLLM and one CPU SGLang per test session.
 
 Tests that need a real engine take `vllm_server` (the default cpu-tiny server) or use
-`vllm_factory` for one with other flags (`with vllm_factory(sets=["max_num_seqs=2"]) as srv:`).
-When the engine cannot be started, they skip with one line locally and FAIL under CI=true:
-in CI the real-server tests must run.
+`vllm_factory` for one with other flags (`with vllm_factory(sets=["max_num_seqs=2"]) as srv:`);
+for SGLang `sglang_server` (cpu-tiny-sglang) and `sglang_factory`. When the engine cannot be
+started, they skip with one line locally and FAIL under CI=true: in CI the real-server tests must run.
 """
 from __future__ import annotations
 
@@ -20,27 +20,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from sglang_server import running_sglang
 from vllm_server import ServerUnavailable, running_vllm, task_exe
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# The markers of tests against a real engine (pyproject.toml), and how a failure names them.
+REAL_ENGINE_MARKERS = {"real_vllm": "real-vLLM", "real_sglang": "real-SGLang"}
 # Under `task test` the toolbox's own plumbing variable is already set (empty): go-task does not
 # override a variable the environment has, so the tasks the tests run would not see theirs.
 os.environ.pop("ROOFLINE_TASK_API_KEY", None)
 
 
-def _unavailable(reason: str):
+def _unavailable(reason: str, engine: str = "vLLM"):
     if IN_CI:
-        pytest.fail(f"real vLLM unavailable in CI: {reason}", pytrace=False)
-    pytest.skip(f"real vLLM unavailable: {reason}")
+        pytest.fail(f"real {engine} unavailable in CI: {reason}", pytrace=False)
+    pytest.skip(f"real {engine} unavailable: {reason}")
 
 
 @contextmanager
-def _started(log_dir: Path, **kwargs):
+def _started(log_dir: Path, starter=running_vllm, engine: str = "vLLM", **kwargs):
     try:
-        cm = running_vllm(log_dir, **kwargs)
+        cm = starter(log_dir, **kwargs)
         server = cm.__enter__()
     except ServerUnavailable as exc:
-        _unavailable(str(exc))
+        _unavailable(str(exc), engine)
     try:
         yield server
     finally:
@@ -68,27 +71,44 @@ def vllm_factory(tmp_path_factory):
     return factory
 
 
+@pytest.fixture(scope="session")
+def sglang_server(tmp_path_factory):
+    """The cpu-tiny-sglang profile served by a real SGLang (CPU engine): `.url`, `.model`, `.log()`."""
+    with _started(tmp_path_factory.mktemp("sglang"), running_sglang, "SGLang") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def sglang_factory(tmp_path_factory):
+    """Start another real SGLang: `with sglang_factory(sets=["max_num_seqs=2"]) as srv:`."""
+    def factory(**kwargs):
+        return _started(tmp_path_factory.mktemp("sglang"), running_sglang, "SGLang", **kwargs)
+    return factory
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
     """A test that opens pages in Chromium needs a program the test set-up installs.
 
     Under `pytest -n N --dist loadgroup` (what `task test` runs) each group runs in one worker:
-    every test of the session server shares one worker, so the server starts once and no other
-    test loads it while a test reads its counters; the other tests go by file, so a file's
-    module-scoped servers (a fleet, the trained model) start once too."""
+    every test of a session server (vLLM's, SGLang's) shares one worker, so the server starts once
+    and no other test loads it while a test reads its counters; the other tests go by file, so a
+    file's module-scoped servers (a fleet, the trained model) start once too."""
     for item in items:
         names = getattr(item, "fixturenames", ())
         if "browser" in names:
             item.add_marker(pytest.mark.external)
-        group = "vllm-session-server" if "vllm_server" in names else item.nodeid.split("::")[0]
+        group = ("vllm-session-server" if "vllm_server" in names else
+                 "sglang-session-server" if "sglang_server" in names else item.nodeid.split("::")[0])
         item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """In CI a skipped real-vLLM test is a failure, whatever made it skip."""
+    """In CI a skipped real-vLLM or real-SGLang test is a failure, whatever made it skip."""
     outcome = yield
     report = outcome.get_result()
-    if IN_CI and report.skipped and item.get_closest_marker("real_vllm"):
+    real = next((label for marker, label in REAL_ENGINE_MARKERS.items() if item.get_closest_marker(marker)), None)
+    if IN_CI and report.skipped and real:
         report.outcome = "failed"
-        report.longrepr = f"real-vLLM test skipped in CI: {report.longrepr}"
+        report.longrepr = f"{real} test skipped in CI: {report.longrepr}"

@@ -38,6 +38,7 @@ def test_install_lays_out_skills_and_toolbox_without_links(installed):
     assert {p.name for p in installed.iterdir()} == {"roofline-perf", "roofline-perf-ru", "roofline-toolbox"}
     assert (installed / "roofline-toolbox" / "scripts" / "rooflib" / "core" / "cli.py").is_file()
     assert (installed / "roofline-toolbox" / "profiles" / "cpu-tiny.yaml").is_file()
+    assert (installed / "roofline-toolbox" / "k8s" / "bench-job.yaml.j2").is_file()  # task bench-job renders it
     assert not [p for p in installed.rglob("*") if p.is_symlink()]
     assert not list(installed.rglob("__pycache__"))
 
@@ -46,8 +47,9 @@ def test_install_ships_only_what_the_tasks_run(installed):
     # The list is written out so that a new script is a decision, not an accident.
     scripts = installed / "roofline-toolbox" / "scripts"
     assert sorted(p.name for p in scripts.glob("*.py")) == [
-        "accept.py", "bench.py", "compare.py", "doctor.py", "metrics.py", "ppl.py", "report.py", "roofline.py", "serve.py",
-        "setup_cpu_vllm.py", "smoke_toolcall.py", "sweep.py", "tiny_model.py", "tune.py", "vram.py"]
+        "accept.py", "bench.py", "bench_job.py", "compare.py", "doctor.py", "merge.py", "metrics.py", "ppl.py",
+        "report.py", "roofline.py", "serve.py", "setup_cpu_sglang.py", "setup_cpu_vllm.py", "smoke_toolcall.py", "sweep.py", "tiny_model.py",
+        "tune.py", "vram.py"]
     assert sorted(p.name for p in scripts.iterdir() if p.is_dir()) == ["data", "rooflib"]
     shipped = {str(p.relative_to(scripts)) for p in (scripts / "rooflib").rglob("*") if p.is_file()}
     assert shipped == {str(p.relative_to(REPO / "scripts")) for p in (REPO / "scripts" / "rooflib").rglob("*")

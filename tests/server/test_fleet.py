@@ -2,7 +2,8 @@
 basic auth, scraping two REAL CPU vLLM replicas: each test induces one fleet picture, the finding
 must name it and the replica, and the PromQL figures of each replica must agree with reading its
 /metrics directly. Then bad input, the shipped scrape config and rules (promtool), and SGLang's
-label set through a fake Prometheus API (SGLang cannot run here).
+label set of a TP-2 deployment through a fake Prometheus API (a live SGLang replica beside a vLLM
+one is in test_fleet_mixed.py).
 """
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ class Measured:
     start: float              # unix time: the counters are flat from before it until the load
     first: dict[str, float]   # per instance: a successful scrape between start + LEAD_S and the load
     last: dict[str, float]    # per instance: a successful scrape after the load
+    at: float                 # unix time: the instant to ask Prometheus about, each replica up (settled)
 
 
 def measured(fleet, load) -> Measured:
@@ -104,19 +106,40 @@ def measured(fleet, load) -> Measured:
     after = {url: engine_metrics.snapshot(*_scrape(url)) for url in urls}
     # A window of 20 intervals keeps increase()'s extrapolation small (see assert_agrees).
     time.sleep(max(0.0, start + 20 * SCRAPE_S - time.time()))
-    last = scraped_since(fleet["prometheus"], instances, loaded)  # the final values
+    last, at = settled_scrapes(fleet["prometheus"], instances, loaded)  # the final values
     direct = {}
     for url in urls:
         delta = engine_metrics.difference(before[url], after[url])
         direct[instance(url)] = {**engine_metrics.report(delta), "histograms": delta["histograms"]}
-    return Measured(direct, start, first, last)
+    return Measured(direct, start, first, last, at)
 
 
 def window_of(m: Measured) -> int:
-    """The --window (whole seconds, as PromQL takes it) that opens SCRAPE_S after `start`, give
-    or take half a second of rounding: inside the flat lead, with LEAD_S - 1.5 s to spare for the
-    moments until metrics.py reads the clock. Computed right before it runs."""
-    return round(time.time() - m.start - SCRAPE_S)
+    """The --window (whole seconds, as PromQL takes it) that ends at m.at and opens SCRAPE_S after
+    `start`, give or take half a second of rounding: inside the flat lead."""
+    return round(m.at - m.start - SCRAPE_S)
+
+
+REAL_PROMETHEUS_INIT = fleet_findings.Prometheus.__init__
+
+
+def evaluated_at(monkeypatch, at: float) -> None:
+    """Every PromQL query of the metrics runs that follow in this test is evaluated at `at` (unix
+    time), not at the moment metrics reads its clock: by then a newer scrape may have come, and a
+    busy replica that missed the 1 s scrape timeout (up == 0) would read as down."""
+    def pinned(self, *args, **kwargs):
+        REAL_PROMETHEUS_INIT(self, *args, **kwargs)
+        self.at = at
+    monkeypatch.setattr(fleet_findings.Prometheus, "__init__", pinned)
+
+
+def ask_over(fleet, m: Measured, monkeypatch, capsys) -> tuple[dict, int]:
+    """metrics --prometheus --json over the window of `m`, evaluated at m.at: (the report, its --window)."""
+    evaluated_at(monkeypatch, m.at)
+    seconds = window_of(m)
+    code, report, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", str(seconds))
+    assert code == 0, err
+    return report, seconds
 
 
 def queued_load(fleet, monkeypatch, capsys, servers: list, seed: int) -> tuple[Measured, dict, int]:
@@ -130,28 +153,44 @@ def queued_load(fleet, monkeypatch, capsys, servers: list, seed: int) -> tuple[M
             with ThreadPoolExecutor(len(servers)) as pool:
                 list(pool.map(lambda s: send_load(s.url, s.model, 12, 12, prompt_tokens, 16, seed=seed), servers))
         m = measured(fleet, load)
-        seconds = window_of(m)
-        code, report, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", str(seconds))
-        assert code == 0, err
+        report, seconds = ask_over(fleet, m, monkeypatch, capsys)
         replicas = by_instance(report)
         if all(fleet_findings.queued(replicas[instance(s.url)], diagnosis.QUEUE_SHARE) for s in servers):
             break
     return m, report, seconds
 
 
-def scraped_since(prom, instances: list[str], since: float) -> dict[str, float]:
+def scraped_since(prom, instances: list[str], since: float, job: str = "vllm") -> dict[str, float]:
     """Wait (60 s at most past `since`) until the latest scrape of each instance began after
     `since` (unix time) and succeeded: on a busy machine a /metrics page may take longer than the
     scrape timeout (up == 0), and then the next scrape is waited for. Returns each one's time."""
     deadline = time.monotonic() + max(0.0, since - time.time()) + 60
+    selector = f'{{job="{job}"}}' if job else ""
     while True:
-        rows = prom.get("/api/v1/query", query=f'up{{job="vllm"}}[{5 * SCRAPE_S}s]').json()["data"]["result"]
+        rows = prom.get("/api/v1/query", query=f"up{selector}[{5 * SCRAPE_S}s]").json()["data"]["result"]
         latest = {row["metric"]["instance"]: row["values"][-1] for row in rows}  # [time, value]
         waiting = [i for i in instances if i not in latest or latest[i][0] <= since or latest[i][1] != "1"]
         if not waiting:
             return {i: float(latest[i][0]) for i in instances}
         assert time.monotonic() < deadline, f"no fresh successful scrape of {waiting}: {latest}"
         time.sleep(0.2 * SCRAPE_S)
+
+
+def settled_scrapes(prom, instances: list[str], since: float, job: str = "vllm") -> tuple[dict[str, float], float]:
+    """scraped_since, and `at`, the latest of those scrapes: an instant at which each instance's
+    latest scrape succeeded. A scrape that began before `at` lands up to the scrape timeout later
+    (SCRAPE_S), and may have failed: `at` is confirmed once that time has passed, else the next
+    scrapes are waited for."""
+    while True:
+        latest = scraped_since(prom, instances, since, job)
+        at = max(latest.values())
+        time.sleep(max(0.0, at + 2 * SCRAPE_S - time.time()))
+        selector = f'{{job="{job}"}}' if job else ""
+        rows = prom.get("/api/v1/query", query=f"up{selector}", time=f"{at:.3f}").json()["data"]["result"]
+        up = {row["metric"]["instance"]: row["value"][1] for row in rows}
+        if all(up.get(i) == "1" for i in instances):
+            return latest, at
+        since = at
 
 
 def _scrape(url: str) -> tuple[str, str, float]:
@@ -252,8 +291,7 @@ class TestRealFleet:
                     send_load(server.url, server.model, 1, 1, 1000, 4, shared_prefix=896, seed=20 + session)
 
         m = measured(fleet, sessions)
-        code, r, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", str(window_of(m)))
-        assert code == 0, err
+        r, _ = ask_over(fleet, m, monkeypatch, capsys)
         finding = named(r, "prefix_split")
         assert sorted(finding["replicas"]) == sorted(instance(s.url) for s in servers)
         replicas = by_instance(r)
@@ -281,8 +319,7 @@ class TestRealFleet:
         fleet["stacks"]["b"].close()
         fleet["live"] = [a.url]
         m = measured(fleet, lambda: send_load(a.url, a.model, 4, 2, 64, 16, seed=13))
-        code, r, err = ask(fleet["prometheus"], monkeypatch, capsys, "--window", str(window_of(m)))
-        assert code == 0, err
+        r, _ = ask_over(fleet, m, monkeypatch, capsys)
         finding = named(r, "replica_down")
         assert finding["replicas"] == [instance(b.url)] and "up == 0" in finding["evidence"]
         assert r["fleet"]["down"] == [instance(b.url)] and r["fleet"]["up"] == 1
@@ -318,7 +355,7 @@ def test_prometheus_answering_html_fails_in_one_line(capsys):
 SGLANG_NAMES = ["sglang:time_to_first_token_seconds_bucket", "sglang:e2e_request_latency_seconds_bucket",
                 "sglang:queue_time_seconds_bucket", "sglang:num_running_reqs", "sglang:num_queue_reqs",
                 "sglang:token_usage", "sglang:prompt_tokens_total", "sglang:generation_tokens_total",
-                "sglang:cached_tokens_total", "sglang:max_total_num_tokens", "sglang:max_running_requests"]
+                "sglang:cached_tokens_total", "sglang:max_total_num_tokens", "sglang:context_len"]
 
 
 def fake_sglang_prometheus(labels: dict[str, str], asked: list[str], up: dict[str, int] | None = None):

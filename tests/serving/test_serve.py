@@ -34,6 +34,12 @@ EXPECTED = {
         "python3 -m vllm.entrypoints.openai.api_server --model Qwen/Qwen2.5-7B-Instruct --served-model-name qwen2.5-7b "
         "--host 127.0.0.1 --port 8000 --dtype bfloat16 --max-model-len 16384 --gpu-memory-utilization 0.92 "
         "--kv-cache-dtype fp8 --max-num-seqs 32 --enable-prefix-caching --enable-auto-tool-choice --tool-call-parser hermes"),
+    "cpu-tiny-sglang": (
+        f"SGLANG_USE_CPU_ENGINE=1 {CACHE}/sglang-cpu/bin/python -m sglang.launch_server "
+        f"--model-path {CACHE}/models/v2/tiny-qwen3 --served-model-name tiny-qwen3 --host 127.0.0.1 --port 30000 "
+        "--dtype bfloat16 --context-length 4096 --mem-fraction-static 0.3 --tool-call-parser qwen25 --enable-metrics "
+        "--device cpu --attention-backend torch_native --skip-server-warmup --max-total-tokens 131072 "
+        "--enable-cache-report"),
     "sglang-qwen3-8b-h100": (
         "python3 -m sglang.launch_server --model-path Qwen/Qwen3-8B --served-model-name qwen3-8b --host 127.0.0.1 "
         "--port 30000 --tp-size 1 --context-length 32768 --mem-fraction-static 0.85 --max-running-requests 256 "

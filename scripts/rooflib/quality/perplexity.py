@@ -80,8 +80,8 @@ def post(http, path: str, body: dict[str, Any]) -> dict[str, Any]:
 def tokenize(http, api: str, model: str, text: str) -> tuple[list[int], list[int]]:
     """(prefix, ids): the server's own tokens of the text, and the BOS it adds (or none)."""
     if api == "sglang":
-        # SGLang has no /tokenize that ppl uses: one /generate of the text returns its token ids
-        # (the BOS it adds included), so the text must fit in one request there.
+        # On SGLang one /generate of the text returns the token ids its logprobs are of (the BOS it
+        # adds included), so the text must fit in one request there.
         try:
             meta = post(http, "/generate", sglang_body({"text": text}))
         except ServerError as exc:

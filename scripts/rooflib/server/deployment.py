@@ -5,9 +5,10 @@ vLLM: GET /server_info?config_format=json, served only when the server runs with
 VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/serve/dev/server_info/api_router.py, vLLM 0.32.0): the
 whole VllmConfig. SGLang: GET /get_server_info (python/sglang/srt/entrypoints/http_server.py,
 sgl-project/sglang main): its ServerArgs (python/sglang/srt/server_args.py) and the scheduler's
-info. Both: /v1/models gives max_model_len. A route that does not answer is skipped: the setting
+info; read from a live SGLang 0.5.23 and SGLang main of 2026-08 (its CPU engine, the project's
+tests). Both: /v1/models gives max_model_len. A route that does not answer is skipped: the setting
 stays for the diagnosis to infer from the metrics, or unknown. Only the named fields are read;
-nothing else of these answers (SGLang's holds the API key) is kept or printed.
+nothing else of these answers (SGLang's holds the API key, 0.5.23's a watermark key) is kept or printed.
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ VLLM_FIELDS = {
 }
 # setting -> SGLang ServerArgs field. The radix cache is SGLang's prefix cache: on unless
 # --disable-radix-cache; chunked_prefill_size plays max_num_batched_tokens' part (tokens
-# prefilled per step); mem_fraction_static that of gpu_memory_utilization.
+# prefilled per step); mem_fraction_static that of gpu_memory_utilization. max_running_requests
+# and context_length are null unless set on the command line (SGLang then chooses them).
 SGLANG_FIELDS = {
     "max_num_seqs": "max_running_requests",
     "max_num_batched_tokens": "chunked_prefill_size",
@@ -65,17 +67,27 @@ SGLANG_FIELDS = {
     "max_model_len": "context_length",
     "tensor_parallel_size": "tp_size",
     "gpu_memory_utilization": "mem_fraction_static",
+    "max_total_tokens": "max_total_tokens",
     "stream_interval": "stream_interval",
+    "cache_dtype": "kv_cache_dtype",
+    "attention_backend": "attention_backend",
+    "engine_version": "version",
 }
+# The running cap SGLang chose when --max-running-requests is not set, per data-parallel rank:
+# internal_states[0] of /get_server_info (the scheduler's, SGLang 0.5.23 and main 2026-08).
+SGLANG_CHOSEN_CAP = "effective_max_running_requests_per_dp"
 # What each setting must be to be read at all (a bool is not a count).
 FRACTIONS = {"gpu_memory_utilization"}
 BOOLEANS = {"prefix_caching"}
+TEXTS = {"cache_dtype", "attention_backend", "engine_version"}
 
 
 def _checked(setting: str, value: Any) -> Any:
     """The value if it has the setting's type, else None (the setting then stays unread)."""
     if setting in BOOLEANS:
         return value if isinstance(value, bool) else None
+    if setting in TEXTS:
+        return value if isinstance(value, str) and value else None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     if setting in FRACTIONS:
@@ -96,8 +108,9 @@ def from_vllm(info: Any) -> dict[str, Known]:
 
 
 def from_sglang(info: Any) -> dict[str, Known]:
-    """The settings in an SGLang /get_server_info answer (max_running_requests and
-    context_length are null there when SGLang chose them: those stay unread)."""
+    """The settings in an SGLang /get_server_info answer. max_running_requests is null there
+    when SGLang chose the cap: then the scheduler's own figure (SGLANG_CHOSEN_CAP) times the
+    data-parallel size; context_length null stays unread (/v1/models and sglang:context_len say it)."""
     found = {}
     for setting, field in SGLANG_FIELDS.items():
         raw = info.get(field) if isinstance(info, dict) else None
@@ -106,6 +119,14 @@ def from_sglang(info: Any) -> dict[str, Known]:
         value = _checked(setting, raw)
         if value is not None:
             found[setting] = Known(value, EXPORTED, f"SGLang /get_server_info {field}")
+    states = info.get("internal_states") if isinstance(info, dict) else None
+    state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
+    chosen = _checked("max_num_seqs", state.get(SGLANG_CHOSEN_CAP))
+    if "max_num_seqs" not in found and chosen is not None:
+        ranks = _checked("max_num_seqs", info.get("dp_size")) or 1
+        found["max_num_seqs"] = Known(chosen * ranks, EXPORTED, f"SGLang /get_server_info internal_states[0]."
+                                      f"{SGLANG_CHOSEN_CAP}{f' x dp_size {ranks}' if ranks > 1 else ''}"
+                                      " (SGLang's own choice: --max-running-requests not set)")
     return found
 
 

@@ -18,7 +18,7 @@ import httpx
 from rooflib.core import conf, http_client
 from rooflib.core.errors import ServerError, UsageError
 from rooflib.server import diagnosis, fleet
-from rooflib.server.deployment import Served
+from rooflib.server.deployment import EXPORTED, Known, Served
 from rooflib.server.diagnosis import bytes_text as _bytes
 from rooflib.server.diagnosis import ms as _ms
 from rooflib.server.diagnosis import pct as _pct
@@ -227,11 +227,18 @@ HISTOGRAMS: dict[str, dict[str, tuple[str, ...]]] = {
     # rename in 0.11 (PR #24110); SGLang's likewise until PR #3988/#4914.
     "itl": {"vllm": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
             "sglang": ("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds")},
-    "tpot": {"vllm": ("vllm:request_time_per_output_token_seconds",), "sglang": ()},
+    # SGLang exports per-request TPOT from 0.5.23 on (python/sglang/srt/observability/
+    # metrics_collector.py of the sglang 0.5.23 wheel); SGLang main of 2026-08 does not.
+    "tpot": {"vllm": ("vllm:request_time_per_output_token_seconds",),
+             "sglang": ("sglang:request_time_per_output_token_seconds",)},
     "e2e": {"vllm": ("vllm:e2e_request_latency_seconds",),
             "sglang": ("sglang:e2e_request_latency_seconds",)},
     "queue": {"vllm": ("vllm:request_queue_time_seconds",), "sglang": ("sglang:queue_time_seconds",)},
-    "prefill": {"vllm": ("vllm:request_prefill_time_seconds",), "sglang": ()},
+    # SGLang observes stage prefill_forward once per request, from its first forward to the end
+    # of its prefill, chunks included (set_prefill_finished_time in python/sglang/srt/observability/
+    # req_time_stats.py, SGLang 0.5.23 and main 2026-08): what vLLM's prefill time measures.
+    "prefill": {"vllm": ("vllm:request_prefill_time_seconds",),
+                "sglang": ('sglang:per_stage_req_latency_seconds{stage="prefill_forward"}',)},
     "decode": {"vllm": ("vllm:request_decode_time_seconds",), "sglang": ()},
     # Token counts of each finished request (vllm/v1/metrics/loggers.py; SGLang with
     # --collect-tokens-histogram, python/sglang/srt/metrics/collector.py) and of each engine step
@@ -240,11 +247,17 @@ HISTOGRAMS: dict[str, dict[str, tuple[str, ...]]] = {
     "prompt_len": {"vllm": ("vllm:request_prompt_tokens",), "sglang": ("sglang:prompt_tokens_histogram",)},
     "output_len": {"vllm": ("vllm:request_generation_tokens",), "sglang": ("sglang:generation_tokens_histogram",)},
     "step_tokens": {"vllm": ("vllm:iteration_tokens_total",), "sglang": ()},
+    # The prompt tokens each finished request did not find in the radix cache (SGLang 0.5.23 and
+    # main 2026-08, observe_one_finished_request in metrics_collector.py): with prompt_len, the
+    # cached tokens, which sglang:cached_tokens_total counts only from the first hit on.
+    "uncached_prompt_len": {"vllm": (), "sglang": ("sglang:uncached_prompt_tokens_histogram",)},
 }
-TOKEN_COUNTS = ("prompt_len", "output_len", "step_tokens")
+TOKEN_COUNTS = ("prompt_len", "output_len", "step_tokens", "uncached_prompt_len")
 
-# vLLM's API server counts requests by route (http_requests_total of
-# prometheus-fastapi-instrumentator, label handler): the endpoint the traffic uses.
+# The API server counts requests by route: the endpoint the traffic uses. vLLM: http_requests_total
+# of prometheus-fastapi-instrumentator, label handler; SGLang (0.5.23, main 2026-08):
+# sglang:http_requests_total, label endpoint, counted as a request arrives.
+ENDPOINT_COUNTERS = {"vllm": ("http_requests_total", "handler"), "sglang": ("sglang:http_requests_total", "endpoint")}
 ENDPOINTS = {"/v1/chat/completions": "chat_requests", "/v1/completions": "completion_requests"}
 
 
@@ -284,8 +297,11 @@ GAUGES: dict[str, tuple[dict[str, tuple[str, ...]], str]] = {
                         "mean"),
     "retracted_now": ({"vllm": (), "sglang": ("sglang:num_retracted_reqs",)}, "sum"),
     "queue_latency_last_s": ({"vllm": (), "sglang": ("sglang:avg_request_queue_latency",)}, "mean"),
-    "max_running": ({"vllm": (), "sglang": ("sglang:max_running_requests",)}, "sum"),
     "kv_capacity_tokens": ({"vllm": (), "sglang": ("sglang:max_total_num_tokens",)}, "sum"),
+    # SGLang's settings as gauges (SGLang 0.5.23 and main 2026-08): the context limit and the
+    # radix cache's page size, in tokens.
+    "context_len": ({"vllm": (), "sglang": ("sglang:context_len",)}, "mean"),
+    "page_size": ({"vllm": (), "sglang": ("sglang:page_size",)}, "mean"),
     # Throughput of the last logging interval: vLLM V0 (removed ~0.7) and SGLang; used only
     # when the token counters give no rate (a single scrape without a known start time).
     "prompt_throughput": ({"vllm": ("vllm:avg_prompt_throughput_toks_per_s",), "sglang": ()}, "sum"),
@@ -327,7 +343,7 @@ def choose_metrics(engine: str, names: Iterable[str]) -> dict[str, dict[str, str
     present = set(names)
 
     def first(candidates: Sequence[str], suffix: str = "") -> str | None:
-        return next((name for name in candidates if name + suffix in present), None)
+        return next((name for name in candidates if fleet.split_series(name)[0] + suffix in present), None)
 
     chosen = {"histograms": {c: first(n[engine], "_bucket") for c, n in HISTOGRAMS.items()},
               "counters": {c: first(n[engine]) for c, n in COUNTERS.items()},
@@ -370,27 +386,49 @@ def snapshot(text: str | Exposition, source: str = "", at: float | None = None) 
             continue
         value = sum(values) if GAUGES[concept][1] == "sum" else sum(values) / len(values)
         snap["gauges"][concept] = {"metric": metric, "value": value, "max": max(values)}
-    for labels, value in exposition.samples.get("http_requests_total", []):
-        concept = ENDPOINTS.get(labels.get("handler", ""))
+    requests_metric, route_label = ENDPOINT_COUNTERS[engine]
+    for labels, value in exposition.samples.get(requests_metric, []):
+        concept = ENDPOINTS.get(labels.get(route_label, ""))
         if concept:
-            counter = snap["counters"].setdefault(concept, {"metric": "http_requests_total", "value": 0.0, "series": 0})
+            counter = snap["counters"].setdefault(concept, {"metric": requests_metric, "value": 0.0, "series": 0})
             counter["value"] += value
             counter["series"] += 1
+    _cached_tokens_from_histograms(snap)
     info = exposition.samples.get("vllm:cache_config_info")
     snap["cache_config"] = dict(info[0][0]) if info else {}
     snap["start_time"] = _start_time(exposition, engine)
     return snap
 
 
+def _cached_tokens_from_histograms(snap: dict[str, Any]) -> None:
+    """SGLang counts cached prompt tokens in sglang:cached_tokens_total from the first cache hit on
+    (a labelled counter's series appears at its first increment, prometheus_client's multiprocess
+    mode); until then, and in any case the same figure, its prompt-token histograms give them."""
+    hists = snap["histograms"]
+    if "prefix_hits" in snap["counters"] or not {"prompt_len", "uncached_prompt_len"} <= set(hists):
+        return
+    snap["counters"]["prefix_hits"] = {
+        "metric": f"{hists['prompt_len']['metric']}_sum - {hists['uncached_prompt_len']['metric']}_sum",
+        "value": hists["prompt_len"]["sum"] - hists["uncached_prompt_len"]["sum"], "series": 1}
+
+
+def _rows(exposition: Exposition, engine: str, metric: str, suffix: str) -> list[tuple[dict[str, str], float]]:
+    """The `suffix` samples of `metric` (a family, or some series of one: fleet.split_series)."""
+    family, wanted = fleet.split_series(metric)
+    rows = exposition.samples.get(family + suffix, [])
+    return _selected(engine, [(labels, value) for labels, value in rows
+                              if all(labels.get(k) == v for k, v in wanted.items())])
+
+
 def _histogram(exposition: Exposition, engine: str, metric: str, warnings: list[str]) -> dict[str, Any]:
     """Buckets of every series added up (PromQL `sum by (le)`); None counts if layouts differ."""
     series: dict[tuple, dict[float, float]] = {}
-    for labels, value in _selected(engine, exposition.samples[metric + "_bucket"]):
+    for labels, value in _rows(exposition, engine, metric, "_bucket"):
         series.setdefault(_series_key(labels), {})[float(labels.get("le", "nan"))] = value
     layouts = {tuple(sorted(b)) for b in series.values()}
     total = {"metric": metric, "le": None, "counts": None,
-             "sum": sum(v for _, v in _selected(engine, exposition.samples.get(metric + "_sum", []))),
-             "count": sum(v for _, v in _selected(engine, exposition.samples.get(metric + "_count", [])))}
+             "sum": sum(v for _, v in _rows(exposition, engine, metric, "_sum")),
+             "count": sum(v for _, v in _rows(exposition, engine, metric, "_count"))}
     if len(layouts) > 1:
         warnings.append(f"{metric}: engines use different buckets, so no quantiles are computed")
         return total
@@ -638,11 +676,10 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
         if any(endpoints.values()) else None
     # Little's law over the requests that finished: time spent running (prefill + decode) or
     # queued, divided by the interval, is the mean number running or waiting.
-    busy = [snap["histograms"][c]["sum"] for c in ("prefill", "decode") if c in snap["histograms"]]
-    result["running_mean"] = sum(busy) / seconds if len(busy) == 2 and seconds else None
+    busy = _running_seconds(snap["histograms"])
+    result["running_mean"] = busy / seconds if busy is not None and seconds else None
     queued = snap["histograms"].get("queue")
     result["waiting_mean"] = queued["sum"] / seconds if queued and seconds else None
-    result["max_running"] = gauges["max_running"]["value"] if "max_running" in gauges else None
     result["gauge_samples"] = max((g.get("samples", 1) for g in gauges.values()), default=0)
     plateau = snap.get("running_while_waiting") or []
     result["running_while_waiting"] = max(plateau) if plateau else None
@@ -655,8 +692,10 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
     targets = (slo or Targets()).resolved()
     result["slo"] = {k: targets[k] for k in ("ttft_p95_ms", "tpot_p95_ms", "itl_p95_ms")}
     result["slo_source"], result["slo_defaulted"] = targets["source"], targets["defaulted"]
-    settings = diagnosis.settings(result, served)
+    settings = diagnosis.settings(result, with_gauge_settings(snap, served))
     result["settings"] = diagnosis.known_json(settings)
+    if snap["engine"] == "sglang":
+        result["deployment"] = sglang_deployment(settings, result["tokens_per_request"])
     if result["deployment"]:
         seqs = settings["max_num_seqs"]
         result["deployment"]["max_num_seqs"] = seqs.value
@@ -683,6 +722,17 @@ def _lengths(snap: dict[str, Any], requests: int) -> dict[str, Any]:
             result["output_tokens_mean"] = counters["generation_tokens"]["value"] / requests
         result["lengths_from"] = f"{counters['prompt_tokens']['metric']} / finished requests"
     return result
+
+
+def _running_seconds(hists: Mapping[str, Any]) -> float | None:
+    """The time the finished requests spent running: vLLM's prefill and decode times; SGLang has
+    no decode histogram, so its e2e less its queue time (SGLang 0.5.23 and main 2026-08: e2e from
+    the tokenizer's receipt, so it holds tokenizing too, a few ms a request)."""
+    if "prefill" in hists and "decode" in hists:
+        return hists["prefill"]["sum"] + hists["decode"]["sum"]
+    if {"e2e", "queue"} <= set(hists) and hists["e2e"]["metric"].startswith("sglang:"):
+        return max(0.0, hists["e2e"]["sum"] - hists["queue"]["sum"])
+    return None
 
 
 def _requests_per_step(snap: dict[str, Any]) -> float | None:
@@ -746,6 +796,47 @@ def deployment_config(info: Mapping[str, str], tokens_per_request: float | None)
         "kv_cache_sized_by": sized_by, "max_num_seqs": None,
         "max_num_seqs_note": "unknown: no metric exports it (vLLM defaults: "
                              + "/".join(map(str, diagnosis.VLLM_DEFAULT_MAX_NUM_SEQS)) + " by platform)",
+    }
+
+
+# setting -> the report's gauge of SGLang's that exports it (see GAUGES).
+SGLANG_GAUGE_SETTINGS = {"max_model_len": "context_len", "block_size": "page_size"}
+
+
+def with_gauge_settings(snap: dict[str, Any], served: Served | None) -> Served | None:
+    """`served` with the settings SGLang exports as gauges added (what the server itself
+    answered wins): its context limit and page size. vLLM's come with vllm:cache_config_info."""
+    gauges = snap["gauges"]
+    scraped = {setting: Known(int(gauges[name]["value"]), EXPORTED, gauges[name]["metric"])
+               for setting, name in SGLANG_GAUGE_SETTINGS.items() if gauges.get(name, {}).get("value", 0) >= 1}
+    if not scraped:
+        return served
+    return Served(served.url if served else "", {**scraped, **(served.settings if served else {})})
+
+
+def sglang_deployment(s: Mapping[str, Known], tokens_per_request: float | None) -> dict[str, Any]:
+    """The deployment line's figures for SGLang, from what it exports: the KV pool in tokens
+    (sglang:max_total_num_tokens), its page size, context limit and the settings /get_server_info gives."""
+    def value(name: str) -> Any:
+        return s[name].value if name in s else None
+    tokens, page, length, util = (value(n) for n in ("kv_cache_tokens", "block_size", "max_model_len",
+                                                     "gpu_memory_utilization"))
+    if not tokens:
+        return {}
+    caching, cap = value("prefix_caching"), value("max_total_tokens")
+    sized_by = f"--mem-fraction-static {util:g}" if util else None
+    if cap and tokens >= cap:  # the cap holds only where the memory left more (diagnosis.EXPLICIT_KV)
+        sized_by = f"--max-total-tokens {cap:,}" + (f", within what {sized_by} leaves" if sized_by else "")
+    return {
+        "source": "SGLang: sglang:max_total_num_tokens and /get_server_info", "engine": "sglang",
+        "block_size": page, "num_gpu_blocks": tokens // page if page else None, "kv_cache_tokens": tokens,
+        "kv_cache_memory_bytes": None, "gpu_memory_utilization": util, "kv_cache_sized_by": sized_by,
+        "max_concurrency_at_max_model_len": tokens / length if length else None, "max_model_len": length,
+        "requests_of_mean_length": tokens / tokens_per_request if tokens_per_request else None,
+        "mean_request_tokens": tokens_per_request, "kv_cache_dtype": value("cache_dtype"),
+        "prefix_caching": None if caching is None else ("on" if caching else "off"), "max_num_seqs": None,
+        "max_num_seqs_note": "unknown", "attention_backend": value("attention_backend"),
+        "engine_version": value("engine_version"),
     }
 
 
@@ -887,7 +978,7 @@ def _presence_metric(chosen: dict[str, dict[str, str]]) -> str:
     if chosen["counters"]:
         return next(iter(chosen["counters"].values()))
     if chosen["histograms"]:
-        return next(iter(chosen["histograms"].values())) + "_count"
+        return fleet.split_series(next(iter(chosen["histograms"].values())))[0] + "_count"
     raise InvalidScrape("Prometheus holds engine series but none of the figures this tool reads")
 
 
@@ -959,20 +1050,25 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def _deployment_line(dep: dict[str, Any]) -> str:
-    """The deployment's own settings, as vllm:cache_config_info exports them."""
-    parts = []
+    """The deployment's own settings, as vllm:cache_config_info (or SGLang) exports them."""
+    parts, engine = [], dep.get("engine", "vllm")
     if dep["kv_cache_tokens"]:
-        blocks = f" ({dep['num_gpu_blocks']:,} blocks of {dep['block_size']})" if dep["num_gpu_blocks"] else ""
+        unit = "pages" if engine == "sglang" else "blocks"
+        blocks = f" ({dep['num_gpu_blocks']:,} {unit} of {dep['block_size']})" if dep["num_gpu_blocks"] else ""
         parts.append(f"KV cache {dep['kv_cache_tokens']:,} tokens{blocks}"
                      + (f" sized by {dep['kv_cache_sized_by']}" if dep["kv_cache_sized_by"] else ""))
     if dep["requests_of_mean_length"] is not None:
         parts.append(f"{dep['requests_of_mean_length']:.1f} requests of the mean length "
                      f"({dep['mean_request_tokens']:,.0f} tokens)")
     if dep["max_concurrency_at_max_model_len"] is not None:
-        parts.append(f"{dep['max_concurrency_at_max_model_len']:,.1f} requests at max-model-len {dep['max_model_len'] or 'n/a'}")
-    parts.append(f"KV dtype {dep['kv_cache_dtype'] or 'n/a'}, prefix caching {dep['prefix_caching'] or 'n/a'}")
-    parts.append(f"max-num-seqs {dep['max_num_seqs_note']}")
-    return "  deployment (vllm:cache_config_info): " + "; ".join(parts)
+        limit = "context-length" if engine == "sglang" else "max-model-len"
+        parts.append(f"{dep['max_concurrency_at_max_model_len']:,.1f} requests at {limit} {dep['max_model_len'] or 'n/a'}")
+    cache = "radix cache" if engine == "sglang" else "prefix caching"
+    parts.append(f"KV dtype {dep['kv_cache_dtype'] or 'n/a'}, {cache} {dep['prefix_caching'] or 'n/a'}")
+    parts.append(f"{diagnosis.FLAGS[engine]['seqs'].lstrip('-')} {dep['max_num_seqs_note']}")
+    if engine == "sglang":
+        parts.append(f"attention backend {dep['attention_backend'] or 'n/a'}, SGLang {dep['engine_version'] or 'n/a'}")
+    return f"  deployment ({dep.get('source', 'vllm:cache_config_info')}): " + "; ".join(parts)
 
 
 def _targets_line(r: dict[str, Any]) -> str:

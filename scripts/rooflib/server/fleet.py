@@ -34,7 +34,7 @@ IMBALANCE_RATIO = 2.0   # the queueing replica finished at least this many times
 PREFIX_SPLIT_LOW = 0.5  # fleet prefix-cache hit rate below which hits spread over replicas cost prefill
 
 # Cache settings in vLLM's cache_config_info labels and the flags that set them; SGLang has no such
-# metric, so its configuration gauges stand in.
+# metric, so its configuration gauges stand in (those SGLang 0.5.23 and main 2026-08 export).
 CONFIG_FLAGS = {
     "vllm": {"block_size": "--block-size", "cache_dtype": "--kv-cache-dtype",
              "enable_prefix_caching": "--enable-prefix-caching / --no-enable-prefix-caching",
@@ -44,8 +44,7 @@ CONFIG_FLAGS = {
              "kv_cache_size_tokens": "--gpu-memory-utilization or --kv-cache-memory-bytes (KV tokens)",
              "sliding_window": "the model's sliding window", "num_gpu_blocks_override": "--num-gpu-blocks-override"},
     "sglang": {"sglang:max_total_num_tokens": "--mem-fraction-static or --max-total-tokens (KV tokens)",
-               "sglang:max_running_requests": "--max-running-requests",
-               "sglang:context_len": "--context-length", "sglang:max_prefill_tokens": "--max-prefill-tokens"},
+               "sglang:context_len": "--context-length", "sglang:page_size": "--page-size"},
 }
 # SGLang repeats scheduler series once per TP rank of one DP group: only rank 0 (or series without
 # the label, as the tokenizer's histograms) is counted, as metrics.py does for a single scrape.
@@ -160,6 +159,21 @@ def range_of(seconds: float) -> str:
     return f"{range_seconds(seconds)}s"
 
 
+def split_series(metric: str) -> tuple[str, dict[str, str]]:
+    """`family{label="value",...}` (a histogram concept read from some series of a family, e.g.
+    one stage of SGLang's per-stage latencies) -> (family, labels); a plain name has none."""
+    family, _, rest = metric.partition("{")
+    return family, dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"]*)"', rest))
+
+
+def series(metric: str, suffix: str, sel: str) -> str:
+    """PromQL for the `suffix` series of `metric` (see split_series) within the selector `sel`."""
+    family, labels = split_series(metric)
+    parts = [sel[1:-1]] if sel else []
+    parts += [f'{name}="{value}"' for name, value in labels.items()]
+    return family + suffix + ("{" + ", ".join(parts) + "}" if parts else "")
+
+
 def selector(match: str, **extra: str) -> str:
     """`{match,extra}` or '' (extra values are regexes, e.g. __name__)."""
     parts = [match] if match else []
@@ -183,11 +197,11 @@ def queries(chosen: Mapping[str, Mapping[str, str]], gauge_kinds: Mapping[str, s
     le = "le, instance" if per_instance else "le"
     result: dict[str, str] = {}
     for concept, metric in chosen["histograms"].items():
+        buckets, sums, counts = (series(metric, suffix, sel) for suffix in ("_bucket", "_sum", "_count"))
         for name, q in quantiles.items():
-            result[f"{concept}.{name}"] = f"histogram_quantile({q}, sum by ({le}) (rate({metric}_bucket{sel}[{rng}])))"
-        result[f"{concept}.mean"] = (f"sum{by} (rate({metric}_sum{sel}[{rng}])) / "
-                                     f"sum{by} (rate({metric}_count{sel}[{rng}]))")
-        result[f"{concept}.n"] = f"sum{by} (increase({metric}_count{sel}[{rng}]))"
+            result[f"{concept}.{name}"] = f"histogram_quantile({q}, sum by ({le}) (rate({buckets}[{rng}])))"
+        result[f"{concept}.mean"] = f"sum{by} (rate({sums}[{rng}])) / sum{by} (rate({counts}[{rng}]))"
+        result[f"{concept}.n"] = f"sum{by} (increase({counts}[{rng}]))"
     for concept, metric in chosen["counters"].items():
         result[f"counter.{concept}"] = f"sum{by} (increase({metric}{sel}[{rng}]))"
         result[f"counter.{concept}.series"] = f"count{by} ({metric}{sel})"
@@ -204,6 +218,10 @@ def engine_names(prom: Prometheus, match: str) -> tuple[str, set[str]]:
     scope = selector(match, __name__="vllm:.+|sglang:.+")
     names = {row["metric"].get("__name__", "") for row in prom.query(f"count by (__name__) ({scope})")}
     engines = {name.split(":", 1)[0] for name in names if ":" in name}
+    if not engines and prom.query(f"count({selector(match, __name__='sglang_.+')})"):
+        raise UsageError("Prometheus holds SGLang's series as sglang_* (SGLang 0.5.23 escapes ':' when Prometheus "
+                         "asks for OpenMetrics): add the sglang job's metric_relabel_configs of "
+                         "references/prometheus/prometheus.yml, which gives them back their sglang: names")
     if not engines:
         raise UnusableAnswer(f"Prometheus at {prom.url} holds no vllm: or sglang: series"
                              f"{' matching ' + match if match else ''}: is it scraping the engines' /metrics?")

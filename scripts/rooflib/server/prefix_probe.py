@@ -13,11 +13,14 @@ with --enable-prompt-tokens-details, SGLang with --enable-cache-report); the cou
 each request: vLLM's vllm:prefix_cache_queries/_hits (tokens looked up and found; a request is
 looked up only with caching on, vllm/v1/core/kv_cache_manager.py, record_prefix_cache_stats),
 vllm:prompt_tokens_cached and vllm:prompt_tokens_cached_by_source where exported (vLLM 0.32.0,
-vllm/v1/metrics/loggers.py), SGLang's sglang:cached_tokens_total among sglang:prompt_tokens_total;
-vllm:cache_config_info's enable_prefix_caching and block_size. The two answer times (the
-prefill, with the network and the API server) only support the verdict: a busy server blurs them.
-SGLang is read from its documented formats (not checked against a live server); it exports no
-setting, so a cache that never hits there is "off or evicted".
+vllm/v1/metrics/loggers.py), SGLang's cached prompt tokens among sglang:prompt_tokens_total (counted
+as each request finishes: engine_metrics reads them from its prompt-token histograms before the
+first hit creates sglang:cached_tokens_total); vllm:cache_config_info's enable_prefix_caching and
+block_size, SGLang's sglang:page_size. The two answer times (the prefill, with the network and the
+API server) only support the verdict: a busy server blurs them. SGLang (0.5.23 and main 2026-08,
+checked against the live CPU engine) exports no radix-cache switch, so a cache that never hits
+there is "off or evicted"; like vLLM it never reuses a prompt's last token (_compute_max_prefix_len
+in python/sglang/srt/managers/schedule_batch.py, SGLang 0.5.23).
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ class Counters:
     cache_config: Mapping[str, str]
     kv_usage: float | None
     start_time: float | None = None   # when the engine started: another value is another engine
+    page_size: int | None = None      # SGLang's radix-cache page, sglang:page_size
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,12 @@ def counters(text: str, source: str = "") -> Counters:
     kv = snap["gauges"].get("kv_cache_usage")
     return Counters(snap["engine"], value("prefix_queries"), value("prefix_hits"),
                     sum(v for _, v in cached) if cached else None, by_source, snap["cache_config"],
-                    kv["value"] if kv else None, snap["start_time"])
+                    kv["value"] if kv else None, snap["start_time"], _page_size(snap))
+
+
+def _page_size(snap: dict[str, Any]) -> int | None:
+    page = snap["gauges"].get("page_size")
+    return int(page["value"]) if page and page["value"] >= 1 else None
 
 
 def block_size(scrape: Counters) -> tuple[int, str]:
@@ -80,7 +89,8 @@ def block_size(scrape: Counters) -> tuple[int, str]:
     if size.isdigit() and int(size) > 0:
         return int(size), "vllm:cache_config_info"
     if scrape.engine == "sglang":
-        return 1, "SGLang's --page-size default (not exported)"
+        return (scrape.page_size, "sglang:page_size") if scrape.page_size else \
+            (1, "SGLang's --page-size default (sglang:page_size not exported)")
     return 16, "vLLM's GPU default (vllm:cache_config_info not exported)"
 
 
@@ -118,8 +128,8 @@ def judge(scrapes: tuple[Counters, Counters, Counters], answers: tuple[Answer, A
     block, block_source = block_size(first_scrape)
     steps = [delta(scrapes[0], scrapes[1]), delta(scrapes[1], scrapes[2])]
     tokens = answers[1].prompt_tokens or answers[0].prompt_tokens
-    # vLLM never reuses the prompt's last token (its logits are needed): whole blocks of n - 1.
-    cacheable = (tokens - 1) // block * block if tokens and engine == "vllm" else None
+    # Neither engine reuses the prompt's last token (its logits are needed): whole blocks of n - 1.
+    cacheable = (tokens - 1) // block * block if tokens else None
     switch = first_scrape.cache_config.get("enable_prefix_caching")
     # vLLM counts a lookup per prompt token; SGLang's "queries" are all prompt tokens. Any other
     # count means other requests ran in between, and the counters are theirs too.

@@ -1,0 +1,43 @@
+"""tune on an SGLang profile (cpu-tiny-sglang, the live CPU engine) with one setting made wrong:
+--max-running-requests 1 under 8 requests at once. tune starts and stops every SGLang itself;
+the diagnosis knows the cap from the profile, and the first change kept is that cap raised.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import sglang_server
+import tune_vs_grid
+from test_tune import assert_fixed, assert_no_engine_left
+from vllm_server import REPO, ServerUnavailable
+
+from rooflib.serving import profiles
+
+# Light for a slow engine on two busy cores: short outputs, prompts that queue behind a cap of 1.
+RUNNING_LIMIT = tune_vs_grid.Case(("max_num_seqs=1", "enable_prefix_caching=false"),
+                                  ("-n", "8", "-c", "8", "--input-tokens", "256", "--output-tokens", "8",
+                                   "--slo-ttft-p95-ms", "2000"), "max_num_seqs", runs=3)
+
+
+@pytest.mark.real_sglang
+def test_a_running_limit_far_too_low_is_raised_and_kept_on_sglang(tmp_path):
+    try:
+        sglang_server.setup()
+    except ServerUnavailable as exc:
+        pytest.skip(f"real SGLang unavailable: {exc}")  # conftest fails it in CI
+    port, out = profiles.free_port(), tmp_path / "out"
+    cmd = [sys.executable, str(REPO / "scripts" / "tune.py"), "--profile", sglang_server.PROFILE, "--port", str(port),
+           "--json", "--out", str(out), "--budget-runs", str(RUNNING_LIMIT.runs),
+           *[arg for item in RUNNING_LIMIT.sets for arg in ("--set", item)], *RUNNING_LIMIT.load, *tune_vs_grid.COMMON]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
+    assert_no_engine_left(port, out)
+    doc = json.loads(done.stdout)
+    start, end = assert_fixed(done.returncode, doc, RUNNING_LIMIT)
+    assert start == 1 and end >= 2, doc["stopped"]
+    root = json.loads((out / "baseline.json").read_text())["server"]["metrics"]["diagnosis"]["root_cause"]
+    assert (root["kind"], root["setting"], root["current"], root["current_source"]) == \
+        ("running_limit", "--max-running-requests", 1, "exported")
+    assert "+max_num_seqs: " in (out / "profile.diff").read_text()
