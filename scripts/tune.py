@@ -9,11 +9,18 @@ run; apply the plan's first lever tune may try as one profile change; restart, b
 workload with the same seed, compare. A change is kept only when the 95% bootstrap interval of
 the change in the SLO figure that misses lies wholly below zero and no other SLO figure breaks
 (that is a trade-off: reported, not kept); else it is reverted. Again until the SLO holds, no
-lever is left or the budget is spent. A setting with a range (max_num_seqs,
-max_num_batched_tokens, gpu_memory_utilization, kv_cache_memory_bytes, max_model_len) is searched:
-bracketed, then bisected on the measured figure. A change the vram model says will not start is
-not run (with --gpu, or a profile that fixes the KV space), unless its verdict is marginal (then
-it says why it tries). KV or weight precision and more GPUs are proposed, never tried.
+lever is left or the budget is spent. Where the diagnosis names nothing tune can try for the
+figure that misses (or its change did not move it), the settings that figure depends on are
+searched: TPOT, max_num_seqs down to the cap the per-token model gives, then smaller prefill
+chunks; TTFT, the running cap up to what the load keeps in flight, prefix caching on, a larger
+prefill budget; requests rejected as too long (bench --over-limit), max_model_len up. A setting
+with a range (max_num_seqs, max_num_batched_tokens, gpu_memory_utilization,
+kv_cache_memory_bytes, max_model_len) is searched: bracketed, then bisected, each next value where
+the line through the measured points meets the target. A kept change after which one server makes
+fewer tokens a second than the baseline served (the load offered) is reported with the replicas
+that keep up; with --give speed it is a trade-off, not kept. A change the vram model says will
+not start is not run (with --gpu, or a profile that fixes the KV space), unless its verdict is
+marginal (then it says why it tries). KV or weight precision and more GPUs are proposed, never tried.
 
 Against a server tune did not start (--url, no profile) it only measures and proposes: it never
 restarts a server it did not start.
@@ -29,6 +36,8 @@ Examples:
   tune.py --profile qwen3-32b-fp8-h100 --gpu h100 --slo-ttft-p95-ms 500 --slo-tpot-p95-ms 50 --budget-runs 8
   tune.py --profile ./staging.yaml --like http://prod:8000 --like-window 60 --slo-ttft-p95-ms 800 --budget-minutes 90
   tune.py --profile cpu-tiny --endpoint chat --shared-prefix 1536 --input-tokens 2048 --slo-ttft-p95-ms 300 --json
+  tune.py --profile cpu-tiny --set max_num_seqs=256 -n 96 -c 48 --input-tokens 300 --output-tokens 150 --slo-tpot-p95-ms 7
+  tune.py --profile cpu-tiny --set max_model_len=512 --input-tokens 768 --over-limit --slo-ttft-p95-ms 3000
   tune.py --url http://gpu-box:8000 -n 64 -c 16 --slo-ttft-p95-ms 500      # measure and propose only
   task infer:tune INFER_PROFILE=cpu-tiny SLO_TTFT_P95_MS=2000 TUNE_RUNS=6 -- --set max_num_seqs=1
 
@@ -56,6 +65,7 @@ from rooflib.serving import tune as tuning
 from rooflib.sizing import estimate
 
 DEFAULT_RUNS = 6
+GIVE = ("queue", "speed")  # what the user gives when token speed and queue wait conflict
 
 
 def build_parser():
@@ -78,6 +88,10 @@ def build_parser():
                                                              "prompt and output lengths, requests in flight")
     p.add_argument("--like-window", default="", help="seconds of the live server's metrics window (default 30)")
     p.add_argument("--startup-timeout", default="", help="seconds an engine may take to answer /health (default 900)")
+    p.add_argument("--give", default="", help="when token speed and queue wait conflict, which the user gives: queue "
+                                              "(a change that meets the SLO while one server falls behind the load is "
+                                              "kept and said) or speed (it is a trade-off, not kept) (else $GIVE; "
+                                              "default queue)")
     return p
 
 
@@ -125,7 +139,10 @@ def setup_of(args: Any, settings: conf.Settings, options: benchrun.BenchOptions,
     port = cli.number("--port", args.port, int, 1, 65535) or profiles.free_port()
     profiles.check_port_free(profile.get("host", "127.0.0.1"), port)  # before the first line of progress
     out = Path(settings.get("TUNE_OUT", args.out) or time.strftime("tune-%Y%m%d-%H%M%S"))
-    return tuning.Setup(profile=profile, source=profile_name, port=port, bench=options,
+    give = settings.get("GIVE", args.give, "queue")
+    if give not in GIVE:
+        raise UsageError(f"--give must be {' or '.join(GIVE)}, got {give!r}")
+    return tuning.Setup(profile=profile, source=profile_name, port=port, bench=options, give=give,
                         budget=tuning.Budget(runs if runs or minutes else DEFAULT_RUNS, minutes), out=out,
                         sizing=sizing_of(args, settings, profile),
                         startup_timeout_s=cli.number("--startup-timeout", args.startup_timeout, float, 1, 86_400,
@@ -169,9 +186,12 @@ def human_text(doc: dict[str, Any]) -> str:
         lines.append(f"Runs: {doc['runs']} in {tuning.clock(doc['wall_s'])} (engine start {tuning.clock(doc['engine_start_s'])})")
         lines.append("Kept: " + (", ".join(f"{c['setting']} {levers.shown(c['setting'], c['from'])} -> "
                                            f"{levers.shown(c['setting'], c['to'])}" for c in doc["changes"]) or "nothing"))
+        if doc.get("trade_off"):
+            lines.append(f"Trade-off: {doc['trade_off']}")
         if doc["diff"]:
             lines += doc["diff"].rstrip("\n").splitlines()
     lines += [f"Not tried: {line}" for line in doc["passed_over"]]
+    lines += [f"Beside the result (no setting tune tries acts on it): {line}" for line in doc.get("beside") or []]
     lines.append(f"Files: {doc['out']}/" + ("" if doc["mode"] == "measure_only" else
                                             " (profile.yaml, profile.diff, tune.json, report.html, the runs)"))
     if doc["interrupted"]:

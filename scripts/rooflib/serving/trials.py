@@ -1,14 +1,24 @@
 """One trial of tune judged against the configuration it would replace, and the next value of a
-setting with a range (bracket and bisect), from what the trials so far decided.
+setting with a range (bracket and bisect, toward the target), from what the trials so far decided
+and measured.
 
 A trial is kept only when the 95% bootstrap interval of the change in the SLO figure it targets
 (compare's, rooflib/load/comparison.py) lies wholly below zero (lower latency is better), no
 request failed, and no other SLO figure that held before misses now; a change that fixes one
-figure and breaks another is a trade-off, reported and not kept. A range setting is searched:
-the diagnosis's value first; while a value is kept and the SLO still misses, the next one twice as
-far (bracketing); once a value went too far (a trade-off, a failed start, a crash, failed requests),
-the middle of the last kept value and that one (bisecting); a value that brings no significant gain
-ends it.
+figure and breaks another is a trade-off, reported and not kept. Requests the server rejects as
+longer than its context limit (bench --over-limit) are a figure too: a change that rejects fewer
+is kept. A change is also weighed against the load: one server that makes fewer tokens a second
+than the baseline served (the load offered) lets the queue grow without bound; that is said with
+the change, and is a trade-off when the user gives token speed rather than queue wait.
+
+A range setting is searched: the first value given; while a value is kept and the figure still
+misses, the next one further on (bracketing); once a value went too far (a trade-off, a failed
+start, a crash, failed requests, a start the vram model refuses, a figure significantly worse),
+one between the last kept value and that one (bisecting); a value that brings no significant gain
+ends it. With two measured
+(value, figure) points the next value is where the line through them meets the target (secant),
+clamped inside the bracket: while bracketing, between the geometric middle of a doubling step and
+the doubling step; while bisecting, strictly between the two ends, else their geometric middle.
 """
 from __future__ import annotations
 
@@ -18,14 +28,15 @@ from typing import Any, Mapping, Sequence
 
 from rooflib.core import printing
 from rooflib.server.engine_metrics import Targets
-from rooflib.serving.levers import RANGES
+from rooflib.serving.levers import RANGES, REJECTED
 
-KEPT, REVERTED, TRADE_OFF = "kept", "reverted", "trade-off"
+KEPT, REVERTED, TRADE_OFF, WORSE = "kept", "reverted", "trade-off", "worse"
 NO_START, CRASHED, RUN_FAILED = "did not start", "engine crashed", "run failed"
 REQUESTS_FAILED = "requests failed"
 NOT_RUN, INTERRUPTED = "not run", "interrupted"
-# A value the engine cannot serve at: past the range's good side, so the search bisects back.
-TOO_FAR = (TRADE_OFF, NO_START, CRASHED, RUN_FAILED, REQUESTS_FAILED)
+# A value the engine cannot serve at (or the vram model says it cannot start with), or one that makes
+# the figure significantly worse: past the range's good side, so the search bisects back.
+TOO_FAR = (TRADE_OFF, NO_START, CRASHED, RUN_FAILED, REQUESTS_FAILED, NOT_RUN, WORSE)
 
 # SLO name (bench's "slo" section) -> (the run's section, statistic, words); compare names the row "ttft_ms.p95".
 FIGURES = {"ttft_p95_ms": ("ttft_ms", "p95", "TTFT p95"), "tpot_p95_ms": ("tpot_ms", "p95", "TPOT p95")}
@@ -35,6 +46,9 @@ FIGURES = {"ttft_p95_ms": ("ttft_ms", "p95", "TTFT p95"), "tpot_p95_ms": ("tpot_
 MAX_GPU_UTIL = 0.95
 UTIL_STEP = 0.05
 MIB = 1 << 20
+# A server that makes this share of the tokens offered keeps up: below it, by more than a loaded
+# machine's run-to-run noise, the queue grows at the offered load.
+KEEPS_UP = 0.9
 
 
 def targets(slo: Targets) -> dict[str, float]:
@@ -43,18 +57,38 @@ def targets(slo: Targets) -> dict[str, float]:
             if value is not None}
 
 
+def rejected(run: Mapping[str, Any]) -> int:
+    """Requests the server refused as longer than its context limit (bench --over-limit sends them)."""
+    return (((run.get("requests") or {}).get("rejected") or {}).get("by_cause") or {}).get("context_length", 0)
+
+
 def missed(run: Mapping[str, Any]) -> list[str]:
-    """The SLO figures a bench run misses, as its own "slo" section judged them (a figure with no
-    completed request misses)."""
-    return [name for name, check in run["slo"].items() if not check["met"]]
+    """The figures a bench run misses: requests rejected as too long, then the SLO figures its own
+    "slo" section judged missed (a figure with no completed request misses)."""
+    return ([REJECTED] if rejected(run) else []) + [name for name, check in run["slo"].items() if not check["met"]]
+
+
+def measured(run: Mapping[str, Any], name: str) -> float | None:
+    """A figure of a run: the requests rejected, or the SLO figure's measured value."""
+    return rejected(run) if name == REJECTED else run["slo"][name]["measured"]
+
+
+def target_of(run: Mapping[str, Any], name: str) -> float:
+    return 0.0 if name == REJECTED else run["slo"][name]["target"]
+
+
+def by_distance(run: Mapping[str, Any]) -> list[str]:
+    """The missed figures, furthest over its target first (rejected requests and a figure with no
+    completed request: first)."""
+    def over(name: str) -> float:
+        value = measured(run, name)
+        return math.inf if name == REJECTED or value is None else value / target_of(run, name)
+    return sorted(missed(run), key=over, reverse=True)
 
 
 def worst(run: Mapping[str, Any]) -> str | None:
     """The missed figure furthest over its target: what the next change must improve."""
-    def over(name: str) -> float:
-        check = run["slo"][name]
-        return math.inf if check["measured"] is None else check["measured"] / check["target"]
-    return max(missed(run), key=over, default=None)
+    return next(iter(by_distance(run)), None)
 
 
 def figures(comparison: Mapping[str, Any] | None, run: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -91,21 +125,78 @@ def failures(requests: Mapping[str, Any]) -> str:
 
 
 def judge(comparison: Mapping[str, Any], before: Mapping[str, Any], after: Mapping[str, Any], target: str) -> Verdict:
-    """Keep, revert, or report a trade-off: `after` against `before` on the SLO figure `target`."""
-    label = FIGURES[target][2]
-    if after["requests"]["failed"]:
+    """Keep, revert, or report a trade-off: `after` against `before` on the figure `target`."""
+    if after["requests"]["failed"] > rejected(after) or rejected(after) > rejected(before):
         return Verdict(REQUESTS_FAILED, failures(after["requests"]))
+    if target == REJECTED:
+        return _judge_rejected(before, after)
+    label = FIGURES[target][2]
     row = figures(comparison, after)[target]
     if row["ci95_pct"] is None:
         return Verdict(REVERTED, f"{label} cannot be compared (fewer than two requests on a side)")
+    if row["ci95_pct"][0] > 0:
+        return Verdict(WORSE, f"{label} {_interval(row)}: the interval lies wholly above 0")
     if row["ci95_pct"][1] >= 0:
         return Verdict(REVERTED, f"{label} {_interval(row)}: the interval does not lie wholly below 0")
-    broken = [name for name in missed(after) if name != target and name not in missed(before)]
+    return _unless_broken(before, after, target, f"{label} {_interval(row)}")
+
+
+def _judge_rejected(before: Mapping[str, Any], after: Mapping[str, Any]) -> Verdict:
+    """Fewer requests rejected as too long: kept, unless an SLO figure that held now misses."""
+    then, now = rejected(before), rejected(after)
+    words = f"requests rejected as longer than the context limit: {then} -> {now} of {after['requests']['sent']}"
+    if now >= then:
+        return Verdict(REVERTED, f"{words}: no fewer")
+    return _unless_broken(before, after, REJECTED, words)
+
+
+def _unless_broken(before: Mapping[str, Any], after: Mapping[str, Any], target: str, words: str) -> Verdict:
+    broken = [name for name in missed(after) if name not in (target, REJECTED) and name not in missed(before)]
     if broken:
-        words = "; ".join(f"{FIGURES[n][2]} {printing.fmt_number(after['slo'][n]['measured'], 1)} ms > target "
-                          f"{after['slo'][n]['target']:g} ms" for n in broken)
-        return Verdict(TRADE_OFF, f"{label} {_interval(row)}, but {words}")
-    return Verdict(KEPT, f"{label} {_interval(row)}")
+        said = "; ".join(f"{FIGURES[n][2]} {printing.fmt_number(after['slo'][n]['measured'], 1)} ms > target "
+                         f"{after['slo'][n]['target']:g} ms" for n in broken)
+        return Verdict(TRADE_OFF, f"{words}, but {said}")
+    return Verdict(KEPT, words)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The output tokens a second one server makes with a change against those the load offers:
+    the baseline's (in a closed loop, what the users asked for while nothing held them back)."""
+    made_tok_s: float
+    offered_tok_s: float
+
+    @property
+    def keeps_up(self) -> bool:
+        return self.made_tok_s >= KEEPS_UP * self.offered_tok_s
+
+    @property
+    def replicas(self) -> int:
+        """Servers like this one that together make the tokens offered."""
+        return max(1, math.ceil(self.offered_tok_s / self.made_tok_s)) if self.made_tok_s else 0
+
+    def said(self) -> str:
+        if self.keeps_up:
+            return f"one server makes {self.made_tok_s:,.0f} tok/s against {self.offered_tok_s:,.0f} tok/s offered"
+        return (f"one server then makes {self.made_tok_s:,.0f} tok/s against {self.offered_tok_s:,.0f} tok/s offered: "
+                f"the queue grows without bound at this load; {self.replicas} replicas keep up")
+
+
+def throughput(offered_tok_s: float | None, run: Mapping[str, Any]) -> Throughput | None:
+    """A run's output tokens a second against the load offered (None when either is unknown)."""
+    made = (run.get("throughput") or {}).get("output_tok_s")
+    return Throughput(made, offered_tok_s) if made is not None and offered_tok_s else None
+
+
+def weighed(verdict: Verdict, load: Throughput | None, give: str) -> Verdict:
+    """A kept change weighed against the load: one server that falls behind the tokens offered is
+    said in its why, and is a trade-off, not kept, when the user gives token speed ("speed")
+    rather than queue wait ("queue")."""
+    if verdict.decision != KEPT or load is None or load.keeps_up:
+        return verdict
+    if give == "speed":
+        return Verdict(TRADE_OFF, f"{verdict.why}, but {load.said()} (you give token speed, not queue wait)")
+    return Verdict(KEPT, f"{verdict.why}; {load.said()}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,21 +206,61 @@ def judge(comparison: Mapping[str, Any], before: Mapping[str, Any], after: Mappi
 class Tried:
     value: Any
     decision: str
+    figure: float | None = None   # the figure the search moves, as measured at this value
 
 
-def next_value(key: str, start: Any, proposed: Any, tried: Sequence[Tried]) -> Any:
+@dataclass(frozen=True)
+class Aim:
+    """Where a search heads: the target of the figure it moves, and the point it starts from: the
+    value in effect before it (None: unknown) and the figure measured there."""
+    target: float
+    value: float | None
+    figure: float | None
+
+
+def next_value(key: str, start: Any, proposed: Any, tried: Sequence[Tried], aim: Aim | None = None) -> Any:
     """The next value of `key` to try, None when the search is over. `start` is the value before
-    the search (it misses the SLO), `proposed` the diagnosis's value, `tried` the values so far."""
+    the search (it misses the SLO), `proposed` the first value, `tried` the values so far; with
+    `aim`, the line through the last two measured points places the next value (secant)."""
     if not tried:
         return proposed
     last = tried[-1]
     if key not in RANGES or start is None or last.decision not in (KEPT, *TOO_FAR):
         return None
+    direction = 1 if proposed > start else -1
     good = next((t.value for t in reversed(tried) if t.decision == KEPT), start)
     too_far = next((t.value for t in reversed(tried) if t.decision in TOO_FAR), None)
+    guess = secant(key, aim, tried, direction)
     if too_far is None:
-        return further(key, good, 1 if proposed > start else -1)
-    return between(key, good, too_far)
+        step = further(key, good, direction)
+        if step is None:
+            return None
+        near = between(key, good, step) or step
+        return step if guess is None else min(max(guess, min(near, step)), max(near, step))
+    middle = between(key, good, too_far)
+    inside = guess is not None and min(good, too_far) < guess < max(good, too_far)
+    return guess if inside else middle
+
+
+def secant(key: str, aim: Aim | None, tried: Sequence[Tried], direction: int) -> Any:
+    """Where the line through the last two measured (value, figure) points, the start's included,
+    meets the target, rounded the way the search goes; None without two points or a slope."""
+    if aim is None:
+        return None
+    start = [(aim.value, aim.figure)] if aim.value is not None and aim.figure is not None else []
+    points = start + [(t.value, t.figure) for t in tried if t.figure is not None]
+    if len(points) < 2:
+        return None
+    (x1, f1), (x2, f2) = points[-2:]
+    if f1 == f2 or x1 == x2:
+        return None
+    x = x2 + (aim.target - f2) * (x2 - x1) / (f2 - f1)
+    if key == "gpu_memory_utilization":
+        return round(x, 2)
+    whole = math.ceil(x) if direction > 0 else math.floor(x)
+    if key == "kv_cache_memory_bytes":
+        whole = whole // MIB * MIB
+    return whole if whole >= 1 else None
 
 
 def further(key: str, value: Any, direction: int) -> Any:

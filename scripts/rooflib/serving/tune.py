@@ -4,8 +4,11 @@ The loop: serve the profile, warm up and bench the baseline; read the diagnosis 
 bench result carries engine_metrics' report of the run's /metrics window and timeline); turn the
 plan's first lever tune may try into one profile change (levers.py); restart the engine with it,
 bench the same workload with the same seed, compare the two runs and keep or revert the change
-(trials.py); again until the SLO holds, no lever is left or the budget is spent. A setting with a
-range is searched (bracket and bisect) before the next lever. Each run is written when it ends,
+(trials.py); again until the SLO holds, no lever is left or the budget is spent. What is improved
+is the figure the SLO misses, not the diagnosis's first finding: where the diagnosis names nothing
+tune can try for it, or its change did not move it, the settings that figure depends on are
+searched (levers.figure_change). A setting with a range is searched (bracket and bisect, toward the
+target) before the next lever. Each run is written when it ends,
 so Ctrl-C or a crashed engine keeps every finished trial; every engine tune started is stopped
 before `tune` returns. Against a server it did not start, `measure` benches once and proposes.
 """
@@ -21,7 +24,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
@@ -74,6 +77,7 @@ class Setup:
     out: Path
     sizing: levers.Sizing | None
     startup_timeout_s: float
+    give: str = "queue"          # what the user gives when token speed and queue wait conflict: queue or speed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,7 +109,7 @@ def start_engine(profile: Mapping[str, Any], port: int, log: Path, timeout_s: fl
                                     start_new_session=True)
         except FileNotFoundError:
             raise UsageError(f"engine Python {argv[0]!r} not found: install {profile['engine']} or set "
-                             "ROOFLINE_ENGINE_PYTHON (for the CPU test engine: task setup-cpu-vllm)")
+                             "ROOFLINE_ENGINE_PYTHON (for the CPU test engines: task setup-cpu-vllm, setup-cpu-sglang)")
     url = f"http://{client_host(host)}:{port}"
     engine = Engine(proc, url, log, 0.0)
     try:
@@ -218,7 +222,8 @@ def trial_row(n: int, change: levers.Change | None, decision: str, why: str, **f
     return {"n": n, "setting": change.key if change else None, "flag": change.flag if change else None,
             "from": change.current if change else None, "to": change.proposed if change else None,
             "decision": decision, "why": why, "run": None, "figures": {}, "engine_start_s": None, "bench_s": None,
-            "engine_log": None, "vram": None, "note": None, **facts}
+            "engine_log": None, "vram": None, "note": None, "figure": None, "rejected": None, "throughput": None,
+            **facts}
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,7 @@ class Runner:
         self.setup, self.show = setup, Progress(setup.budget, say)
         self.api_key = profile_api_key(setup.profile)
         self.engine: Engine | None = None
+        self.offered_tok_s: float | None = None  # the baseline's output tokens a second: the load offered
 
     def start(self, profile: Mapping[str, Any], name: str, n: int) -> Engine:
         """Start the engine and warm it up; its start_s counts both."""
@@ -280,6 +286,7 @@ class Runner:
         if engine.proc.poll() is not None:
             raise ServerError(f"the engine exited with status {engine.proc.returncode} during the baseline run: "
                               f"{profiles.why_it_stopped(engine.log)} (log {engine.log})")
+        self.offered_tok_s = (run.get("throughput") or {}).get("output_tok_s")
         return Measured(self.setup.profile, run, f"{BASELINE}.json")
 
     def trial(self, n: int, change: levers.Change, best: Measured, target: str) -> tuple[dict[str, Any], Measured]:
@@ -309,7 +316,8 @@ class Runner:
             self.show(f"{name}: {change.describe()}: {decision}")
             self.stop()
             return trial_row(n, change, decision, str(exc), **facts), best
-        facts.update(run=f"{name}.json", bench_s=self.show.bench_s[-1], figures=trials.figures(None, result))
+        facts.update(run=f"{name}.json", bench_s=self.show.bench_s[-1], figures=trials.figures(None, result),
+                     rejected=trials.rejected(result), figure=target)
         if result["interrupted"]:
             return trial_row(n, change, trials.INTERRUPTED, "interrupted during the run: not judged", **facts), best
         if engine.proc.poll() is not None or (result["requests"]["failed"] and not serving(engine)):
@@ -318,42 +326,91 @@ class Runner:
             how = "stopped serving" if engine.proc.returncode is None else f"exited with status {engine.proc.returncode}"
             return trial_row(n, change, trials.CRASHED, f"the engine {how} during the run: "
                                                         f"{profiles.why_it_stopped(engine.log)}", **facts), best
-        doc = compared(best.run, result, (best.file, f"{name}.json"))
-        verdict = trials.judge(doc, best.run, result, target)
-        facts["figures"] = trials.figures(doc, result)
+        verdict = self.judged(facts, best, result, name, target)
         self.show(f"{name}: {change.describe()}: {verdict.decision}: {verdict.why}")
         row = trial_row(n, change, verdict.decision, verdict.why, **facts)
         return row, Measured(candidate, result, f"{name}.json") if verdict.decision == trials.KEPT else best
 
+    def judged(self, facts: dict[str, Any], best: Measured, result: dict[str, Any], name: str,
+               target: str) -> trials.Verdict:
+        """The trial's verdict on `target`, weighed against the load offered; its figures and its
+        throughput go into `facts` (the row being made)."""
+        doc = compared(best.run, result, (best.file, f"{name}.json"))
+        load = trials.throughput(self.offered_tok_s, result)
+        facts["figures"] = trials.figures(doc, result)
+        facts["throughput"] = None if load is None else {
+            "made_tok_s": load.made_tok_s, "offered_tok_s": load.offered_tok_s, "keeps_up": load.keeps_up,
+            "replicas": load.replicas}
+        return trials.weighed(trials.judge(doc, best.run, result, target), load, self.setup.give)
+
 
 class Search:
-    """Which change to try next: the next value of the setting being searched (trials.next_value),
-    else the first lever of the diagnosis of the configuration kept so far that is not searched yet
-    (levers.first_change); the levers passed over on the way, each said once."""
+    """Which change to try next, and for which figure: the next value of the setting being searched
+    (trials.next_value, toward the figure's target) while that figure misses; else, for each figure
+    the SLO misses, furthest over its target first, the diagnosis's first lever that does not make
+    that figure worse (levers.first_change), then the settings the figure depends on
+    (levers.figure_change); once a lever of the diagnosis brought no kept value for a figure, or
+    where the diagnosis is unsure of its root cause, the figure's own settings come first. The
+    levers passed over on the way, each said once."""
 
     def __init__(self) -> None:
-        self.lever: levers.Change | None = None  # its value before the search, and the diagnosis's proposal
+        self.lever: levers.Change | None = None  # its value before the search, and the first value
+        self.figure = ""                          # the figure the lever's search moves
+        self.aim: trials.Aim | None = None
+        self.from_diagnosis = False
         self.tried: list[trials.Tried] = []
         self.done: list[str] = []
+        self.doubted: list[str] = []              # figures a lever of the diagnosis did not move
         self.passed_over: list[str] = []
 
     def next_change(self, best: Measured) -> levers.Change | None:
         while True:
             lever = self.lever
-            value = trials.next_value(lever.key, lever.current, lever.proposed, self.tried) if lever else None
+            value = None
+            if lever is not None and self.figure in trials.missed(best.run):
+                start = lever.current if lever.current is not None else self.aim and self.aim.value
+                value = trials.next_value(lever.key, start, lever.proposed, self.tried, self.aim)
             if value is not None and value != best.profile.get(lever.key):
                 return levers.Change(lever.key, lever.flag, best.profile.get(lever.key, lever.current), value,
                                      lever.reason)
             if lever is not None:
-                self.done.append(lever.key)
-            choice = levers.first_change(diagnosis_of(best.run), best.profile, self.done)
-            self.passed_over += [line for line in choice.passed_over if line not in self.passed_over]
-            if choice.change is None:
+                self.finish()
+            if not self.choose(best):
                 return None
-            self.lever, self.tried = choice.change, []
 
-    def record(self, change: levers.Change, decision: str) -> None:
-        self.tried.append(trials.Tried(change.proposed, decision))
+    def finish(self) -> None:
+        if self.from_diagnosis and not any(t.decision == trials.KEPT for t in self.tried):
+            self.doubted.append(self.figure)
+        self.done.append(self.lever.key)
+        self.lever = None
+
+    def choose(self, best: Measured) -> bool:
+        """Start the search of the next lever (False: none is left for any missed figure)."""
+        unsure = str(((diagnosis_of(best.run) or {}).get("root_cause") or {}).get("confidence", "")).startswith("low")
+        for figure in trials.by_distance(best.run):
+            ways = [(self.from_plan, True), (self.from_figure, False)]
+            for way, from_diagnosis in reversed(ways) if unsure or figure in self.doubted else ways:
+                choice = way(best, figure)
+                self.passed_over += [line for line in choice.passed_over if line not in self.passed_over]
+                if choice.change is not None:
+                    self.begin(choice.change, figure, from_diagnosis, best)
+                    return True
+        return False
+
+    def from_plan(self, best: Measured, figure: str) -> levers.Choice:
+        return levers.first_change(diagnosis_of(best.run), best.profile, self.done, figure)
+
+    def from_figure(self, best: Measured, figure: str) -> levers.Choice:
+        return levers.figure_change(figure, best.run, best.profile, self.done)
+
+    def begin(self, change: levers.Change, figure: str, from_diagnosis: bool, best: Measured) -> None:
+        self.lever, self.figure, self.from_diagnosis, self.tried = change, figure, from_diagnosis, []
+        self.aim = trials.Aim(trials.target_of(best.run, figure),
+                              levers.in_effect(change.key, change.current, best.run, best.profile),
+                              trials.measured(best.run, figure))
+
+    def record(self, change: levers.Change, decision: str, figure: float | None = None) -> None:
+        self.tried.append(trials.Tried(change.proposed, decision, figure))
 
 
 def tune(setup: Setup, say: Callable[[str], None] = printing.progress) -> dict[str, Any]:
@@ -367,7 +424,8 @@ def tune(setup: Setup, say: Callable[[str], None] = printing.progress) -> dict[s
         best = runner.baseline()
         rows.append(trial_row(0, None, BASELINE, baseline_words(best.run), run=best.file,
                               figures=trials.figures(None, best.run), engine_start_s=runner.show.start_s,
-                              bench_s=runner.show.bench_s[-1], engine_log="engine-0.log"))
+                              bench_s=runner.show.bench_s[-1], engine_log="engine-0.log",
+                              rejected=trials.rejected(best.run)))
         if best.run["interrupted"]:
             raise KeyboardInterrupt
         while True:
@@ -378,22 +436,29 @@ def tune(setup: Setup, say: Callable[[str], None] = printing.progress) -> dict[s
                 break
             change = search.next_change(best)
             if change is None:
-                stopped = ("no_lever", no_lever_words(best.run, target))
+                stopped = ("no_lever", no_lever_words(target, search.done))
                 break
             spent = setup.budget.spent(runner.show.runs, runner.show.elapsed(), runner.show.trial_s())
             if spent:
                 stopped = ("budget", f"{spent}; the next change would have been {change.describe()}")
                 break
-            row, best = runner.trial(len(rows), change, best, target)
+            row, best = runner.trial(len(rows), change, best, search.figure)
             rows.append(row)
             if row["decision"] == trials.INTERRUPTED:
                 raise KeyboardInterrupt
-            search.record(change, row["decision"])
+            search.record(change, row["decision"], row_figure(row, search.figure))
     except KeyboardInterrupt:
         stopped = ("interrupted", "interrupted: the trials done are kept")
     finally:
         runner.close()
-    return document(setup, rows, best, stopped, search.passed_over, runner.show)
+    return document(setup, rows, best, stopped, search, runner)
+
+
+def row_figure(row: Mapping[str, Any], figure: str) -> float | None:
+    """The figure a trial's search moves, as its run measured it (None: no run was made)."""
+    if figure == levers.REJECTED:
+        return row["rejected"]
+    return (row["figures"].get(figure) or {}).get("measured")
 
 
 def profile_api_key(profile: Mapping[str, Any]) -> str | None:
@@ -407,22 +472,45 @@ def baseline_words(run: Mapping[str, Any]) -> str:
     missing = trials.missed(run)
     if not missing:
         return "the SLO holds"
-    return "misses " + "; ".join(f"{trials.FIGURES[n][2]} {printing.fmt_number(run['slo'][n]['measured'], 1)} ms > "
-                                 f"{run['slo'][n]['target']:g} ms" for n in missing)
+    return "misses " + "; ".join(
+        f"{trials.rejected(run)} of {run['requests']['sent']} requests rejected as longer than the context limit"
+        if n == levers.REJECTED else
+        f"{trials.FIGURES[n][2]} {printing.fmt_number(run['slo'][n]['measured'], 1)} ms > "
+        f"{run['slo'][n]['target']:g} ms" for n in missing)
 
 
-def no_lever_words(run: Mapping[str, Any], target: str) -> str:
-    d = diagnosis_of(run)
-    root = (d or {}).get("root_cause")
-    why = f"the diagnosis names {root['kind']} ({root['evidence']})" if root else \
-        "the diagnosis finds no bottleneck in the engine's figures"
-    return (f"no lever left that tune can try, and {trials.FIGURES[target][2]} still misses its target: {why}; "
+def no_lever_words(target: str, searched: Sequence[str]) -> str:
+    tried = f"searched: {', '.join(searched)}" if searched else "no setting it depends on can be changed here"
+    return (f"no lever left that tune can try, and {levers.FIGURE_WORDS[target]} still misses its target ({tried}); "
             "what no setting of this profile fixes needs the proposals below (hardware, precision, the client)")
 
 
+def beside(run: Mapping[str, Any] | None, engine: str) -> list[str]:
+    """The diagnosis's root cause where no setting tune tries acts on it (time outside the engine,
+    a few streams in one read, the hardware): said beside the result, never its end."""
+    root = (diagnosis_of(run or {}) or {}).get("root_cause")
+    if root is None or levers.TUNABLE[engine].get(root.get("setting") or ""):
+        return []
+    return [f"{root['kind']}: {root['evidence']}"]
+
+
+def trade_off_words(start: Mapping[str, Any], best: Measured | None, offered_tok_s: float | None) -> str | None:
+    """What the kept changes cost the load, when one server no longer keeps up with it: the SLO
+    figures at the kept settings, and the tokens it makes against those offered."""
+    load = trials.throughput(offered_tok_s, best.run) if best is not None else None
+    if load is None or load.keeps_up:
+        return None
+    settings = ", ".join(f"{key} {levers.shown(key, value)}" for key, value in best.profile.items()
+                         if start.get(key) != value)
+    figures = "; ".join(f"{trials.FIGURES[n][2]} {'meets' if c['met'] else 'misses'} {c['target']:g} ms "
+                        f"({printing.fmt_number(c['measured'], 1)} ms)" for n, c in best.run["slo"].items())
+    return f"{figures} at {settings or 'the start profile'}, but {load.said()}"
+
+
 def document(setup: Setup, rows: list[dict[str, Any]], best: Measured | None, stopped: tuple[str, str],
-             passed_over: list[str], show: Progress) -> dict[str, Any]:
+             search: Search, runner: Runner) -> dict[str, Any]:
     start, winner, run = dict(setup.profile), dict(best.profile if best else setup.profile), best.run if best else None
+    show = runner.show
     changes = [{"setting": key, "from": start.get(key), "to": winner[key]}
                for key in winner if start.get(key) != winner[key]]
     return {
@@ -433,8 +521,9 @@ def document(setup: Setup, rows: list[dict[str, Any]], best: Measured | None, st
         "slo": trials.targets(setup.bench.slo), "budget": {"runs": setup.budget.runs, "minutes": setup.budget.minutes},
         "trials": rows, "changes": changes, "winning_profile": winner, "diff": profile_diff(start, winner),
         "slo_holds": run is not None and not trials.missed(run),
-        "stopped": {"reason": stopped[0], "text": stopped[1]}, "passed_over": passed_over,
-        "runs": show.runs, "wall_s": show.elapsed(), "engine_start_s": show.start_s or None,
+        "stopped": {"reason": stopped[0], "text": stopped[1]}, "passed_over": search.passed_over,
+        "trade_off": trade_off_words(start, best, runner.offered_tok_s), "beside": beside(run, start["engine"]),
+        "give": setup.give, "runs": show.runs, "wall_s": show.elapsed(), "engine_start_s": show.start_s or None,
         "interrupted": stopped[0] == "interrupted", "out": str(setup.out),
     }
 
@@ -460,7 +549,7 @@ def measure(url: str, api_key: str | None, options: benchrun.BenchOptions, out: 
     run = bench_once(url, api_key, options, out / f"{BASELINE}.json")
     d = diagnosis_of(run) or {}
     engine = ((run.get("server") or {}).get("metrics") or {}).get("engine") or "vllm"
-    choice = levers.first_change(d, {"engine": engine, "model": run["config"]["model"]}, [])
+    choice = proposal(run, {"engine": engine, "model": run["config"]["model"]})
     return {
         "kind": "tune", "schema_version": SCHEMA_VERSION, "mode": "measure_only", "url": url,
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -473,8 +562,20 @@ def measure(url: str, api_key: str | None, options: benchrun.BenchOptions, out: 
             "setting": choice.change.key, "flag": choice.change.flag, "from": choice.change.current,
             "to": choice.change.proposed, "reason": choice.change.reason},
         "passed_over": list(choice.passed_over), "verify": list(d.get("verify") or []),
-        "runs": 1, "wall_s": time.monotonic() - began, "interrupted": run["interrupted"], "out": str(out),
+        "beside": beside(run, engine), "runs": 1, "wall_s": time.monotonic() - began,
+        "interrupted": run["interrupted"], "out": str(out),
     }
+
+
+def proposal(run: Mapping[str, Any], profile: Mapping[str, Any]) -> levers.Choice:
+    """The change to propose for the worst figure: the diagnosis's first lever that does not make
+    it worse, else the first setting the figure depends on."""
+    figure = trials.worst(run)
+    choice = levers.first_change(diagnosis_of(run), profile, [], figure)
+    if choice.change is not None or figure is None:
+        return choice
+    searched = levers.figure_change(figure, run, profile, [])
+    return levers.Choice(searched.change, choice.passed_over + searched.passed_over)
 
 
 # ---------------------------------------------------------------------------------------------
