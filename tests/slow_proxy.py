@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 @dataclass(frozen=True)
 class Behaviour:
     delay_s: float = 0.0
-    delayed_prefix: str = "/"   # the paths that are delayed (all by default)
+    delayed_prefix: str | tuple[str, ...] = "/"  # the paths that are delayed (all by default), or their prefixes
     buffer: bool = False        # send each answer on only once it is complete
     drip_s: float = 0.0         # hold each piece of an answer this long before passing it on
     accept_delay_s: float = 0.0  # a new connection waits this long before the proxy serves it

@@ -20,11 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import httpx
-import setup_cpu_vllm
 
 from rooflib.core.errors import ServerError
-from rooflib.serving import profiles
+from rooflib.serving import engine_setup, profiles
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLBOX = REPO / "roofline-toolbox" / "Taskfile.yml"
@@ -43,16 +41,6 @@ class Server:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-    def plain_words_body(self) -> str:
-        """An --extra-body that keeps the random model to the tokens of a few plain words.
-
-        Left alone, the random tiny model may write only byte tokens that decode to no text
-        (bench counts those streams as empty_output), and which ones it writes depends on how
-        requests are batched; limited to whole words, every stream carries text."""
-        words = httpx.post(f"{self.url}/tokenize", json={"model": self.model, "prompt": " the cat sat on a mat"},
-                           timeout=60).json()["tokens"]
-        return json.dumps({"skip_special_tokens": False, "allowed_token_ids": sorted(set(words))})
 
 
 def task_exe() -> str:
@@ -77,12 +65,12 @@ def setup(models: Sequence[str] = ("tiny-qwen3",)) -> dict:
 @contextmanager
 def running_vllm(log_dir: Path, sets: Sequence[str] = (), model: str = "tiny-qwen3",
                  env: dict[str, str] | None = None) -> Iterator[Server]:
-    """A real vLLM serving `model` (a name from setup_cpu_vllm.MODELS) with profile overrides."""
+    """A real vLLM serving `model` (a name from engine_setup.MODELS) with profile overrides."""
     setup([model])
     port = profiles.free_port()
     overrides = list(sets)
     if model != "tiny-qwen3":
-        overrides += [f"model={{cache}}/models/{setup_cpu_vllm.MODELS_GENERATION}/{model}", f"served_model_name={model}"]
+        overrides += [f"model={{cache}}/models/{engine_setup.MODELS_GENERATION}/{model}", f"served_model_name={model}"]
     log_path = log_dir / f"vllm-{port}.log"
     cmd = [task_exe(), "-t", str(TOOLBOX), "serve", "INFER_PROFILE=cpu-tiny", f"PORT={port}", "--"]
     for item in overrides:
@@ -96,10 +84,10 @@ def running_vllm(log_dir: Path, sets: Sequence[str] = (), model: str = "tiny-qwe
         raise ServerUnavailable(f"vLLM did not start: {exc}")
     with stack:
         yield Server(url=url, model=model, log_path=log_path)
-    _assert_port_released(port)
+    assert_port_released(port, "vLLM")
 
 
-def _assert_port_released(port: int, timeout_s: float = 30) -> None:
+def assert_port_released(port: int, engine: str, timeout_s: float = 30) -> None:
     """After Ctrl-C the engine (its own process group, under serve.py) must be gone too."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -107,5 +95,5 @@ def _assert_port_released(port: int, timeout_s: float = 30) -> None:
             if sock.connect_ex(("127.0.0.1", port)) != 0:
                 return
         if time.monotonic() > deadline:
-            raise AssertionError(f"vLLM still listens on port {port} {timeout_s:.0f} s after SIGINT: serve.py did not stop it")
+            raise AssertionError(f"{engine} still listens on port {port} {timeout_s:.0f} s after SIGINT: serve.py did not stop it")
         time.sleep(0.5)

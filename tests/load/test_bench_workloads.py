@@ -366,9 +366,16 @@ def test_a_few_streams_in_one_read_leave_a_fixed_latency_visible():
 
 
 def test_client_lag_explains_a_gap_it_covers():
-    checked = watch.cross_check(ENGINE, _client(LATE_TTFT, 905.0), 70.0, None)
-    assert [(f["cause"], f["size_ms"]) for f in checked["findings"]] == [("client", pytest.approx(60.0))]
-    assert "own loop lag (p99 70.0 ms)" in checked["findings"][0]["evidence"]
+    # The gap is 100 ms on average (the exact means), 60 ms at the worst-placed percentile's bound.
+    checked = watch.cross_check(ENGINE, _client(LATE_TTFT, 905.0), 110.0, None)
+    assert [(f["cause"], f["size_ms"]) for f in checked["findings"]] == [("client", pytest.approx(105.0))]
+    assert "own loop lag (p99 110.0 ms)" in checked["findings"][0]["evidence"]
+
+
+def test_client_lag_below_the_mean_gap_explains_nothing():
+    # 70 ms of lag clears the 60 ms bucket margin but not the 100 ms the clients waited on average.
+    found = _by_cause(watch.cross_check(ENGINE, _client(LATE_TTFT, 905.0), 70.0, None))
+    assert "client" not in found and "fixed_latency" in found
 
 
 def test_a_client_faster_than_the_engine_is_other_traffic_and_agreement_is_silent():
@@ -524,7 +531,9 @@ def test_two_sweeps_compare_point_by_point(calibration, capsys, tmp_path):
     code = compare.main([str(files[0]), str(files[1]), "--json"])
     doc = json.loads(capsys.readouterr().out)
     names = {r["name"] for r in doc["metrics"]}
-    assert {"c=1 ttft_ms.p50", "c=2 tpot_ms.p95"} <= names and code in (0, 1)
+    # Point by point, each row named by its concurrency. Not TPOT: a busy machine's client may read
+    # a 4-token stream 5 ms apart in one read (TPOT 0), and compare leaves a figure of 0 out.
+    assert {"c=1 ttft_ms.p50", "c=2 ttft_ms.p50", "c=2 e2e_ms.p95"} <= names and code in (0, 1)
     assert compare.main([str(files[0]), str(files[2])]) == 2
     assert "different concurrencies ([1, 2] vs [1, 3])" in capsys.readouterr().err
 
@@ -559,7 +568,7 @@ def test_real_vllm_sharegpt_with_a_timeline(vllm_server, capsys):
     requests = 4 * len(workloads.read_sharegpt(str(SHAREGPT), len))
     code, result = _bench(capsys, "--url", vllm_server.url, "--sharegpt", str(SHAREGPT), "--endpoint", "chat",
                           "-n", str(requests), "-c", "3", "--warmup", "0", "--timeline-interval", "0.5",
-                          "--probe", "/health", "--extra-body", vllm_server.plain_words_body())
+                          "--probe", "/health")
     assert result["requests"]["completed"] == requests, result["requests"]["first_errors"]
     assert result["requests"]["output_tokens"]["short"] == 0
     samples = result["timeline"]["samples"]
@@ -575,17 +584,11 @@ def test_real_vllm_sharegpt_with_a_timeline(vllm_server, capsys):
     assert "percentiles" in result["server"]["cross_check"]
 
 
-# The random tiny model may generate special tokens only: shown, they are content.
-VISIBLE = ("--extra-body", '{"skip_special_tokens": false}')
-
-
 @pytest.mark.real_vllm
 def test_real_vllm_trace_replay(vllm_server, capsys):
     code, result = _bench(capsys, "--url", vllm_server.url, "--trace", str(TRACE), "--speed", "2", "-n", "12",
-                          "--records", "/dev/null", *VISIBLE)
-    # A random model may write only bytes that decode to no text: no content, empty_output.
-    assert result["requests"]["completed"] + result["requests"]["errors"].get("empty_output", 0) == 12, \
-        result["requests"]["first_errors"]
+                          "--records", "/dev/null")
+    assert result["requests"]["completed"] == 12, result["requests"]["first_errors"]
     assert result["requests"]["prompt_tokens"]["n"] >= 8
     assert result["requests"]["prompt_tokens"]["mismatched"] == 0  # hash-id blocks built to exact lengths
     assert result["config"]["prompt_tokenizer"] == "server /tokenize"
@@ -598,7 +601,7 @@ def test_real_vllm_compare_two_runs(vllm_server, capsys, tmp_path):
     files = []
     for name, c in (("a", "2"), ("b", "2"), ("c", "3")):
         _, result = _bench(capsys, "--url", vllm_server.url, "-n", "10", "-c", c, "--input-dist", "uniform:50,150",
-                           "--output-dist", "fixed:8", "--extra-body", vllm_server.plain_words_body())
+                           "--output-dist", "fixed:8")
         assert result["requests"]["completed"] == 10, result["requests"]["first_errors"]
         files.append(tmp_path / f"{name}.json")
         files[-1].write_text(json.dumps(result))
@@ -625,7 +628,7 @@ def test_real_vllm_with_a_reasoning_parser(reasoning_vllm, capsys):
     writes the markers, so every token is answer: nothing breaks and the counts add up. (The
     split itself is checked on fake streams above: a random model cannot be made to reason.)"""
     code, result = _bench(capsys, "--url", reasoning_vllm.url, "--endpoint", "chat", "-n", "4", "-c", "2",
-                          "--input-tokens", "64", "--output-tokens", "12", "--warmup", "0", *VISIBLE)
+                          "--input-tokens", "64", "--output-tokens", "12", "--warmup", "0")
     assert result["requests"]["completed"] == 4, result["requests"]["first_errors"]
     assert result["requests"]["output_tokens"]["total"] == 48
     reasoning = result["reasoning"]

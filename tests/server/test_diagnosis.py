@@ -457,7 +457,7 @@ def test_sglang_server_info_is_read_field_by_field_and_its_key_never_kept():
         "/v1/models": {"data": [{"id": "m"}]}, "/get_server_info": SGLANG_SERVER_INFO}))
     assert {k: v.value for k, v in served.settings.items()} == {
         "max_num_batched_tokens": 8192, "prefix_caching": True, "block_size": 1, "tensor_parallel_size": 2,
-        "gpu_memory_utilization": 0.88}
+        "gpu_memory_utilization": 0.88, "engine_version": "0.5.0"}
     assert "sk-secret" not in repr(served)
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import bench
@@ -19,10 +20,11 @@ import metrics
 import pytest
 from dcgm_exporter import running_exporter
 from prometheus_server import running_prometheus
-from test_fleet import ask, instance
+from test_fleet import ask, evaluated_at, instance, scraped_since, settled_scrapes
 from test_metrics import QUEUEING_PROMPTS, send_load
 from vllm_server import ServerUnavailable
 
+from rooflib.render import bench_text
 from rooflib.server import diagnosis, engine_metrics, fleet, gpu_telemetry
 from rooflib.server.gpu_telemetry import Gpu, Joined, Target
 
@@ -78,41 +80,47 @@ def setup(vllm_factory, tmp_path_factory):
                                                           more_jobs=[job]))
         except ServerUnavailable as exc:
             _unavailable(str(exc))
-        scraped_after(prom, time.time())
+        scraped_after(setup_targets(server, exporter), prom, time.time())
         yield {"server": server, "exporter": exporter, "prometheus": prom}
 
 
-def scraped_after(prom, since: float) -> float:
+def setup_targets(server, exporter) -> list[str]:
+    return [instance(server.url), exporter.instance]
+
+
+def scraped_after(targets: list[str], prom, since: float) -> float:
     """Wait (60 s at most past `since`) until the latest scrape of both targets began after
     `since` and succeeded (a busy vLLM may miss a scrape); the later of their times."""
-    deadline = time.monotonic() + max(0.0, since - time.time()) + 60
-    while True:
-        rows = prom.get("/api/v1/query", query=f"up[{5 * SCRAPE_S}s]").json()["data"]["result"]
-        latest = [row["values"][-1] for row in rows]
-        if len(rows) == 2 and all(at > since and up == "1" for at, up in latest):
-            return max(at for at, _ in latest)
-        assert time.monotonic() < deadline, f"no fresh successful scrape of both targets: {latest}"
-        time.sleep(0.2 * SCRAPE_S)
+    return max(scraped_since(prom, targets, since, job="").values())
 
 
-def window_after(setup, values: dict, load=lambda: None, serving: bool = True) -> int:
-    """Set GPU 0's values, wait for Prometheus to scrape them, run `load`, and return a --window
-    (whole seconds) that opens after that scrape and ends now: it holds the new values only, and
-    the load whole (the window opens 1 to 2 s after the scrape; the load starts 3 s after it, with
-    a flat sample of the engine's counters between). Not `serving`: the exporter's page is empty."""
+@dataclass(frozen=True)
+class Window:
+    seconds: int  # --window, whole seconds
+    at: float     # unix time: its end, the instant every query is evaluated at (test_fleet.evaluated_at)
+
+
+def window_after(setup, values: dict, load=lambda: None, serving: bool = True) -> Window:
+    """Set GPU 0's values, wait for Prometheus to scrape them, run `load`, and return a window
+    that opens 1 to 2 s after that scrape and ends at a later one, both targets up: it holds the
+    new values only, and the load whole, after a flat sample of the engine's counters (a scrape
+    of both after the window opened comes before the load). Not `serving`: the exporter's page is
+    empty."""
+    targets, prom = setup_targets(setup["server"], setup["exporter"]), setup["prometheus"]
     setup["exporter"].serving = serving
     setup["exporter"].set(0, **values)
-    changed = scraped_after(setup["prometheus"], time.time())
-    time.sleep(max(0.0, changed + 3 * SCRAPE_S - time.time()))
+    changed = scraped_after(targets, prom, time.time())
+    scraped_after(targets, prom, changed + 2 * SCRAPE_S)
     load()
-    time.sleep(max(0.0, changed + MIN_WINDOW_S + 1 - time.time()))
-    scraped_after(setup["prometheus"], time.time())
-    return int(time.time() - changed) - 1
+    time.sleep(max(0.0, changed + MIN_WINDOW_S + 1 - time.time()))  # a window of a few scrapes
+    _, at = settled_scrapes(prom, targets, time.time(), job="")
+    return Window(int(at - changed) - 1, at)
 
 
-def telemetry(setup, monkeypatch, capsys, seconds: int) -> tuple[dict, dict]:
+def telemetry(setup, monkeypatch, capsys, window: Window) -> tuple[dict, dict]:
     """metrics --prometheus --json over the window: (the report, its gpu_telemetry)."""
-    code, report, err = ask(setup["prometheus"], monkeypatch, capsys, "--window", str(seconds))
+    evaluated_at(monkeypatch, window.at)
+    code, report, err = ask(setup["prometheus"], monkeypatch, capsys, "--window", str(window.seconds))
     assert code == 0, err
     return report, report["gpu_telemetry"]
 
@@ -134,21 +142,21 @@ class TestRealGpuTelemetry:
     another process's memory, an XID, the profiling fields not exported, bench's run."""
 
     def test_without_exporter_series_it_says_there_is_no_gpu_telemetry(self, setup, monkeypatch, capsys):
-        seconds = window_after(setup, IDLE, serving=False)
-        report, doc = telemetry(setup, monkeypatch, capsys, seconds)
+        window = window_after(setup, IDLE, serving=False)
+        report, doc = telemetry(setup, monkeypatch, capsys, window)
         assert doc["exported"] is False and doc["note"].startswith("no GPU telemetry: Prometheus holds no DCGM")
         assert doc["findings"] == [] and doc["replicas"] == []
         monkeypatch.setenv("PROMETHEUS_USER", setup["prometheus"].user)
         monkeypatch.setenv("PROMETHEUS_PASSWORD", setup["prometheus"].password)
-        assert metrics.main(["--prometheus", setup["prometheus"].url, "--window", str(seconds)]) == 0
+        assert metrics.main(["--prometheus", setup["prometheus"].url, "--window", str(window.seconds)]) == 0
         assert "GPU telemetry (DCGM exporter through Prometheus):\n  no GPU telemetry:" in capsys.readouterr().out
 
     def test_a_queue_on_an_idle_gpu_is_a_scheduler_limit(self, setup, monkeypatch, capsys):
         server = setup["server"]
         for prompt_tokens in QUEUEING_PROMPTS:  # prefill-heavy loads until the engine queues
-            seconds = window_after(setup, IDLE, lambda: send_load(server.url, server.model, 16, 16,
-                                                                 prompt_tokens, 16, seed=31))
-            report, doc = telemetry(setup, monkeypatch, capsys, seconds)
+            window = window_after(setup, IDLE, lambda: send_load(server.url, server.model, 16, 16,
+                                                                prompt_tokens, 16, seed=31))
+            report, doc = telemetry(setup, monkeypatch, capsys, window)
             replica = report["replicas"][0]
             if fleet.queued(replica, diagnosis.QUEUE_SHARE):
                 break
@@ -168,8 +176,8 @@ class TestRealGpuTelemetry:
 
     def test_decode_near_the_memory_bound_is_named_with_the_roofline(self, setup, monkeypatch, capsys):
         server = setup["server"]
-        seconds = window_after(setup, DRAM_BOUND, lambda: send_load(server.url, server.model, 4, 2, 64, 64, seed=32))
-        report, doc = telemetry(setup, monkeypatch, capsys, seconds)
+        window = window_after(setup, DRAM_BOUND, lambda: send_load(server.url, server.model, 4, 2, 64, 64, seed=32))
+        report, doc = telemetry(setup, monkeypatch, capsys, window)
         finding = named(doc, "gpu_memory_bound")
         replica = report["replicas"][0]
         assert "DRAM active 86%" in finding["evidence"] and "tensor pipes are active 18%" in finding["evidence"]
@@ -189,7 +197,10 @@ class TestRealGpuTelemetry:
         assert kinds(doc) == ["gpu_throttled"] and finding["gpus"] == [GPU0]
         assert "power cap (SW) 100% of the window" in finding["evidence"]
         assert "SM clock mean 1410 MHz (max 1980); power up to 699 W of a 700 W limit; up to 72 C" in finding["evidence"]
-        # the violation counter's increase: 0.6 s of each second, give or take its extrapolation
+        # The violation counter's increase: 0.6 s of each second. The exporter (a thread of this
+        # process) stamps the counter when it writes the page, Prometheus the sample when the
+        # scrape starts: a page a busy process writes late moves a sample's value by that delay,
+        # a few hundred ms at most over the window of about 6 s, a few hundredths here.
         assert 0.4 <= finding["figures"]["reasons"]["power (violation time)"] <= 0.8
         assert doc["plan"][0]["text"].startswith("check the enforced power limit")
 
@@ -214,9 +225,9 @@ class TestRealGpuTelemetry:
         server = setup["server"]
         setup["exporter"].drop("DCGM_FI_PROF_")
         try:  # a DRAM-bound decode whose DRAM activity Prometheus never sees
-            seconds = window_after(setup, DRAM_BOUND,
-                                   lambda: send_load(server.url, server.model, 4, 2, 64, 64, seed=33))
-            _, doc = telemetry(setup, monkeypatch, capsys, seconds)
+            window = window_after(setup, DRAM_BOUND,
+                                  lambda: send_load(server.url, server.model, 4, 2, 64, 64, seed=33))
+            _, doc = telemetry(setup, monkeypatch, capsys, window)
         finally:
             setup["exporter"].drop()
         assert doc["absent"] == PROFILING
@@ -231,12 +242,12 @@ class TestRealGpuTelemetry:
         server, prom = setup["server"], setup["prometheus"]
         setup["exporter"].serving = True
         setup["exporter"].set(0, **DRAM_BOUND)
-        scraped_after(prom, time.time())
+        scraped_after(setup_targets(server, setup["exporter"]), prom, time.time())
         monkeypatch.setenv("PROMETHEUS_USER", prom.user)
         monkeypatch.setenv("PROMETHEUS_PASSWORD", prom.password)
         # A run of several seconds: its window must hold a few of the exporter's 1 s scrapes.
         code = bench.main(["--url", server.url, "-n", "16", "-c", "2", "--input-tokens", "64", "--output-tokens",
-                           "128", "--extra-body", server.plain_words_body(), "--prometheus", prom.url, "--json"])
+                           "128", "--prometheus", prom.url, "--json"])
         out = capsys.readouterr()
         result = json.loads(out.out)
         # 4: the busy machine's client lag made the run INVALID; the server's side still stands
@@ -249,7 +260,7 @@ class TestRealGpuTelemetry:
         assert gpu["figures"]["dram_active"]["mean"] == pytest.approx(0.86)
         assert "gpu_memory_bound" in kinds(doc)
         assert "prometheus_auth" not in result["config"] and prom.password not in out.out
-        text = bench.human_text(result)
+        text = bench_text.human_text(result)
         assert "GPU telemetry (DCGM exporter through Prometheus):" in text and "[gpu_memory_bound]" in text
 
 

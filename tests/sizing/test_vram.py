@@ -8,16 +8,16 @@ import sys
 
 import httpx
 import pytest
-import setup_cpu_vllm
 import vram
 from vllm_server import REPO, TOOLBOX, task_exe
 
 from rooflib.core import catalogs
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, ServerError, UsageError
+from rooflib.serving import engine_setup
 from rooflib.sizing import estimate
 
 GIB = 1 << 30
-MODELS_DIR = setup_cpu_vllm.model_dir("")
+MODELS_DIR = engine_setup.model_dir("")
 LOG_LINE = re.compile(r"(?:CPU|GPU) KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) "
                       r"tokens per request: ([\d.]+)x")
 
