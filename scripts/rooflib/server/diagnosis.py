@@ -14,8 +14,8 @@ Causes and what they cause, as the findings chain them (`caused_by`):
   decode            tokens slower than the target: big batches, or memory-bound decode
 
 Every setting a finding or lever names is a deployment.Known: exported by the server
-(vllm:cache_config_info, sglang:max_running_requests, /v1/models, vLLM's /server_info, SGLang's
-/get_server_info), inferred here from the metrics (the evidence is said), or unknown. A lever reads
+(vllm:cache_config_info, SGLang's sglang:max_total_num_tokens, context_len and page_size, /v1/models,
+vLLM's /server_info, SGLang's /get_server_info), inferred here from the metrics (the evidence is said), or unknown. A lever reads
 "setting: current -> proposed (current: exported|inferred|unknown)", gives the reason for the value
 and the effect on the user's figures, and is never printed for what is already in place. The
 plan holds one lever per setting, the root cause's first, so it never says both "raise" and
@@ -58,9 +58,13 @@ FLAGS = {
              "quant": "--quantization"},
     "sglang": {"seqs": "--max-running-requests", "batched": "--chunked-prefill-size", "tp": "--tp-size",
                "dp": "--dp-size", "spec": "--speculative-algorithm", "prefix": "--disable-radix-cache",
-               "util": "--mem-fraction-static", "kv_bytes": "--mem-fraction-static", "kv_dtype": "--kv-cache-dtype",
+               "util": "--mem-fraction-static", "kv_bytes": "--max-total-tokens", "kv_dtype": "--kv-cache-dtype",
                "quant": "--quantization"},
 }
+# The setting that fixes the KV cache's size outright (FLAGS' kv_bytes): vLLM's --kv-cache-memory-bytes,
+# SGLang's --max-total-tokens, a cap in tokens on what --mem-fraction-static leaves
+# (_apply_token_constraints in python/sglang/srt/mem_cache/kv_cache_configurator.py, SGLang 0.5.23).
+EXPLICIT_KV = {"vllm": "kv_cache_memory_bytes", "sglang": "max_total_tokens"}
 # The FP8 KV-cache dtype each engine names (vLLM --kv-cache-dtype fp8; SGLang fp8_e4m3).
 FP8_KV = {"vllm": "fp8", "sglang": "fp8_e4m3"}
 
@@ -85,10 +89,11 @@ def pct(value: float | None) -> str:
 
 
 def _span(low: float, high: float) -> str:
-    """A bucket's bounds in one unit: `20-40 ms`, `10-20 s`."""
+    """A bucket's bounds in one unit, to 3 digits: `20-40 ms`, `10-20 s`, `6.89-11.2 ms` (SGLang's
+    per-stage histogram has exponential bounds such as 6.88748 ms)."""
     if high >= 1000:
-        return f"{low / 1000:g}-{high / 1000:g} s"
-    return f"{low:g}-{high:g} ms"
+        return f"{low / 1000:.3g}-{high / 1000:.3g} s"
+    return f"{low:.3g}-{high:.3g} ms"
 
 
 def quantile_text(row: Mapping[str, Any], name: str) -> str:
@@ -165,8 +170,6 @@ def settings(r: Mapping[str, Any], served: Served | None = None) -> dict[str, Kn
     if r.get("kv_cache_tokens"):
         found["kv_cache_tokens"] = Known(r["kv_cache_tokens"], EXPORTED, "vllm:cache_config_info kv_cache_size_tokens"
                                          if r["engine"] == "vllm" else "sglang:max_total_num_tokens")
-    if r.get("max_running"):
-        found["max_num_seqs"] = Known(int(r["max_running"]), EXPORTED, "sglang:max_running_requests")
     found.update(served.settings if served else {})
     for name, infer in (("max_num_seqs", _infer_max_num_seqs), ("max_num_batched_tokens", _infer_batched),
                         ("prefix_caching", _infer_prefix_caching)):
@@ -212,8 +215,8 @@ def _infer_max_num_seqs(r: Mapping[str, Any]) -> Known:
     if r["engine"] == "vllm":
         return Known(None, UNKNOWN, "no metric exports it (vLLM's /server_info does with VLLM_SERVER_DEV_MODE=1); "
                                     "vLLM defaults: " + "/".join(map(str, VLLM_DEFAULT_MAX_NUM_SEQS)) + " by platform")
-    return Known(None, UNKNOWN, "not exported (no sglang:max_running_requests; SGLang's /get_server_info gives it "
-                                "when --max-running-requests is set)")
+    return Known(None, UNKNOWN, "no metric exports it; SGLang's /get_server_info does (read with --url on a "
+                                "live server)")
 
 
 def _running_floors(r: Mapping[str, Any]) -> list[tuple[int, str]]:
@@ -329,12 +332,12 @@ def _limit(r: Mapping[str, Any], s: Mapping[str, Known]) -> tuple[str | None, st
 
 
 def _kv_finding(r: Mapping[str, Any], s: Mapping[str, Known], evidence: str, confidence: str) -> dict[str, Any]:
-    flags = FLAGS[r["engine"]]
-    explicit = s.get("kv_cache_memory_bytes")
-    setting, name, known = (flags["kv_bytes"], "kv_cache_memory_bytes", explicit) \
-        if explicit and r["engine"] == "vllm" else \
+    flags, name = FLAGS[r["engine"]], EXPLICIT_KV[r["engine"]]
+    explicit, size = s.get(name), s.get("kv_cache_tokens")
+    if explicit and r["engine"] == "sglang" and not (size and size.value >= explicit.value):
+        explicit = None  # SGLang's cap holds only where the memory left more: the fraction sized it
+    setting, name, known = (flags["kv_bytes"], name, explicit) if explicit else \
         (flags["util"], "", s.get("gpu_memory_utilization") or Known(None, UNKNOWN, "not exported"))
-    size = s.get("kv_cache_tokens")
     fit = size.value / r["tokens_per_request"] if size and r.get("tokens_per_request") else None
     holds = ""
     if size:
@@ -497,8 +500,13 @@ def _in_flight(r: Mapping[str, Any], s: Mapping[str, Known]) -> float | None:
 
 
 def _service_ms(r: Mapping[str, Any]) -> float | None:
+    """A request's mean time running: prefill and decode (vLLM); e2e less queue where no decode
+    histogram is exported (SGLang)."""
     prefill, decode = r["prefill_ms"]["mean"], r["decode_ms"]["mean"]
-    return prefill + decode if prefill is not None and decode is not None else None
+    if prefill is not None and decode is not None:
+        return prefill + decode
+    e2e, queue = r["e2e_ms"]["mean"], r["queue_ms"]["mean"]
+    return e2e - queue if r["engine"] == "sglang" and e2e is not None and queue is not None else None
 
 
 def _power_of_two(value: float) -> int:
@@ -535,7 +543,7 @@ def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
     holds = f"{fit} requests of {per:,.0f} tokens fit now" if fit is not None else "more requests fit"
     result = []
     known = Known(f["current"], f["current_source"], "") if f["current_source"] else None
-    if f["setting"] == flags["kv_bytes"] and r["engine"] == "vllm" and f["current"]:
+    if f["setting"] == flags["kv_bytes"] and f["current"]:
         factor = math.ceil(needed / size) if needed and size and needed > size else 2
         proposed = f["current"] * factor
         reason = (f"the {demand:.1f} requests in flight need about {needed:,.0f} KV tokens, the cache holds {size:,}"
@@ -544,7 +552,7 @@ def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
                   "over the interval hides them): twice the size is a first step")
         result.append(_lever(f["setting"], known, proposed, reason,
                              f"{factor}x the KV tokens ({holds}); preemptions stop once the requests in flight fit "
-                             f"(if the device has the memory: {_task('vram')} sizes it)", name="kv_cache_memory_bytes"))
+                             f"(if the device has the memory: {_task('vram')} sizes it)", name=EXPLICIT_KV[r["engine"]]))
     elif f["current"] is None or f["current"] < KV_HEADROOM:
         step = round(min(f["current"] + KV_STEP, KV_HEADROOM), 2) if f["current"] is not None else None
         result.append(_lever(f["setting"], known, step,
@@ -758,7 +766,8 @@ def with_outside(outside: Sequence[Mapping[str, Any]], engine: Mapping[str, Any]
     root (with its `cause` and `size_ms`, its remedy first in the plan) unless the engine's own
     root costs more: when the engine's mean TTFT (`engine_ttft_ms`: queue and prefill) is longer
     than the largest outside time, the engine's root stays first and the outside time follows."""
-    found = [f for f in outside if f["kind"] == "outside_engine"]
+    # The largest part first: it is the root (a small partial buffering is no root beside a fixed delay).
+    found = sorted((f for f in outside if f["kind"] == "outside_engine"), key=lambda f: -(f["size_ms"] or 0))
     if not found:
         return dict(engine)
     own = [{k: v for k, v in f.items() if k != "remedy"} for f in found]
