@@ -18,8 +18,9 @@ CUDA graphs or eager mode), and wider where the model does not cover the setup a
 A verdict that flips inside the range (or with a 0.01 change of gpu_memory_utilization) is marked
 marginal with the setting that decides it. Given the KV space (--kv-cache-bytes, like vLLM's
 --kv-cache-memory-bytes), tokens and concurrency are exact.
-SGLang: KV = total x mem_fraction_static - weights - context overhead, no blocks (from its
-documented formula; SGLang is not run here).
+SGLang: KV = total x mem_fraction_static - weights - context overhead, no blocks (its documented
+GPU formula; the CPU engine the tests run sizes its pool from the machine's free memory instead,
+so this formula is not checked here).
 
 The answer leads with what fits: the weights, one request of the full context (CTX, default the
 model's limit), the longest max-model-len that fits one request, and how many requests of a

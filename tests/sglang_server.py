@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from vllm_server import TOOLBOX, Server, ServerUnavailable, assert_port_released, task_exe
+from vllm_server import TOOLBOX, Server, ServerUnavailable, serving, task_exe
 
-from rooflib.core.errors import ServerError
 from rooflib.serving import profiles
 
 PROFILE = "cpu-tiny-sglang"
@@ -46,18 +45,5 @@ def extra_args(*more: str) -> str:
 def running_sglang(log_dir: Path, sets: Sequence[str] = (), env: dict[str, str] | None = None) -> Iterator[Server]:
     """A real SGLang serving tiny-qwen3 with the profile's keys overridden by `sets`."""
     setup()
-    port = profiles.free_port()
-    log_path = log_dir / f"sglang-{port}.log"
-    cmd = [task_exe(), "-t", str(TOOLBOX), "serve", f"INFER_PROFILE={PROFILE}", f"PORT={port}", "--"]
-    for item in sets:
-        cmd += ["--set", item]
-    url = f"http://127.0.0.1:{port}"
-    stack = ExitStack()
-    try:  # only a failed start is "unavailable"; errors inside the tests stay theirs
-        stack.enter_context(profiles.running(cmd, url, log_path, STARTUP_TIMEOUT_S, cwd=log_dir,
-                                          env={**os.environ, **(env or {})}))
-    except ServerError as exc:
-        raise ServerUnavailable(f"SGLang did not start: {exc}")
-    with stack:
-        yield Server(url=url, model="tiny-qwen3", log_path=log_path)
-    assert_port_released(port, "SGLang")
+    with serving(PROFILE, sets, log_dir, "SGLang", "tiny-qwen3", env, STARTUP_TIMEOUT_S) as server:
+        yield server

@@ -67,24 +67,33 @@ def running_vllm(log_dir: Path, sets: Sequence[str] = (), model: str = "tiny-qwe
                  env: dict[str, str] | None = None) -> Iterator[Server]:
     """A real vLLM serving `model` (a name from engine_setup.MODELS) with profile overrides."""
     setup([model])
-    port = profiles.free_port()
     overrides = list(sets)
     if model != "tiny-qwen3":
         overrides += [f"model={{cache}}/models/{engine_setup.MODELS_GENERATION}/{model}", f"served_model_name={model}"]
-    log_path = log_dir / f"vllm-{port}.log"
-    cmd = [task_exe(), "-t", str(TOOLBOX), "serve", "INFER_PROFILE=cpu-tiny", f"PORT={port}", "--"]
-    for item in overrides:
+    with serving("cpu-tiny", overrides, log_dir, "vLLM", model, env, STARTUP_TIMEOUT_S) as server:
+        yield server
+
+
+@contextmanager
+def serving(profile: str, sets: Sequence[str], log_dir: Path, engine: str, model: str,
+            env: dict[str, str] | None, startup_timeout_s: float) -> Iterator[Server]:
+    """`task serve` of `profile` with `sets` on a free port, until the block ends; the port is
+    then free again. Only a failed start is ServerUnavailable: errors inside the block stay theirs."""
+    port = profiles.free_port()
+    log_path = log_dir / f"{engine.lower()}-{port}.log"
+    cmd = [task_exe(), "-t", str(TOOLBOX), "serve", f"INFER_PROFILE={profile}", f"PORT={port}", "--"]
+    for item in sets:
         cmd += ["--set", item]
     url = f"http://127.0.0.1:{port}"
     stack = ExitStack()
-    try:  # only a failed start is "unavailable"; errors inside the tests stay theirs
-        stack.enter_context(profiles.running(cmd, url, log_path, STARTUP_TIMEOUT_S, cwd=log_dir,
-                                          env={**os.environ, **(env or {})}))
+    try:
+        stack.enter_context(profiles.running(cmd, url, log_path, startup_timeout_s, cwd=log_dir,
+                                             env={**os.environ, **(env or {})}))
     except ServerError as exc:
-        raise ServerUnavailable(f"vLLM did not start: {exc}")
+        raise ServerUnavailable(f"{engine} did not start: {exc}")
     with stack:
         yield Server(url=url, model=model, log_path=log_path)
-    assert_port_released(port, "vLLM")
+    assert_port_released(port, engine)
 
 
 def assert_port_released(port: int, engine: str, timeout_s: float = 30) -> None:

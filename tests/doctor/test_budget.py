@@ -157,3 +157,17 @@ def test_the_fit_is_the_line_through_the_seconds():
     assert (model.running_low, model.running_high) == (2, 18)
     short, why = tradeoff.fit(snaps[:3])
     assert short is None and "2 seconds with tokens generated" in why
+
+
+def test_the_probes_own_loop_lag_is_said_beside_the_root_never_as_it():
+    """A machine so busy that the probe's loop woke 300 ms late (its first text 295 ms after what
+    the head and the engine's TTFT explain), and a 100 ms TTFT target the engine's own 140 ms of
+    prefill misses: the root is the prefill, the larger lag an 'also'."""
+    late = replace(probe([stream(head=5.0, ttft=450.0)] * 6), loop_lag_p95_ms=300.0)
+    made = facts("first-token", probed=late, targets=replace(TARGETS, ttft_p95_ms=100),
+                 eng=engine(ttft_mean=150.0, ttft_p95=200.0, queue_mean=10.0, prefill_mean=140.0))
+    verdict = examine.decide(options("first-token"), made)
+    sizes = {s.name: round(s.size) for s in verdict.budgets[0].segments}
+    assert sizes["client"] > sizes["prefill"] == 140, sizes
+    assert verdict.root is not None and verdict.root.segment == "prefill", examine.first_line(verdict)
+    assert "client" in [found.segment for found in verdict.also]

@@ -38,7 +38,7 @@ EXPECTED = {
         f"SGLANG_USE_CPU_ENGINE=1 {CACHE}/sglang-cpu/bin/python -m sglang.launch_server "
         f"--model-path {CACHE}/models/v2/tiny-qwen3 --served-model-name tiny-qwen3 --host 127.0.0.1 --port 30000 "
         "--dtype bfloat16 --context-length 4096 --mem-fraction-static 0.3 --tool-call-parser qwen25 --enable-metrics "
-        "--device cpu --attention-backend torch_native --skip-server-warmup --max-total-tokens 131072 "
+        "--device cpu --attention-backend torch_native --skip-server-warmup --sleep-on-idle --max-total-tokens 131072 "
         "--enable-cache-report"),
     "sglang-qwen3-8b-h100": (
         "python3 -m sglang.launch_server --model-path Qwen/Qwen3-8B --served-model-name qwen3-8b --host 127.0.0.1 "

@@ -129,6 +129,29 @@ def parse_json(data: str | bytes) -> Any:
         raise ValueError("JSON nested too deeply")
 
 
+def read_json_lines(path: str, what: str, limit: int) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) of a JSONL file of at most `limit` bytes, blank lines skipped, read
+    line by line (a large run's records are large); what is wrong is a one-line UsageError."""
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"{what} {path} does not exist")
+    if file.stat().st_size > limit:
+        raise UsageError(f"{what} {path} is larger than {limit / 1024 ** 3:g} GiB: split it")
+    rows = []
+    with open(file, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = parse_json(line)
+            except ValueError as exc:  # a JSONDecodeError names the fault in .msg; "nested too deeply" has none
+                raise UsageError(f"{path}:{number}: not JSON ({getattr(exc, 'msg', exc)}): one JSON object per line")
+            if not isinstance(row, dict):
+                raise UsageError(f"{path}:{number}: a line must be a JSON object")
+            rows.append((number, row))
+    return rows
+
+
 def append_log(path: str, entry: str) -> None:
     """Append (never overwrite) an entry to a bench log, atomically (the log is rewritten
     through a temporary file: an interrupted write leaves the old log whole)."""

@@ -58,7 +58,11 @@ class Budget:
 
     @property
     def largest(self) -> Segment | None:
-        return max(self.segments, key=lambda s: s.size, default=None)
+        """The part that holds most of the figure. The probe's own loop lag ("client") is time the
+        doctor adds to its timestamps, no user's: the root only where nothing else is measured, else
+        said beside the root."""
+        users = [s for s in self.segments if s.name != "client" and s.size > 0]
+        return max(users or self.segments, key=lambda s: s.size, default=None)
 
 
 def median(values: Sequence[float | None]) -> float | None:

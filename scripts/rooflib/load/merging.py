@@ -123,21 +123,10 @@ def read_result(path: str) -> ShardResult:
 
 
 def read_records(path: str, who: str) -> list[dict[str, Any]]:
-    """A --records file, line by line (a large run's is large)."""
-    file = Path(path)
-    if not file.is_file():
+    """A shard's --records file."""
+    if not Path(path).is_file():
         raise UsageError(f"{who}'s records {path} are not there: keep each shard's --records file beside its result")
-    if file.stat().st_size > MAX_RECORDS_BYTES:
-        raise UsageError(f"{who}'s records {path} are larger than {MAX_RECORDS_BYTES >> 30} GiB")
-    records = []
-    with open(file, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if line.strip():
-                try:
-                    records.append(fileio.parse_json(line))
-                except ValueError:
-                    raise UsageError(f"{path}:{number}: not JSON: give the file bench --records wrote")
-    return records
+    return [row for _, row in fileio.read_json_lines(path, f"{who}'s records", MAX_RECORDS_BYTES)]
 
 
 def expand(paths: Sequence[str]) -> list[str]:

@@ -95,23 +95,7 @@ def parse_distribution(text: str, what: str) -> Distribution:
 
 def _lines(path: str, what: str) -> list[tuple[int, Any]]:
     """(line number, parsed JSON object) of a JSONL file; blank lines skipped."""
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"{what} {path} does not exist")
-    if file.stat().st_size > MAX_FILE_BYTES:
-        raise UsageError(f"{what} {path} is larger than {MAX_FILE_BYTES >> 30} GiB: split it")
-    rows = []
-    with open(file, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = fileio.parse_json(line)
-            except ValueError as exc:  # a JSONDecodeError names the fault in .msg; "nested too deeply" has none
-                raise UsageError(f"{path}:{number}: not JSON ({getattr(exc, 'msg', exc)}): one JSON object per line")
-            if not isinstance(row, dict):
-                raise UsageError(f"{path}:{number}: a line must be a JSON object")
-            rows.append((number, row))
+    rows = fileio.read_json_lines(path, what, MAX_FILE_BYTES)
     if not rows:
         raise UsageError(f"{what} {path} is empty")
     return rows

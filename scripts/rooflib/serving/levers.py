@@ -148,13 +148,21 @@ def first_change(diagnosis: Mapping[str, Any] | None, profile: Mapping[str, Any]
             passed.append(f"{lever['text']} (not tried for {FIGURE_WORDS[figure or '']}: that way makes it worse)")
             continue
         change = Change(key, flag, current, proposed, lever["text"])
-        try:
-            profiles.validate(change.applied(profile))
-        except UsageError as exc:
-            passed.append(f"{lever['text']} (not tried: the profile refuses it: {exc})")
+        refused = refusal(change, profile)
+        if refused:
+            passed.append(f"{lever['text']} ({refused})")
             continue
         return Choice(change, tuple(passed))
     return Choice(None, tuple(passed))
+
+
+def refusal(change: Change, profile: Mapping[str, Any]) -> str | None:
+    """Why the profile refuses `change` (profiles.validate's one line), None where it takes it."""
+    try:
+        profiles.validate(change.applied(profile))
+    except UsageError as exc:
+        return f"not tried: the profile refuses it: {exc}"
+    return None
 
 
 def proposed_value(key: str, proposed: Any) -> Any:
@@ -332,10 +340,9 @@ def figure_change(figure: str, run: Mapping[str, Any], profile: Mapping[str, Any
             continue
         change = Change(key, flag_of(profile["engine"], key), profile.get(key), placed.value,
                         f"{FIGURE_WORDS[figure]} misses its target: {placed.reason}")
-        try:
-            profiles.validate(change.applied(profile))
-        except UsageError as exc:
-            passed.append(f"{change.describe()} (not tried: the profile refuses it: {exc})")
+        refused = refusal(change, profile)
+        if refused:
+            passed.append(f"{change.describe()} ({refused})")
             continue
         return Choice(change, tuple(passed))
     return Choice(None, tuple(passed))
