@@ -226,7 +226,16 @@ def test_emit_reports_a_file_it_could_not_write_after_printing(tmp_path, capsys)
     assert line.startswith(f"error: the result is printed above, but --json-out {target} was not written")
 
 
-def test_signal_hold_notes_signals_and_raises_one_on_release(capsys):
+@pytest.fixture
+def ctrl_c_as_usual():
+    """Python's own SIGINT handler for the test: a process a non-interactive shell started in the
+    background inherits SIGINT ignored, and Python then installs none."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_signal_hold_notes_signals_and_raises_one_on_release(capsys, ctrl_c_as_usual):
     with signals.SignalHold("test") as hold:
         with pytest.raises(KeyboardInterrupt):  # not started: Ctrl-C as usual
             signal.raise_signal(signal.SIGINT)
