@@ -11,6 +11,7 @@ Examples:
   flake_finder.py                         # 3 rounds of the real-vLLM tests, two busy loops
   flake_finder.py --rounds 5 --busy 2 --json-out flakes.json
   flake_finder.py --rounds 2 --select "tests/serving/test_tune.py -k running_limit"
+  flake_finder.py --rounds 3 -- tests/doctor/test_doctor_live.py -k rejected
 
 Exit codes: 0 no test failed in any round, 1 some test failed at least once (listed), 2 usage
 error, 130 interrupted (the rounds run so far are still reported).
@@ -131,9 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--busy", type=int, default=2, help="busy loops beside them (default 2)")
     p.add_argument("--workers", type=int, default=3, help="pytest-xdist workers, as task test runs (default 3)")
     p.add_argument("--select", default="", help=f"pytest's arguments that select the tests (default {DEFAULT_SELECTION!r})")
+    p.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARGS",
+                   help="the selection as separate arguments after --, as task test:flakes passes them")
     printing.add_output_args(p)
     args = p.parse_args(argv)
-    selection = shlex.split(args.select or DEFAULT_SELECTION)
+    selection = shlex.split(args.select) + args.pytest_args or shlex.split(DEFAULT_SELECTION)
 
     def body() -> int:
         if args.rounds < 1 or args.busy < 0 or args.workers < 1:
