@@ -6,11 +6,6 @@ set -eu
 if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then
     exit 0
 fi
-if ! command -v apt-get >/dev/null 2>&1; then
-    echo "prometheus is not installed and apt-get is missing: install Prometheus 2.x (prometheus and promtool on PATH)" >&2
-    exit 1
-fi
-if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
-echo "installing Debian's prometheus package for the fleet tests..." >&2
-$SUDO apt-get update -qq
-$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+exec sh "$(dirname "$0")/apt_install.sh" \
+    "prometheus is not installed and apt-get is missing: install Prometheus 2.x (prometheus and promtool on PATH)" \
+    "installing Debian's prometheus package for the fleet tests..." prometheus
