@@ -21,6 +21,7 @@ from vllm_server import task_exe
 from rooflib.core import conf, printing, taskcall
 from rooflib.load import benchrun
 from rooflib.server import deployment, diagnosis, engine_metrics, watch
+from rooflib.server.reading import Latency, Reading
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 REPO = Path(__file__).resolve().parents[2]
@@ -188,9 +189,9 @@ def test_quantiles_are_shown_as_the_bucket_they_lie_in():
     is 14.9 s: as buckets, 10-20 s and 10-15 s, they no longer contradict each other."""
     r = fixture_report("vllm-0.32-queue-before.txt", "vllm-0.32-queue-after.txt", seconds=17.87)
     assert r["ttft_ms"]["p95"] == pytest.approx(18666.7, abs=0.1) and r["e2e_ms"]["p99"] == pytest.approx(14900)
-    assert diagnosis.quantile_text(r["ttft_ms"], "p95") == "10-20 s"
-    assert diagnosis.quantile_text(r["e2e_ms"], "p99") == "10-15 s"
-    assert diagnosis.quantile_text(r["itl_ms"], "p50") == "<=10 ms"
+    assert diagnosis.quantile_text(Latency.of(r["ttft_ms"]), "p95") == "10-20 s"
+    assert diagnosis.quantile_text(Latency.of(r["e2e_ms"]), "p99") == "10-15 s"
+    assert diagnosis.quantile_text(Latency.of(r["itl_ms"]), "p50") == "<=10 ms"
     row = next(line for line in engine_metrics.format_report(r).splitlines() if line.startswith("  TTFT"))
     assert row.split()[1:4] == ["5-7.5", "s", "10-20"]
 
@@ -348,7 +349,8 @@ def test_a_root_outside_the_engine_comes_first():
     queue = diagnosis._finding("queue", "requests wait", "low")
     found = diagnosis.ordered([queue, outside])
     assert [f["kind"] for f in found] == ["outside_engine", "queue"]
-    plan = diagnosis.plan(found, {"engine": "vllm"}, {})
+    slo = {"ttft_p95_ms": 2000, "tpot_p95_ms": 100, "itl_p95_ms": 200}
+    plan = diagnosis.plan(found, Reading.of({"engine": "vllm", "mode": "window", "slo": slo}), {})
     assert [lever["text"].split(": ")[0] for lever in plan] == [
         "split the gap from where the users are", "task infer:metrics WINDOW=30 while the load is on",
         "add replicas or data-parallel engines (--data-parallel-size)"]

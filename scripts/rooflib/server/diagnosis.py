@@ -1,5 +1,6 @@
-"""The diagnosis of an engine's metrics report (engine_metrics.report): one root cause, what it
-causes, one plan of levers checked against the deployment, and the commands that verify it.
+"""The diagnosis of an engine's metrics report (engine_metrics.report, read as a typed
+reading.Reading): one root cause, what it causes, one plan of levers checked against the
+deployment, and the commands that verify it.
 
 Causes and what they cause, as the findings chain them (`caused_by`):
   outside_engine    time spent outside the engine (proxy, network): TTFT and e2e gaps the engine
@@ -32,6 +33,7 @@ from typing import Any, Mapping, Sequence
 
 from rooflib.core import taskcall
 from rooflib.server.deployment import EXPORTED, INFERRED, UNKNOWN, Known, Served
+from rooflib.server.reading import Latency, Reading
 
 # Rules of thumb the findings use (the skill's diagnosis table; change them together).
 QUEUE_SHARE = 0.2           # requests spend a fifth or more of their time waiting for a slot
@@ -96,34 +98,35 @@ def _span(low: float, high: float) -> str:
     return f"{low:.3g}-{high:.3g} ms"
 
 
-def quantile_text(row: Mapping[str, Any], name: str) -> str:
+def quantile_text(row: Latency, name: str) -> str:
     """A quantile for people: the bucket it lies in, as that is all a classic histogram knows
     (histogram_quantile's interpolation inside it is an assumption); only the upper bound in the
     first bucket, only the lower in the +Inf one; the value itself where no bucket is known
     (Prometheus computed it)."""
-    if name in row["at_most"]:
-        return ms(row["at_most"][name], "<=")
-    if name in row["at_least"]:
-        return ms(row[name], ">=")
-    bucket = row.get("bucket_ms", {}).get(name)
-    if bucket and row[name] is not None:
+    if name in row.at_most:
+        return ms(row.at_most[name], "<=")
+    if name in row.at_least:
+        return ms(row.quantile(name), ">=")
+    bucket = row.bucket_ms.get(name)
+    if bucket and row.quantile(name) is not None:
         return _span(*bucket)
-    return ms(row[name])
+    return ms(row.quantile(name))
 
 
-def _over(row: Mapping[str, Any], name: str, target: float | None) -> bool:
+def _over(row: Latency, name: str, target: float | None) -> bool:
     """The quantile is above the target (its interpolated value; a ceiling at or below the
     target is not above it)."""
-    return bool(target) and row[name] is not None and row[name] > target
+    value = row.quantile(name)
+    return bool(target) and value is not None and value > target
 
 
-def _above(row: Mapping[str, Any], name: str, target: float, label: str) -> str:
+def _above(row: Latency, name: str, target: float, label: str) -> str:
     """`TTFT p95 2.5-5 s > target 2 s`; where the bucket holds the target too, the interpolated
     value that puts the quantile above it is said."""
     text = f"{label} {name} {quantile_text(row, name)}"
-    bucket = row.get("bucket_ms", {}).get(name)
+    bucket = row.bucket_ms.get(name)
     if bucket and bucket[0] < target:
-        text += f" (about {ms(row[name])} by interpolation)"
+        text += f" (about {ms(row.quantile(name))} by interpolation)"
     return f"{text} > {label} target {ms(target)}"
 
 
@@ -149,27 +152,26 @@ def _value(setting: str, value: Any) -> str:
 # ---------------------------------------------------------------------------------------------
 # The deployment's settings: exported, inferred or unknown
 
-def settings(r: Mapping[str, Any], served: Served | None = None) -> dict[str, Known]:
+def settings(r: Reading, served: Served | None = None) -> dict[str, Known]:
     """Each setting the findings and levers name, from what the server exports (its own answers
     win over the scrape's labels), else inferred from the report's figures, else unknown."""
-    dep = r.get("deployment") or {}
+    dep = r.cache_config
     found: dict[str, Known] = {}
     # setting -> (its vllm:cache_config_info label, the value deployment_config read there)
-    scraped = {"block_size": ("block_size", dep.get("block_size")),
-               "gpu_memory_utilization": ("gpu_memory_utilization", dep.get("gpu_memory_utilization")),
-               "kv_cache_memory_bytes": ("kv_cache_memory_bytes", dep.get("kv_cache_memory_bytes")),
-               "cache_dtype": ("cache_dtype", dep.get("kv_cache_dtype")),
-               "prefix_caching": ("enable_prefix_caching",
-                                  {"True": True, "False": False}.get(dep.get("prefix_caching") or ""))}
+    scraped = {"block_size": ("block_size", dep.block_size),
+               "gpu_memory_utilization": ("gpu_memory_utilization", dep.gpu_memory_utilization),
+               "kv_cache_memory_bytes": ("kv_cache_memory_bytes", dep.kv_cache_memory_bytes),
+               "cache_dtype": ("cache_dtype", dep.kv_cache_dtype),
+               "prefix_caching": ("enable_prefix_caching", dep.prefix_caching)}
     for name, (label, value) in scraped.items():
         if value is not None:
             found[name] = Known(value, EXPORTED, f"vllm:cache_config_info {label}")
-    if dep.get("max_model_len"):
-        found["max_model_len"] = Known(dep["max_model_len"], EXPORTED, "vllm:cache_config_info kv_cache_size_tokens "
+    if dep.max_model_len:
+        found["max_model_len"] = Known(dep.max_model_len, EXPORTED, "vllm:cache_config_info kv_cache_size_tokens "
                                                                          "/ kv_cache_max_concurrency")
-    if r.get("kv_cache_tokens"):
-        found["kv_cache_tokens"] = Known(r["kv_cache_tokens"], EXPORTED, "vllm:cache_config_info kv_cache_size_tokens"
-                                         if r["engine"] == "vllm" else "sglang:max_total_num_tokens")
+    if r.kv_cache_tokens:
+        found["kv_cache_tokens"] = Known(r.kv_cache_tokens, EXPORTED, "vllm:cache_config_info kv_cache_size_tokens"
+                                         if r.engine == "vllm" else "sglang:max_total_num_tokens")
     found.update(served.settings if served else {})
     for name, infer in (("max_num_seqs", _infer_max_num_seqs), ("max_num_batched_tokens", _infer_batched),
                         ("prefix_caching", _infer_prefix_caching)):
@@ -178,75 +180,75 @@ def settings(r: Mapping[str, Any], served: Served | None = None) -> dict[str, Kn
     return found
 
 
-def _kv_room(r: Mapping[str, Any]) -> bool:
+def _kv_room(r: Reading) -> bool:
     """The KV cache had room while requests waited: no preemption, usage below KV_FULL, and (over
     a window) the requests that ran at a time held less than half of it."""
-    if r["preemptions"] or (r["kv_cache_usage_max"] or 0) >= KV_FULL:
+    if r.preemptions or (r.kv_cache_usage_max or 0) >= KV_FULL:
         return False
     held = _held_tokens(r)
-    return held is None or not r.get("kv_cache_tokens") or held < r["kv_cache_tokens"] / 2
+    return held is None or not r.kv_cache_tokens or held < r.kv_cache_tokens / 2
 
 
-def _held_tokens(r: Mapping[str, Any]) -> float | None:
+def _held_tokens(r: Reading) -> float | None:
     """KV tokens the running requests held on average over a window (Little's law)."""
-    if r["mode"] != "window" or not r["running_mean"] or not r.get("tokens_per_request"):
+    if r.mode != "window" or not r.running_mean or not r.tokens_per_request:
         return None
-    return r["running_mean"] * r["tokens_per_request"]
+    return r.running_mean * r.tokens_per_request
 
 
-def _infer_max_num_seqs(r: Mapping[str, Any]) -> Known:
+def _infer_max_num_seqs(r: Reading) -> Known:
     """A floor under the cap on running requests, when requests waited while the KV cache had
     room. No figure counts more requests running at once than the cap, and none is sure to count
     the cap itself: vLLM publishes its gauges after a step's finished requests left and before the
     next step admits others (vllm/v1/core/sched/scheduler.py, make_stats at the end of
     update_from_output), so a sample that falls in a long prefill step reads the cap less the
     requests that just finished; and a step spent prefilling lowers the requests per step."""
-    waited = r.get("running_while_waiting") or (r["mode"] == "window" and (r["waiting_mean"] or 0) >= 1)
+    waited = r.running_while_waiting or (r.mode == "window" and (r.waiting_mean or 0) >= 1)
     floors = _running_floors(r) if waited and _kv_room(r) else []
     if floors:
         value, how = max(floors, key=lambda floor: floor[0])
         return Known(value, INFERRED, how, at_least=True)
-    if r["running_peak"]:
+    if r.running_peak:
         # No request waited for a slot (or the KV cache held them): every count of requests
         # running at once is still a floor under the cap.
-        return Known(int(r["running_peak"]), INFERRED, (
-            f"{r['running_peak']:g} requests ran at once at the busiest of {r['gauge_samples']} gauge samples, none "
+        return Known(int(r.running_peak), INFERRED, (
+            f"{r.running_peak:g} requests ran at once at the busiest of {r.gauge_samples} gauge samples, none "
             "held back by the cap"), at_least=True)
-    if r["engine"] == "vllm":
+    if r.engine == "vllm":
         return Known(None, UNKNOWN, "no metric exports it (vLLM's /server_info does with VLLM_SERVER_DEV_MODE=1); "
                                     "vLLM defaults: " + "/".join(map(str, VLLM_DEFAULT_MAX_NUM_SEQS)) + " by platform")
     return Known(None, UNKNOWN, "no metric exports it; SGLang's /get_server_info does (read with --url on a "
                                 "live server)")
 
 
-def _running_floors(r: Mapping[str, Any]) -> list[tuple[int, str]]:
+def _running_floors(r: Reading) -> list[tuple[int, str]]:
     """(floor, evidence) of each figure that counts requests running at once: the busiest gauge
     sample, and the requests per engine step (one token each); Little's law over the window when
     neither is there (a request that started before the window adds all its time to the window's
     sums: a mean a hair above a whole number is that number)."""
     floors = []
-    if r["running_peak"]:
-        floors.append((int(r["running_peak"]), (
-            f"{r['running_peak']:g} running at the busiest of {r['gauge_samples']} gauge samples, KV usage at most "
-            f"{pct(r['kv_cache_usage_max'])}; a sample misses the requests admitted in the step it falls in")))
-    per_step = r.get("requests_per_step")
+    if r.running_peak:
+        floors.append((int(r.running_peak), (
+            f"{r.running_peak:g} running at the busiest of {r.gauge_samples} gauge samples, KV usage at most "
+            f"{pct(r.kv_cache_usage_max)}; a sample misses the requests admitted in the step it falls in")))
+    per_step = r.requests_per_step
     if per_step:
         floors.append((math.ceil(per_step), (
             f"{per_step:.2f} requests per engine step on average, one generated token each by "
             "vllm:generation_tokens_total over the steps of vllm:iteration_tokens_total; a step that only prefilled "
             "lowers it")))
-    if not floors and r["mode"] == "window" and r["running_mean"] and r["waiting_mean"]:
-        floors.append((math.ceil(r["running_mean"] - 0.05), (
-            f"{r['running_mean']:.1f} requests ran at a time on average while {r['waiting_mean']:.1f} waited "
+    if not floors and r.mode == "window" and r.running_mean and r.waiting_mean:
+        floors.append((math.ceil(r.running_mean - 0.05), (
+            f"{r.running_mean:.1f} requests ran at a time on average while {r.waiting_mean:.1f} waited "
             "(Little's law over the window)")))
     return floors
 
 
-def _infer_batched(r: Mapping[str, Any]) -> Known:
+def _infer_batched(r: Reading) -> Known:
     """vLLM's per-step token budget: the largest engine step (vllm:iteration_tokens_total) while
     longer prompts were prefilled in chunks fills it."""
-    step, prompt = r.get("step_tokens_largest"), r.get("prompt_tokens_largest")
-    longest = max(prompt[0], r.get("prompt_tokens_mean") or 0) if prompt else 0
+    step, prompt = r.step_tokens_largest, r.prompt_tokens_largest
+    longest = max(prompt[0], r.prompt_tokens_mean or 0) if prompt else 0
     if step and longest >= step[1]:
         return Known(int(step[1]), INFERRED, (
             f"the largest engine steps held {step[0]:g}-{step[1]:g} tokens (vllm:iteration_tokens_total) while "
@@ -257,12 +259,12 @@ def _infer_batched(r: Mapping[str, Any]) -> Known:
     return Known(None, UNKNOWN, "no metric exports it")
 
 
-def _infer_prefix_caching(r: Mapping[str, Any]) -> Known:
-    if r["prefix_cache_hit_rate"]:
+def _infer_prefix_caching(r: Reading) -> Known:
+    if r.prefix_cache_hit_rate:
         return Known(True, INFERRED,
-                     f"prompts hit the prefix cache ({pct(r['prefix_cache_hit_rate'])} of prompt tokens)")
+                     f"prompts hit the prefix cache ({pct(r.prefix_cache_hit_rate)} of prompt tokens)")
     return Known(None, UNKNOWN, "not exported" + (" (SGLang's radix cache is on unless --disable-radix-cache)"
-                                                  if r["engine"] == "sglang" else ""))
+                                                  if r.engine == "sglang" else ""))
 
 
 def _current(known: Known | None, name: str = "") -> str:
@@ -292,21 +294,21 @@ def _finding(kind: str, evidence: str, confidence: str, caused_by: str | None = 
 HIGH = "high: histograms and counters of finished requests"
 
 
-def _limit(r: Mapping[str, Any], s: Mapping[str, Known]) -> tuple[str | None, str, str]:
+def _limit(r: Reading, s: Mapping[str, Known]) -> tuple[str | None, str, str]:
     """Why requests wait: (kind, evidence, confidence); kind None when these figures cannot tell
     the KV cache from the running-requests cap.
 
     Evidence that cannot miss the peak comes first: preemptions (a counter), Little's law over a
     window (from the histograms of finished requests), the KV size the deployment exports against
     the mean request. Gauges are samples a busy server may answer only after the load."""
-    kv_max, footprint, kv_tokens = r["kv_cache_usage_max"], r.get("tokens_per_request"), r.get("kv_cache_tokens")
+    kv_max, footprint, kv_tokens = r.kv_cache_usage_max, r.tokens_per_request, r.kv_cache_tokens
     fit = kv_tokens / footprint if kv_tokens and footprint else None
     seqs = s["max_num_seqs"]
-    if r["preemptions"]:
-        return "kv_cache", f"{r['preemptions']:g} preemptions", "high: the preemption counter cannot miss one"
+    if r.preemptions:
+        return "kv_cache", f"{r.preemptions:g} preemptions", "high: the preemption counter cannot miss one"
     held = _held_tokens(r)
     if held is not None and kv_tokens:
-        little = (f"the {r['running_mean']:.1f} requests running on average (Little's law over the window) held "
+        little = (f"the {r.running_mean:.1f} requests running on average (Little's law over the window) held "
                   f"about {held:,.0f} of {kv_tokens:,} KV tokens ({footprint:,.0f} per request)")
         if held >= kv_tokens / 2 or (kv_max or 0) >= KV_FULL:
             return "kv_cache", little, "high: histograms of the window and the exported cache size"
@@ -315,8 +317,8 @@ def _limit(r: Mapping[str, Any], s: Mapping[str, Known]) -> tuple[str | None, st
     if fit is not None and seqs.value and seqs.source == EXPORTED and seqs.value < fit and (kv_max or 0) < KV_FULL:
         return "running_limit", (f"the KV cache holds {fit:.1f} requests of {footprint:,.0f} tokens, more than "
                                  "the cap"), "high: the exported cap and cache size"
-    if kv_max is not None and kv_max < KV_ROOM and (r["waiting_peak"] or 0) > 0:
-        return "running_limit", (f"{r['waiting_peak']:g} requests waited while the KV cache was at most {pct(kv_max)} "
+    if kv_max is not None and kv_max < KV_ROOM and (r.waiting_peak or 0) > 0:
+        return "running_limit", (f"{r.waiting_peak:g} requests waited while the KV cache was at most {pct(kv_max)} "
                                  "full: it had room, so only the cap on running requests can hold them"), \
             "medium: gauge samples, but a cache this empty cannot be what holds them"
     if fit is not None and fit < VLLM_DEFAULT_MAX_NUM_SEQS[0]:
@@ -325,43 +327,43 @@ def _limit(r: Mapping[str, Any], s: Mapping[str, Known]) -> tuple[str | None, st
             "medium: the exported cache size and the finished requests' lengths; confirm under load with WINDOW=30"
     if kv_max is not None and kv_max >= KV_FULL:
         return "kv_cache", f"KV usage up to {pct(kv_max)}", f"high: a gauge sample saw it {pct(kv_max)} full"
-    if r["mode"] == "window" and kv_max is not None and (r["running_peak"] or r["waiting_peak"]):
+    if r.mode == "window" and kv_max is not None and (r.running_peak or r.waiting_peak):
         return "running_limit", f"KV usage at most {pct(kv_max)} while requests waited", \
-            f"low: {r['gauge_samples']} gauge samples can miss the peak; measure with WINDOW=30 under load"
+            f"low: {r.gauge_samples} gauge samples can miss the peak; measure with WINDOW=30 under load"
     return None, "", ""
 
 
-def _kv_finding(r: Mapping[str, Any], s: Mapping[str, Known], evidence: str, confidence: str) -> dict[str, Any]:
-    flags, name = FLAGS[r["engine"]], EXPLICIT_KV[r["engine"]]
+def _kv_finding(r: Reading, s: Mapping[str, Known], evidence: str, confidence: str) -> dict[str, Any]:
+    flags, name = FLAGS[r.engine], EXPLICIT_KV[r.engine]
     explicit, size = s.get(name), s.get("kv_cache_tokens")
-    if explicit and r["engine"] == "sglang" and not (size and size.value >= explicit.value):
+    if explicit and r.engine == "sglang" and not (size and size.value >= explicit.value):
         explicit = None  # SGLang's cap holds only where the memory left more: the fraction sized it
     setting, name, known = (flags["kv_bytes"], name, explicit) if explicit else \
         (flags["util"], "", s.get("gpu_memory_utilization") or Known(None, UNKNOWN, "not exported"))
-    fit = size.value / r["tokens_per_request"] if size and r.get("tokens_per_request") else None
+    fit = size.value / r.tokens_per_request if size and r.tokens_per_request else None
     holds = ""
     if size:
-        holds = f": {size.value:,} KV tokens" + (f", {fit:.1f} requests of {r['tokens_per_request']:,.0f} tokens"
+        holds = f": {size.value:,} KV tokens" + (f", {fit:.1f} requests of {r.tokens_per_request:,.0f} tokens"
                                                  if fit is not None else "")
-    usage = f"; KV usage up to {pct(r['kv_cache_usage_max'])}" if r["kv_cache_usage_max"] else ""
+    usage = f"; KV usage up to {pct(r.kv_cache_usage_max)}" if r.kv_cache_usage_max else ""
     return _finding("kv_cache", f"{setting} is {said(known, name)}{holds}; the KV cache is too small for the load: "
                                 f"{evidence}{usage}", confidence, setting=setting, known=known)
 
 
-def findings(r: Mapping[str, Any], s: Mapping[str, Known]) -> list[dict[str, Any]]:
+def findings(r: Reading, s: Mapping[str, Known]) -> list[dict[str, Any]]:
     """Every finding with its cause, unordered (see `ordered`)."""
-    flags, slo = FLAGS[r["engine"]], r["slo"]
-    queue, e2e, ttft = r["queue_ms"], r["e2e_ms"], r["ttft_ms"]
-    share = queue["mean"] / e2e["mean"] if queue["mean"] is not None and e2e["mean"] else None
-    queued = (share is not None and share >= QUEUE_SHARE) or (not e2e["n"] and (r["waiting_peak"] or 0) > 0)
+    flags, slo = FLAGS[r.engine], r.slo
+    queue, e2e, ttft = r.queue_ms, r.e2e_ms, r.ttft_ms
+    share = queue.mean / e2e.mean if queue.mean is not None and e2e.mean else None
+    queued = (share is not None and share >= QUEUE_SHARE) or (not e2e.n and (r.waiting_peak or 0) > 0)
     found = []
-    limit, evidence, confidence = _limit(r, s) if queued or r["preemptions"] or (r["waiting_peak"] or 0) > 0 \
+    limit, evidence, confidence = _limit(r, s) if queued or r.preemptions or (r.waiting_peak or 0) > 0 \
         else (None, "", "")
     if limit == "kv_cache":
         found.append(_kv_finding(r, s, evidence, confidence))
-    if r["preemptions"]:
-        per_request = f", {r['preemptions'] / r['requests']:.2g} per finished request" if r["requests"] else ""
-        found.append(_finding("preemptions", f"{r['preemptions']:g} preemptions{per_request}: requests lost their "
+    if r.preemptions:
+        per_request = f", {r.preemptions / r.requests:.2g} per finished request" if r.requests else ""
+        found.append(_finding("preemptions", f"{r.preemptions:g} preemptions{per_request}: requests lost their "
                                              "KV blocks and were computed again", HIGH, "kv_cache"))
     if limit == "running_limit":
         seqs = s["max_num_seqs"]
@@ -371,30 +373,30 @@ def findings(r: Mapping[str, Any], s: Mapping[str, Known]) -> list[dict[str, Any
                               confidence, setting=flags["seqs"], known=seqs))
     if queued:
         found.append(_finding("queue", (
-            f"requests wait for a slot: queue mean {ms(queue['mean'])} = {pct(share)} of e2e (p95 "
+            f"requests wait for a slot: queue mean {ms(queue.mean)} = {pct(share)} of e2e (p95 "
             f"{quantile_text(queue, 'p95')}); TTFT p95 {quantile_text(ttft, 'p95')}" + (
                 "" if limit else "; these figures cannot tell the KV cache from the running-requests cap")),
             HIGH if limit else "low: which limit holds the requests is not known", limit))
     found += _prefix_findings(r, s, flags, limit == "kv_cache")
     prefix_root = next((f["kind"] for f in found if f["kind"].startswith("prefix_")), None)
-    if not queued and _over(ttft, "p95", slo["ttft_p95_ms"]):
+    if not queued and _over(ttft, "p95", slo.ttft_p95_ms):
         found.append(_finding("prefill", (
-            f"{_above(ttft, 'p95', slo['ttft_p95_ms'], 'TTFT')} with little queueing (queue {pct(share)} of e2e)"
-            + (f": prefill mean {ms(r['prefill_ms']['mean'])}" if r["prefill_ms"]["mean"] is not None else "")
-            + f", prompts of {_tokens(r['prompt_tokens_mean'])} tokens on average"), HIGH, prefix_root))
+            f"{_above(ttft, 'p95', slo.ttft_p95_ms, 'TTFT')} with little queueing (queue {pct(share)} of e2e)"
+            + (f": prefill mean {ms(r.prefill_ms.mean)}" if r.prefill_ms.mean is not None else "")
+            + f", prompts of {_tokens(r.prompt_tokens_mean)} tokens on average"), HIGH, prefix_root))
     decode = _decode_finding(r, s, flags, next((f["kind"] for f in found if f["kind"] == "prefill"), prefix_root))
     return found + ([decode] if decode else [])
 
 
-def _prefix_findings(r: Mapping[str, Any], s: Mapping[str, Known], flags: Mapping[str, str],
+def _prefix_findings(r: Reading, s: Mapping[str, Known], flags: Mapping[str, str],
                      kv_full: bool) -> list[dict[str, Any]]:
     """Long prompts recomputed: the cache is off, their starts differ (client), or the full KV
     cache (`kv_full`: its finding is made) evicts them."""
-    prompt, rate, caching = r["prompt_tokens_mean"], r["prefix_cache_hit_rate"], s["prefix_caching"]
+    prompt, rate, caching = r.prompt_tokens_mean, r.prefix_cache_hit_rate, s["prefix_caching"]
     if not prompt or prompt < PREFIX_LONG_PROMPT:
         return []
     if caching.value is False:
-        known = Known(True, caching.source, caching.how) if r["engine"] == "sglang" else caching
+        known = Known(True, caching.source, caching.how) if r.engine == "sglang" else caching
         return [_finding("prefix_cache_off", (
             f"{flags['prefix']} is {said(known)}: prompts of {prompt:,.0f} tokens on average are computed in full; "
             "whether they share a prefix cannot be seen with the cache off"),
@@ -402,7 +404,7 @@ def _prefix_findings(r: Mapping[str, Any], s: Mapping[str, Known], flags: Mappin
             setting=flags["prefix"], known=known)]
     if rate is None or rate >= PREFIX_LOW:
         return []
-    queried = f" of {r['prefix_cache_queries']:,.0f} prompt tokens looked up" if r["prefix_cache_queries"] else ""
+    queried = f" of {r.prefix_cache_queries:,.0f} prompt tokens looked up" if r.prefix_cache_queries else ""
     on = f"prefix caching on ({caching.source}: {caching.how})" if caching.value else \
         "prefix caching not known to be off"
     if rate > 0 and kv_full:
@@ -422,36 +424,36 @@ def _prefix_findings(r: Mapping[str, Any], s: Mapping[str, Known], flags: Mappin
         known=caching if caching.value else None)]
 
 
-def _decode_finding(r: Mapping[str, Any], s: Mapping[str, Known], flags: Mapping[str, str],
+def _decode_finding(r: Reading, s: Mapping[str, Known], flags: Mapping[str, str],
                     prefill_cause: str | None) -> dict[str, Any] | None:
     """Tokens slower than the targets: TPOT p95 against the TPOT target, ITL p95 against the ITL
     target. Gaps far longer than the mean while long prompts are prefilled are stalls behind
     prefills (their cause); a large batch is a batch-size trade; otherwise decode is memory-bound."""
-    slo, itl, tpot = r["slo"], r["itl_ms"], r["tpot_ms"]
-    slow = [_above(tpot, "p95", slo["tpot_p95_ms"], "TPOT")] if _over(tpot, "p95", slo["tpot_p95_ms"]) else []
-    slow += [_above(itl, "p95", slo["itl_p95_ms"], "ITL")] if _over(itl, "p95", slo["itl_p95_ms"]) else []
+    slo, itl, tpot = r.slo, r.itl_ms, r.tpot_ms
+    slow = [_above(tpot, "p95", slo.tpot_p95_ms, "TPOT")] if _over(tpot, "p95", slo.tpot_p95_ms) else []
+    slow += [_above(itl, "p95", slo.itl_p95_ms, "ITL")] if _over(itl, "p95", slo.itl_p95_ms) else []
     if not slow:
         return None
-    gap_mean = itl["mean"] or tpot["mean"]
-    tail = itl["p99"] if itl["p99"] is not None else itl["p95"]
-    long_prompts = (r["prompt_tokens_mean"] or 0) >= PREFIX_LONG_PROMPT
+    gap_mean = itl.mean or tpot.mean
+    tail = itl.p99 if itl.p99 is not None else itl.p95
+    long_prompts = (r.prompt_tokens_mean or 0) >= PREFIX_LONG_PROMPT
     stalls = bool(gap_mean and tail and tail >= STALL_RATIO * gap_mean and long_prompts)
-    running = r["running_mean"] or r["running_peak"] or 0
+    running = r.running_mean or r.running_peak or 0
     text = "; ".join(slow)
     if stalls:
-        cause = prefill_cause or ("kv_cache" if r["preemptions"] else None)
+        cause = prefill_cause or ("kv_cache" if r.preemptions else None)
         why = (f"tokens stall behind prefills: ITL p99 {quantile_text(itl, 'p99')} against a mean gap of "
-               f"{ms(gap_mean)}, prompts of {_tokens(r['prompt_tokens_mean'])} tokens")
+               f"{ms(gap_mean)}, prompts of {_tokens(r.prompt_tokens_mean)} tokens")
         decides = " (faster prefill fixes both; ITL p50 against p99 tells stalls from a slow batch)" if cause else ""
         return _finding("decode", f"{text}: {why}{decides}", HIGH, cause,
-                        None if cause or r["engine"] != "vllm" else flags["batched"],
-                        None if cause or r["engine"] != "vllm" else s["max_num_batched_tokens"])
+                        None if cause or r.engine != "vllm" else flags["batched"],
+                        None if cause or r.engine != "vllm" else s["max_num_batched_tokens"])
     if running >= LARGE_BATCH:
         return _finding("decode", f"{text} with {running:.0f} requests running: each step serves a large batch", HIGH,
                         setting=flags["seqs"], known=s["max_num_seqs"])
     return _finding("decode", (f"{text} with {running:.1f} requests running on average: decode is bound by "
-                               f"reading weights and KV per step; generation {_tokens(r['gen_tok_s'])} tok/s, "
-                               f"bandwidth utilisation {pct(r['bandwidth_util'])}"), HIGH)
+                               f"reading weights and KV per step; generation {_tokens(r.gen_tok_s)} tok/s, "
+                               f"bandwidth utilisation {pct(r.bandwidth_util)}"), HIGH)
 
 
 def ordered(found: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -490,35 +492,35 @@ def _lever(setting: str | None, known: Known | None, proposed: Any, reason: str,
             "proposed": proposed, "reason": reason, "effect": effect, "text": text}
 
 
-def _in_flight(r: Mapping[str, Any], s: Mapping[str, Known]) -> float | None:
+def _in_flight(r: Reading, s: Mapping[str, Known]) -> float | None:
     """Requests the traffic keeps in the server (Little's law): running plus waiting over a window;
     since start, the cap times (queue + service) / service, what the cap runs while busy."""
-    if r["mode"] == "window" and r["running_mean"] is not None and r["waiting_mean"] is not None:
-        return r["running_mean"] + r["waiting_mean"]
-    cap, queue, service = s["max_num_seqs"].value, r["queue_ms"]["mean"], _service_ms(r)
+    if r.mode == "window" and r.running_mean is not None and r.waiting_mean is not None:
+        return r.running_mean + r.waiting_mean
+    cap, queue, service = s["max_num_seqs"].value, r.queue_ms.mean, _service_ms(r)
     return cap * (queue + service) / service if cap and queue is not None and service else None
 
 
-def _service_ms(r: Mapping[str, Any]) -> float | None:
+def _service_ms(r: Reading) -> float | None:
     """A request's mean time running: prefill and decode (vLLM); e2e less queue where no decode
     histogram is exported (SGLang)."""
-    prefill, decode = r["prefill_ms"]["mean"], r["decode_ms"]["mean"]
+    prefill, decode = r.prefill_ms.mean, r.decode_ms.mean
     if prefill is not None and decode is not None:
         return prefill + decode
-    e2e, queue = r["e2e_ms"]["mean"], r["queue_ms"]["mean"]
-    return e2e - queue if r["engine"] == "sglang" and e2e is not None and queue is not None else None
+    e2e, queue = r.e2e_ms.mean, r.queue_ms.mean
+    return e2e - queue if r.engine == "sglang" and e2e is not None and queue is not None else None
 
 
 def _power_of_two(value: float) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1.0, value))))
 
 
-def _kv_fit(r: Mapping[str, Any]) -> int | None:
-    return int(r["kv_cache_tokens"] // r["tokens_per_request"]) if r.get("kv_cache_tokens") and \
-        r.get("tokens_per_request") else None
+def _kv_fit(r: Reading) -> int | None:
+    return int(r.kv_cache_tokens // r.tokens_per_request) if r.kv_cache_tokens and \
+        r.tokens_per_request else None
 
 
-def levers(finding: Mapping[str, Any], r: Mapping[str, Any], s: Mapping[str, Known]) -> list[dict[str, Any]]:
+def levers(finding: Mapping[str, Any], r: Reading, s: Mapping[str, Known]) -> list[dict[str, Any]]:
     """The levers of one finding, in the order to try; none for a consequence its cause's levers fix."""
     make = {"outside_engine": _outside_levers, "kv_cache": _kv_levers, "running_limit": _running_levers,
             "queue": _queue_levers,
@@ -526,7 +528,7 @@ def levers(finding: Mapping[str, Any], r: Mapping[str, Any], s: Mapping[str, Kno
             "prefill": _prefill_levers, "decode": _decode_levers}
     if finding["caused_by"] or finding["kind"] not in make:
         return []
-    return make[finding["kind"]](finding, r, s, FLAGS[r["engine"]])
+    return make[finding["kind"]](finding, r, s, FLAGS[r.engine])
 
 
 def _outside_levers(f, r, s, flags) -> list[dict[str, Any]]:
@@ -536,8 +538,8 @@ def _outside_levers(f, r, s, flags) -> list[dict[str, Any]]:
 
 
 def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
-    size, per = r.get("kv_cache_tokens"), r.get("tokens_per_request")
-    demand = max(_in_flight(r, s) or 0, (r["running_peak"] or 0) + (r["waiting_peak"] or 0))
+    size, per = r.kv_cache_tokens, r.tokens_per_request
+    demand = max(_in_flight(r, s) or 0, (r.running_peak or 0) + (r.waiting_peak or 0))
     needed = demand * per if demand and per else None
     fit = _kv_fit(r)
     holds = f"{fit} requests of {per:,.0f} tokens fit now" if fit is not None else "more requests fit"
@@ -552,7 +554,7 @@ def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
                   "over the interval hides them): twice the size is a first step")
         result.append(_lever(f["setting"], known, proposed, reason,
                              f"{factor}x the KV tokens ({holds}); preemptions stop once the requests in flight fit "
-                             f"(if the device has the memory: {_task('vram')} sizes it)", name=EXPLICIT_KV[r["engine"]]))
+                             f"(if the device has the memory: {_task('vram')} sizes it)", name=EXPLICIT_KV[r.engine]))
     elif f["current"] is None or f["current"] < KV_HEADROOM:
         step = round(min(f["current"] + KV_STEP, KV_HEADROOM), 2) if f["current"] is not None else None
         result.append(_lever(f["setting"], known, step,
@@ -561,7 +563,7 @@ def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
                                                        f"memory ({_task('vram')} with GPU_UTIL sizes it)"))
     dtype = s.get("cache_dtype")
     if not dtype or not str(dtype.value).startswith("fp8"):
-        result.append(_lever(flags["kv_dtype"], dtype, FP8_KV[r["engine"]],
+        result.append(_lever(flags["kv_dtype"], dtype, FP8_KV[r.engine],
                              "FP8 KV entries take half the bytes of BF16 ones",
                              (f"about twice the KV tokens ({size:,} -> {2 * size:,})" if size else
                               "about twice the KV tokens") + f"; check accuracy with {_task('accept')}"))
@@ -569,8 +571,8 @@ def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
     result.append(_lever(flags["tp"], tp, tp.value * 2 if tp and tp.value else None,
                          "the weights split over twice the GPUs, freeing memory for KV on each",
                          "more KV tokens per replica at the cost of twice the GPUs"))
-    seqs, running = s["max_num_seqs"], max(r["running_mean"] or 0, r["running_peak"] or 0)
-    if r["preemptions"] and fit and running > fit and (seqs.value is None or seqs.value > fit):
+    seqs, running = s["max_num_seqs"], max(r.running_mean or 0, r.running_peak or 0)
+    if r.preemptions and fit and running > fit and (seqs.value is None or seqs.value > fit):
         result.append(_lever(flags["seqs"], seqs, max(1, fit),
                              f"admit only what the KV cache holds ({fit} requests of your length)",
                              "no preemptions; the rest waits in the queue instead (TTFT rises), when memory "
@@ -594,19 +596,19 @@ def _running_levers(f, r, s, flags) -> list[dict[str, Any]]:
                        f"{_current(seqs)}: requests wait in bursts above the mean",
                        "the peak the cap meets, and whether the bursts are the traffic's norm",
                        action=_task("metrics", [("WINDOW", 30)]) + " while the load peaks")]
-    queue, service = r["queue_ms"]["mean"], _service_ms(r)
-    rate = f"{r['requests'] / r['seconds']:.2g} req/s x {ms(r['e2e_ms']['mean'])} each, queue included" \
-        if r["mode"] == "window" and r["seconds"] and r["requests"] and r["e2e_ms"]["mean"] else "the cap while busy"
+    queue, service = r.queue_ms.mean, _service_ms(r)
+    rate = f"{r.requests / r.seconds:.2g} req/s x {ms(r.e2e_ms.mean)} each, queue included" \
+        if r.mode == "window" and r.seconds and r.requests and r.e2e_ms.mean else "the cap while busy"
     result = [_lever(flags["seqs"], seqs, proposed, (
         f"the traffic keeps about {in_flight:.1f} requests in the server (Little's law: {rate}); "
-        + (f"the KV cache holds {fit} of {r['tokens_per_request']:,.0f} tokens" if capped else
+        + (f"the KV cache holds {fit} of {r.tokens_per_request:,.0f} tokens" if capped else
            "the next power of two lets all of them run" + (f", and the KV cache holds {fit:,} of "
-                                                            f"{r['tokens_per_request']:,.0f} tokens" if fit else ""))),
+                                                            f"{r.tokens_per_request:,.0f} tokens" if fit else ""))),
         f"queue wait (mean {ms(queue)}) near 0 and TTFT near prefill time, if arrivals stay as measured and each "
         f"request still runs about {ms(service)}; a larger batch makes each token slower (TPOT mean "
-        f"{ms(r['tpot_ms']['mean'] or r['itl_ms']['mean'])} now)")]
+        f"{ms(r.tpot_ms.mean or r.itl_ms.mean)} now)")]
     batched = s["max_num_batched_tokens"]
-    if r["engine"] == "vllm" and batched.value and batched.value < proposed:
+    if r.engine == "vllm" and batched.value and batched.value < proposed:
         result.append(_lever(flags["batched"], batched, proposed,
                              "vLLM refuses to start with max_num_batched_tokens below max_num_seqs "
                              "(vllm/config/scheduler.py)", f"a step can hold one token of each of {proposed} requests"))
@@ -627,10 +629,10 @@ def _queue_levers(f, r, s, flags) -> list[dict[str, Any]]:
 
 
 def _prefix_off_levers(f, r, s, flags) -> list[dict[str, Any]]:
-    on = "drop the flag" if r["engine"] == "sglang" else True
+    on = "drop the flag" if r.engine == "sglang" else True
     current = Known(f["current"], f["current_source"], "")
     return [_lever(f["setting"], current, on, (
-        f"prompts of {_tokens(r['prompt_tokens_mean'])} tokens are computed in full; a shared start (system prompt, "
+        f"prompts of {_tokens(r.prompt_tokens_mean)} tokens are computed in full; a shared start (system prompt, "
         "tools, history) is computed once and then read from the cache"),
         "prefill time and TTFT fall by the share of each prompt that is shared (unknown while the cache is off: "
         "the hit rate after the change tells it)")]
@@ -647,8 +649,8 @@ def _prefix_unstable_levers(f, r, s, flags) -> list[dict[str, Any]]:
 
 def _prefill_levers(f, r, s, flags) -> list[dict[str, Any]]:
     result = []
-    batched, prompt = s["max_num_batched_tokens"], r["prompt_tokens_mean"]
-    if r["engine"] == "vllm" and batched.value and prompt and prompt > batched.value:
+    batched, prompt = s["max_num_batched_tokens"], r.prompt_tokens_mean
+    if r.engine == "vllm" and batched.value and prompt and prompt > batched.value:
         proposed = _power_of_two(prompt)
         result.append(_lever(flags["batched"], batched, proposed,
                              f"prompts of {prompt:,.0f} tokens take {math.ceil(prompt / batched.value)} steps each",
@@ -671,7 +673,7 @@ def _decode_levers(f, r, s, flags) -> list[dict[str, Any]]:
                        "smaller prefill chunks interrupt decoding for less time",
                        "shorter stalls (ITL p99 down), each prompt in more steps (TTFT up)", toward="lower")]
     if f["setting"] == flags["seqs"]:
-        known, running = s["max_num_seqs"], r["running_mean"] or r["running_peak"]
+        known, running = s["max_num_seqs"], r.running_mean or r.running_peak
         return [_lever(f["setting"], known, _power_of_two(running / 2), "a smaller batch reads the KV of fewer "
                        "requests per step", "faster tokens for each request, less throughput in all; the rest queues")]
     return [_lever(None, None, None, "at small batch most of each step is reading weights",
@@ -682,7 +684,7 @@ def _decode_levers(f, r, s, flags) -> list[dict[str, Any]]:
                    action=f"FP8 weights ({flags['quant']} fp8)")]
 
 
-def plan(found: Sequence[Mapping[str, Any]], r: Mapping[str, Any], s: Mapping[str, Known]) -> list[dict[str, Any]]:
+def plan(found: Sequence[Mapping[str, Any]], r: Reading, s: Mapping[str, Known]) -> list[dict[str, Any]]:
     """The findings' levers in order, one per setting (and per action): the first, the root's,
     wins, so the plan never raises and lowers one setting."""
     result, seen = [], set()
@@ -703,7 +705,7 @@ def _task(name: str, variables: Sequence[tuple[str, Any]] = (), flags: Sequence[
     return taskcall.from_environment().command(name, variables, flags)
 
 
-def verify(r: Mapping[str, Any], url: str | None, root: Mapping[str, Any] | None) -> list[str]:
+def verify(r: Reading, url: str | None, root: Mapping[str, Any] | None) -> list[str]:
     """A light bench (LIGHT_C at a time, LIGHT_N requests: a live server keeps serving its users)
     at the traffic's lengths and endpoint before and after the change, and the compare that
     judges them. Half of each prompt shared stands for the traffic's shared start (an assumption
@@ -712,16 +714,16 @@ def verify(r: Mapping[str, Any], url: str | None, root: Mapping[str, Any] | None
     unstable prompts the change is the client's, so only the second does, and compare names
     shared_prefix as the variable under test."""
     variables: list[tuple[str, Any]] = [("INFER_URL", url)] if url else []
-    if r.get("prompt_tokens_mean"):
-        variables.append(("BENCH_IN", max(1, round(r["prompt_tokens_mean"]))))
-    if r.get("output_tokens_mean"):
-        variables.append(("BENCH_OUT", max(1, round(r["output_tokens_mean"]))))
+    if r.prompt_tokens_mean:
+        variables.append(("BENCH_IN", max(1, round(r.prompt_tokens_mean))))
+    if r.output_tokens_mean:
+        variables.append(("BENCH_OUT", max(1, round(r.output_tokens_mean))))
     variables += [("BENCH_C", LIGHT_C), ("BENCH_N", LIGHT_N)]
-    if r["slo_source"] == "given":
-        variables += [("SLO_TTFT_P95_MS", f"{r['slo']['ttft_p95_ms']:g}"), ("SLO_TPOT_P95_MS", f"{r['slo']['tpot_p95_ms']:g}")]
-    before = ["--endpoint", "chat"] if r.get("endpoint") == "chat" else []
+    if r.slo.given:
+        variables += [("SLO_TTFT_P95_MS", f"{r.slo.ttft_p95_ms:g}"), ("SLO_TPOT_P95_MS", f"{r.slo.tpot_p95_ms:g}")]
+    before = ["--endpoint", "chat"] if r.endpoint == "chat" else []
     after, compare_flags = list(before), []
-    shared = ["--shared-prefix", str(int(r["prompt_tokens_mean"] // 2))] if r.get("prompt_tokens_mean") else []
+    shared = ["--shared-prefix", str(int(r.prompt_tokens_mean // 2))] if r.prompt_tokens_mean else []
     if shared and root and root["kind"] == "prefix_cache_off":
         before, after = before + shared, after + shared
     elif shared and root and root["kind"] == "prefix_unstable":
@@ -734,7 +736,7 @@ def verify(r: Mapping[str, Any], url: str | None, root: Mapping[str, Any] | None
 # ---------------------------------------------------------------------------------------------
 # The diagnosis
 
-def diagnose(r: Mapping[str, Any], s: Mapping[str, Known], url: str | None = None) -> dict[str, Any]:
+def diagnose(r: Reading, s: Mapping[str, Known], url: str | None = None) -> dict[str, Any]:
     """{root_cause, findings (root first, then what it causes, then the others), plan, verify}."""
     found = ordered(findings(r, s))
     root = found[0] if found else None

@@ -22,7 +22,8 @@ from rooflib.server.deployment import EXPORTED, Known, Served
 from rooflib.server.diagnosis import bytes_text as _bytes
 from rooflib.server.diagnosis import ms as _ms
 from rooflib.server.diagnosis import pct as _pct
-from rooflib.server.diagnosis import quantile_text as _quantile
+from rooflib.server.diagnosis import quantile_text
+from rooflib.server.reading import Latency, Reading
 
 QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
 
@@ -692,7 +693,8 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
     targets = (slo or Targets()).resolved()
     result["slo"] = {k: targets[k] for k in ("ttft_p95_ms", "tpot_p95_ms", "itl_p95_ms")}
     result["slo_source"], result["slo_defaulted"] = targets["source"], targets["defaulted"]
-    settings = diagnosis.settings(result, with_gauge_settings(snap, served))
+    reading = Reading.of(result)
+    settings = diagnosis.settings(reading, with_gauge_settings(snap, served))
     result["settings"] = diagnosis.known_json(settings)
     if snap["engine"] == "sglang":
         result["deployment"] = sglang_deployment(settings, result["tokens_per_request"])
@@ -700,7 +702,7 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
         seqs = settings["max_num_seqs"]
         result["deployment"]["max_num_seqs"] = seqs.value
         result["deployment"]["max_num_seqs_note"] = diagnosis.said(seqs) if seqs.value else f"unknown: {seqs.how}"
-    result["diagnosis"] = diagnosis.diagnose(result, settings, served.url if served else None)
+    result["diagnosis"] = diagnosis.diagnose(reading, settings, served.url if served else None)
     return result
 
 
@@ -1026,7 +1028,7 @@ def format_report(r: dict[str, Any]) -> str:
         row = r[f"{concept}_ms"]
         if row["metric"] is None:
             continue
-        cells = "".join(f"{_quantile(row, q):>10}" for q in QUANTILES)
+        cells = "".join(f"{quantile_text(Latency.of(row), q):>10}" for q in QUANTILES)
         lines.append(f"  {label:8}{cells}{_ms(row['mean']):>10}{row['n']:>8}  {row['metric']}")
     lines.append(
         f"  running {_gauge(r, 'running')}, waiting {_gauge(r, 'waiting')}"
@@ -1085,7 +1087,8 @@ def _targets_line(r: dict[str, Any]) -> str:
 
 def format_replica_line(r: dict[str, Any]) -> str:
     state = f" ({r['state'].upper()})" if r.get("state", "up") != "up" else ""
-    return (f"  {r['source']}{state}: TTFT p95 {_quantile(r['ttft_ms'], 'p95')}, ITL p95 {_quantile(r['itl_ms'], 'p95')}, "
+    ttft, itl = quantile_text(Latency.of(r["ttft_ms"]), "p95"), quantile_text(Latency.of(r["itl_ms"]), "p95")
+    return (f"  {r['source']}{state}: TTFT p95 {ttft}, ITL p95 {itl}, "
             f"running {_num(r['running'])}, waiting {_num(r['waiting'])}, KV {_pct(r['kv_cache_usage'])}, "
             f"preemptions {_num(r['preemptions'])}, findings: "
             f"{', '.join(f['kind'] for f in r['diagnosis']['findings']) or 'none'}")
