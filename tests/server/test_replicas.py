@@ -7,6 +7,7 @@ from pathlib import Path
 import metrics
 import pytest
 
+from rooflib.load import benchrun
 from rooflib.server import engine_metrics, replicas
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
@@ -38,6 +39,19 @@ def test_a_mixed_window_has_that_as_its_one_finding_and_no_engine_lever():
     assert r["diagnosis"]["root_cause"]["kind"] == "mixed_engines" and len(r["diagnosis"]["findings"]) == 1
     assert [lever["setting"] for lever in r["diagnosis"]["plan"]] == [None]
     assert r["mixed_engines"] in r["warnings"]
+
+
+@pytest.mark.parametrize("names, shown", [
+    (["vllm-0.32-before.txt", "vllm-0.32-before.txt", "vllm-0.32-after.txt"], True),
+    (["vllm-0.32-after.txt", "vllm-0.32-idle.txt", "vllm-0.32-after.txt", "vllm-0.32-idle.txt"], False),
+])
+def test_bench_shows_no_server_figure_from_scrapes_of_several_engines(names, shown):
+    """bench's scrapes before, during (its timeline) and after the run: behind a balancer they
+    came from different replicas, so it shows no server figure and says why."""
+    snaps = [snap(name, float(i)) for i, name in enumerate(names)]
+    delta, why = benchrun.server_delta(snaps[0], snaps[-1], snaps[1:-1])
+    assert (delta is not None, why == "") == (shown, shown)
+    assert shown or why.startswith("consecutive scrapes came from 2 engines") and "bench each replica's own URL" in why
 
 
 def test_the_same_url_given_twice_is_one_engine(monkeypatch):

@@ -473,14 +473,14 @@ def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, qui
     result["startup_s"] = None if first_sent is None else first_sent / 1e9 - started
     all_tokens = sum(o.completion_tokens or 0 for o in run.outcomes if o.ok or o.error == "stream_cut")
     during = timeline.during() if timeline else []
-    delta = server_delta(before, after, during)
+    delta, mixed = server_delta(before, after, during)
     result["server"] = server_view(target, options, result, delta, probed, first_sent is not None,
-                                   note or note_after, all_tokens, served)
+                                   mixed or note or note_after, all_tokens, served)
     if before is not None and after is not None and first_sent is not None and options.prometheus:
         result["server"]["gpu_telemetry"] = gpu_side(options, before, after, during, target.base_url)
     result["timeline"] = timeline.result(after) if timeline else None
     # A shard's server also serves the other shards: that traffic is the run's, not another's.
-    result["warnings"] = fit_warnings + result["warnings"] + (
+    result["warnings"] = fit_warnings + result["warnings"] + ([mixed] if mixed else []) + (
         [] if options.shard else other_traffic(result["server"]["metrics"], all_tokens))
     result["records"] = [o.record() for o in run.outcomes]
     result["shard"] = shards.section(options.shard, options.start_at, run.measured_from_ns, reading,
@@ -585,12 +585,19 @@ def run_load(plan: Plan, options: BenchOptions, hold: signals.SignalHold, timeli
 
 
 def server_delta(before: dict[str, Any] | None, after: dict[str, Any] | None,
-                 during: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """What the server counted over the run: the difference of the scrapes around it (None
-    without both)."""
-    from rooflib.server import engine_metrics
+                 during: Sequence[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
+    """What the server counted over the run: the difference of the scrapes around it; (None, why)
+    when the scrapes came from several engines (a balancer in front of replicas: no difference of
+    them is one engine's, so no server figure is shown); (None, '') without both scrapes."""
+    from rooflib.server import engine_metrics, replicas
 
-    return engine_metrics.difference(before, after, during) if before is not None and after is not None else None
+    if before is None or after is None:
+        return None, ""
+    mixed = replicas.mixed_engines([before, *during, after])
+    if mixed:
+        return None, (f"{mixed}: no server figure of this run is one engine's, so none is shown; bench each "
+                      "replica's own URL for its figures")
+    return engine_metrics.difference(before, after, during), ""
 
 
 def cross_check(delta: dict[str, Any], result: dict[str, Any], probed: dict[str, Any] | None) -> dict[str, Any]:
