@@ -124,9 +124,12 @@ def run_tune(case: Case, out: Path) -> dict[str, Any]:
     printing.progress("tune_vs_grid: " + " ".join(cmd[1:]))
     began = time.monotonic()
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-    if done.returncode not in (0, 1):
-        raise ServerError(f"tune.py exited {done.returncode}")
-    doc = json.loads(done.stdout)
+    try:  # exit 1 is "the SLO is not met" with its JSON, and an uncaught error's too
+        doc = json.loads(done.stdout) if done.returncode in (0, 1) else None
+    except json.JSONDecodeError:
+        doc = None
+    if doc is None:
+        raise ServerError(f"tune.py exited {done.returncode} without its result (its messages are above)")
     return {**doc, "measured_wall_s": time.monotonic() - began}
 
 
