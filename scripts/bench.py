@@ -1,6 +1,13 @@
 #!/usr/bin/env python3
 """Load-test an OpenAI-compatible server (vLLM, SGLang): TTFT, TPOT, ITL, e2e, tok/s, SLO verdict.
 
+--endpoint picks the API (rooflib/load/apis.py has their formats): completions (default), chat,
+responses (the OpenAI Responses API, /v1/responses) and messages (the Anthropic Messages API,
+/v1/messages) stream text and get the figures below; embeddings (/v1/embeddings) and score
+(/score: a query and --documents texts) answer once, so a request's figure is its latency (sent ->
+the answer's last byte, e2e_ms), also per input token, with requests/s, input tokens/s and, for
+score, pairs/s; their SLO is --slo-latency-p95-ms (a TTFT or TPOT target is a usage error).
+
 Every request streams with temperature 0, `ignore_eos` and `stream_options.include_usage`
 (+ `continuous_usage_stats`), so output lengths are exact and counted by the server. Prompts are
 exactly --input-tokens long by the server's own tokenizer (/tokenize; else tiktoken, else an
@@ -40,6 +47,9 @@ Examples:
   bench.py -n 64 -c 16 --slo-ttft-p95-ms 500 --slo-tpot-p95-ms 50 --log bench-log.md
   bench.py --rate 4 --burstiness 0.5 --duration 60 -n 1000 --json
   bench.py --endpoint chat --shared-prefix 1024 -n 32 -c 8 --records requests.jsonl
+  bench.py --endpoint responses -n 32 -c 8 --input-tokens 1024 --output-tokens 128 --slo-ttft-p95-ms 800
+  bench.py --endpoint embeddings -n 256 -c 32 --input-tokens 512 --slo-latency-p95-ms 200
+  bench.py --endpoint score --documents 20 --input-tokens 256 -n 64 -c 8 --json-out rerank.json
   INFER_URL=http://gpu-box:8000 INFER_API_KEY=... bench.py -n 256 -c 64 --workers 2
   bench.py --endpoint chat --sharegpt scripts/data/sharegpt-sample.json -c 4 --probe /health
   bench.py --trace scripts/data/trace-sample.jsonl --speed 2 --json > run.json

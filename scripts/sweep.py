@@ -31,6 +31,7 @@ from typing import Any, Sequence
 from rooflib.core import cli, conf, fileio, printing, signals
 from rooflib.core.errors import EXIT_OUTPUT, UsageError
 from rooflib.load import asyncclient, benchrun
+from rooflib.load.apis import APIS
 from rooflib.load.sweeps import exit_code, knee, knee_caveat, no_knee_reason, parse_levels, point_summary
 
 DEFAULT_SWEEP = "1,4,8,16,32"
@@ -71,6 +72,9 @@ def run(args: Any, settings: conf.Settings, server: asyncclient.Target) -> int:
         raise UsageError("sweep sets the concurrency itself: use --sweep-c (SWEEP_C), not -c")
     levels = parse_levels(settings.get("SWEEP_C", args.sweep_c, DEFAULT_SWEEP))
     asked = benchrun.read_options(args, settings)
+    if not APIS[asked.endpoint].generates:
+        raise UsageError(f"sweep finds the knee of TTFT and TPOT, which --endpoint {asked.endpoint} does not have: "
+                         "run bench at each concurrency (its latency, requests/s and input tokens/s)")
     planned = [point_options(asked, c) for c in levels]  # all checked first
     options = planned[0]  # the point being run; the SLO, lengths and log are every point's
     if options.log:
@@ -101,11 +105,13 @@ def run(args: Any, settings: conf.Settings, server: asyncclient.Target) -> int:
             interrupted = True
             hold.start()
         slo = options.slo
-        has_slo = bool(points) and (slo.ttft_p95_ms is not None or slo.tpot_p95_ms is not None)
+        has_slo = bool(points) and (slo.ttft_p95_ms is not None or slo.tpot_p95_ms is not None
+                                    or options.slo_latency_p95_ms is not None)
         found = knee(points, has_slo)
         report = {"kind": "sweep", "schema_version": 1,
                   "points": points, "knee": found, "knee_caveat": knee_caveat(points, found), "slo_set": has_slo,
-                  "slo": {"ttft_p95_ms": slo.ttft_p95_ms, "tpot_p95_ms": slo.tpot_p95_ms},
+                  "slo": {"ttft_p95_ms": slo.ttft_p95_ms, "tpot_p95_ms": slo.tpot_p95_ms,
+                          "latency_p95_ms": options.slo_latency_p95_ms},
                   "levels": levels, "interrupted": interrupted,
                   "config": {"input_tokens": options.input_tokens, "output_tokens": options.output_tokens,
                              "endpoint": options.endpoint, "warmup": options.warmup}

@@ -24,11 +24,15 @@ Architectures (attention kinds vLLM accounts differently in its KV cache):
   llama     MHA, 3 layers, 4 KV heads, head_dim 64
   gemma3    GQA with sliding-window layers (window 128, every 6th layer global)
   deepseek  DeepSeek-V2 style MLA (kv_lora_rank 64, qk_rope_head_dim 16)
+  bert      a BERT encoder (BertModel, 2 layers, hidden 256, 4,096 positions): a pooling model, no
+            KV cache; vLLM serves it with CLS pooling for /v1/embeddings and /score (cosine of two
+            embeddings) and /rerank. It generates nothing, so the always-speaks construction does not apply.
 
 Examples:
   tiny_model.py --out ~/.cache/roofline/models/tiny-qwen3
   tiny_model.py --arch llama --out /tmp/tiny-llama
   tiny_model.py --out /tmp/tiny-trained --train-steps 80
+  tiny_model.py --arch bert --out ~/.cache/roofline/models/v2/tiny-bert
 
 Exit codes: 0 built (or already there), 2 usage error.
 """
@@ -134,6 +138,10 @@ def make_config(arch: str, tokenizer):
     if arch == "gemma3":
         return transformers.Gemma3TextConfig(num_hidden_layers=6, num_key_value_heads=2, head_dim=64,
                                               sliding_window=128, **common)
+    if arch == "bert":  # bidirectional: no KV heads, no EOS (it never generates)
+        return transformers.BertConfig(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512,
+                                       num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=4096,
+                                       pad_token_id=common["pad_token_id"])
     if arch == "deepseek":
         return transformers.DeepseekV2Config(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=64,
                                              q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32,
@@ -242,6 +250,9 @@ def build(out: Path, arch: str, train_steps: int) -> None:
     torch.manual_seed(SEED)
     tokenizer = build_tokenizer(out)
     config = make_config(arch, tokenizer)
+    if arch == "bert":
+        transformers.BertModel(config).to(torch.bfloat16).save_pretrained(out)
+        return
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     textless = textless_ids(tokenizer)
     make_speaking(model, textless)
@@ -255,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder to write the model to")
-    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "gemma3", "deepseek"])
+    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "gemma3", "deepseek", "bert"])
     p.add_argument("--train-steps", type=int, default=0, help="AdamW steps on local text (0: random weights)")
     p.add_argument("--force", action="store_true", help="rebuild even if the folder holds a model")
     args = p.parse_args(argv)
@@ -265,6 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.train_steps < 0:
         print("error: --train-steps must be >= 0", file=sys.stderr)
+        return 2
+    if args.train_steps and args.arch == "bert":
+        print("error: --train-steps trains a language model: the bert encoder is built untrained", file=sys.stderr)
         return 2
     tmp = out.with_name(out.name + ".partial")
     tmp.mkdir(parents=True, exist_ok=True)

@@ -75,6 +75,14 @@ def running_vllm(log_dir: Path, sets: Sequence[str] = (), model: str = "tiny-qwe
 
 
 @contextmanager
+def running_vllm_pooling(log_dir: Path) -> Iterator[Server]:
+    """A real vLLM serving the tiny BERT encoder (profile cpu-tiny-pooling): /v1/embeddings, /score."""
+    setup(["tiny-bert"])
+    with serving("cpu-tiny-pooling", [], log_dir, "vLLM", "tiny-bert", None, STARTUP_TIMEOUT_S) as server:
+        yield server
+
+
+@contextmanager
 def serving(profile: str, sets: Sequence[str], log_dir: Path, engine: str, model: str,
             env: dict[str, str] | None, startup_timeout_s: float) -> Iterator[Server]:
     """`task serve` of `profile` with `sets` on a free port, until the block ends; the port is

@@ -122,7 +122,7 @@ def test_streamed_response_always_settles_to_a_classified_outcome(events, chunke
     raw = head(chunked=chunked) + ((b"%x\r\n%s\r\n" % (len(body), body) if body else b"") +
                                    (b"0\r\n\r\n" if terminated else b"") if chunked else body)
     reads = [(i * 1000, piece) for i, piece in enumerate(splits(raw, cuts))]
-    outcome = request_outcome.settle(request_outcome.Outcome(index=0, reads=reads), chat=False)
+    outcome = request_outcome.settle(request_outcome.Outcome(index=0, reads=reads), "completions")
     assert outcome.error is None or outcome.error in request_outcome.ERROR_KINDS
     if outcome.error is None:
         assert outcome.token_times and outcome.completion_tokens is not None

@@ -145,7 +145,7 @@ def test_chat_role_only_chunk_does_not_start_ttft():
               {"choices": [{"delta": {"content": "b"}}], "usage": _usage(3)},
               {"choices": [{"delta": {"content": "c"}, "finish_reason": "length"}], "usage": _usage(4)},
               {"choices": [], "usage": _usage(4)}]
-    outcome = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse_response(chunks), chat=True)
+    outcome = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse_response(chunks), "chat")
     assert outcome.ok, outcome.detail
     assert outcome.ttft_ms == 2.0  # the second event, not the role chunk at 1 ms
     assert outcome.e2e_ms == 4.0
@@ -158,7 +158,7 @@ def test_chat_role_only_chunk_does_not_start_ttft():
 
 def test_completions_empty_text_chunk_is_not_a_token():
     chunks = [{"choices": [{"text": ""}]}, {"choices": [{"text": "x"}]}, {"choices": [{"text": "y"}]}]
-    outcome = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse_response(chunks), chat=False)
+    outcome = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse_response(chunks), "completions")
     assert outcome.ttft_ms == 2.0
     assert outcome.completion_tokens == 2 and not outcome.usage_reported
 
@@ -174,7 +174,7 @@ def test_sglang_completion_stream():
     chunks = [chunk(" a"), chunk(" b"), chunk(" c", "length"),
               {"id": "a1", "object": "text_completion", "created": 1, "model": "m", "choices": [],
                "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}]
-    outcome = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse_response(chunks), chat=False)
+    outcome = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse_response(chunks), "completions")
     assert outcome.ok and outcome.completion_tokens == 3 and outcome.prompt_tokens == 5
     assert outcome.usage_reported and outcome.finish_reason == "length"
     assert outcome.ttft_ms == 1.0 and outcome.e2e_ms == 3.0
@@ -187,7 +187,7 @@ def test_sglang_completion_stream():
     ([{"choices": [{"text": ""}]}], 200, True, "empty_output"),
 ])
 def test_stream_faults_are_classified(chunks, status, done, kind):
-    outcome = request_outcome.interpret(request_outcome.Outcome(0), _sse_response(chunks, status, done), chat=False)
+    outcome = request_outcome.interpret(request_outcome.Outcome(0), _sse_response(chunks, status, done), "completions")
     assert outcome.error == kind
 
 
@@ -198,7 +198,7 @@ def test_stream_faults_are_classified(chunks, status, done, kind):
 ])
 def test_http_errors_are_classified(status, body, kind):
     response = http1.Response(status, {"content-type": "application/json"}, True, body=body)
-    assert request_outcome.interpret(request_outcome.Outcome(0), response, chat=False).error == kind
+    assert request_outcome.interpret(request_outcome.Outcome(0), response, "completions").error == kind
 
 
 # ---------------------------------------------------------------------------------------------

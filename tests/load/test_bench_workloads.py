@@ -43,7 +43,7 @@ def test_reasoning_deltas_give_answer_ttft_and_split_counts():
               {"choices": [{"delta": {"content": "Yes"}}], "usage": _usage(5)},
               {"choices": [{"delta": {"content": "."}}], "usage": _usage(6)},
               {"choices": [{"delta": {"content": "!"}, "finish_reason": "length"}], "usage": _usage(7)}]
-    o = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse(chunks), chat=True)
+    o = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse(chunks), "chat")
     assert o.ok and o.reasoning_seen
     assert o.ttft_ms == 2.0 and o.ttft_answer_ms == 5.0
     assert (o.reasoning_tokens, o.answer_tokens) == (4, 3)
@@ -55,7 +55,7 @@ def test_reasoning_deltas_give_answer_ttft_and_split_counts():
 def test_think_tags_in_text_split_reasoning_from_answer():
     texts = ["<think>", "hmm", " ok</think>", "\n\nThe", " answer"]
     chunks = [{"choices": [{"text": t}], "usage": _usage(k + 1)} for k, t in enumerate(texts)]
-    o = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
+    o = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse(chunks), "completions")
     assert o.reasoning_seen and o.ttft_ms == 1.0 and o.ttft_answer_ms == 4.0
     assert (o.reasoning_tokens, o.answer_tokens) == (3, 2)
 
@@ -64,14 +64,14 @@ def test_a_closing_tag_alone_makes_what_came_before_reasoning():
     """DeepSeek-R1's template opens <think> itself: the stream shows only the closing tag."""
     texts = ["step", " one", "</think>Done", "."]
     chunks = [{"choices": [{"text": t}], "usage": _usage(k + 1)} for k, t in enumerate(texts)]
-    o = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
+    o = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse(chunks), "completions")
     assert o.reasoning_seen and o.ttft_answer_ms == 3.0
     assert (o.reasoning_tokens, o.answer_tokens) == (2, 2)
 
 
 def test_plain_answers_have_no_reasoning_section():
     chunks = [{"choices": [{"text": t}], "usage": _usage(k + 1)} for k, t in enumerate(["a", "b"])]
-    o = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse(chunks), chat=False)
+    o = request_outcome.interpret(request_outcome.Outcome(0, sent_ns=0), _sse(chunks), "completions")
     assert not o.reasoning_seen and o.reasoning_tokens == 0 and o.answer_tokens == 2
     assert analysis.reasoning_summary([o]) is None
 

@@ -264,8 +264,8 @@ def test_a_shard_interrupted_while_it_waits_for_the_start_keeps_its_files(tmp_pa
 # The split, the flags, the options
 
 def _plan(n: int, warmup: int, concurrency: int | None, offsets: list[float] | None = None) -> runner.Plan:
-    source = runner.RequestSource(SimpleNamespace(count=n), Target("http://x", None), "/v1/completions", {}, {}, "r")
-    return runner.Plan(source, warmup, concurrency, False, offsets_s=offsets)
+    source = runner.RequestSource(SimpleNamespace(count=n), Target("http://x", None), "completions", {}, "r")
+    return runner.Plan(source, warmup, concurrency, offsets_s=offsets)
 
 
 @pytest.mark.parametrize("n, warmup, concurrency, parts", [(10, 0, 4, 3), (99, 9, 9, 3), (7, 3, 5, 5), (100, 8, None, 4)])

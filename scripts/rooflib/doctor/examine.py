@@ -12,7 +12,8 @@ from rooflib.doctor import budget as budgets
 from rooflib.doctor import causes, failures, probe, tradeoff, window
 from rooflib.doctor.evidence import Engine, Failures, Finding, Owner, Probe, Setting, Targets
 from rooflib.load import promptgen
-from rooflib.load.asyncclient import ENDPOINTS, Target, find_target
+from rooflib.load.apis import APIS
+from rooflib.load.asyncclient import Target, find_target
 from rooflib.server import deployment, engine_metrics
 from rooflib.server.diagnosis import LIGHT_C, LIGHT_N
 
@@ -135,7 +136,7 @@ def gather(opts: Options) -> tuple[budgets.Facts, list[window.Window], dict[str,
     measured: Probe = found or Probe(load="interrupted before the probe finished", routes=(), streams=())
     if attribution:
         measured = replace(measured, replica_of_stream=tuple(attribution.served.get(i) for i in range(len(plan.prompts))))
-    facts, extra = facts_of(opts, windows, measured, served, ENDPOINTS[plan.endpoint])
+    facts, extra = facts_of(opts, windows, measured, served, APIS[plan.endpoint].path)
     return facts, windows, {**extra, "target": target.info, "interrupted": interrupted}
 
 

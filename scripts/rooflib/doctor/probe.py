@@ -24,7 +24,8 @@ from rooflib.core import redaction
 from rooflib.core.errors import ServerError
 from rooflib.doctor.evidence import Probe, Route, Stream
 from rooflib.load import promptgen
-from rooflib.load.asyncclient import ENDPOINTS, Client, Target, request_bytes
+from rooflib.load.apis import APIS
+from rooflib.load.asyncclient import Client, Target, request_bytes
 from rooflib.load.http1 import _parse_head
 from rooflib.load.request_outcome import Outcome, settle
 
@@ -113,11 +114,11 @@ def stream_of(outcome: Outcome, api_key: str | None, request_bytes: int = 0, pro
 async def _stream(client: Client, target: Target, endpoint: str, prompt: str, output_tokens: int,
                   index: int) -> Stream:
     body = promptgen.payload(endpoint, target.model, prompt, output_tokens, {})
-    request = request_bytes(target, ENDPOINTS[endpoint], body, f"doctor-{uuid.uuid4().hex}")
+    request = request_bytes(target, APIS[endpoint].path, body, f"doctor-{uuid.uuid4().hex}")
     # A new connection each: the stream's own connect time is part of what it measures.
     sent = await client.send(Outcome(index=index), request, reuse=False)
     reads = list(sent.reads)
-    settled = settle(sent, endpoint == "chat")
+    settled = settle(sent, endpoint)
     settled.reads = reads
     return stream_of(settled, target.api_key, len(request) - request.index(b"\r\n\r\n") - 4, len(prompt.encode()))
 
@@ -179,7 +180,7 @@ class Plan:
 def load_text(plan: Plan, streams: Sequence[Stream]) -> str:
     counted = [s.prompt_tokens for s in streams if s.prompt_tokens]
     prompt = f"{statistics.median(counted):.0f}" if counted else f"about {len(plan.prompts[0].split())} words of"
-    return (f"{len(plan.prompts)} streamed {ENDPOINTS[plan.endpoint]} requests of {prompt} prompt and "
+    return (f"{len(plan.prompts)} streamed {APIS[plan.endpoint].path} requests of {prompt} prompt and "
             f"{plan.output_tokens} output tokens, {plan.concurrency} at a time; {3 * (ROUTE_REPEATS + 1)} GETs of "
             "trivial routes" + ("; one request just over the context limit" if plan.over_limit_prompt else ""))
 

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_SERVER
 from rooflib.core.stats import summarize
+from rooflib.load.apis import APIS
 from rooflib.load.request_outcome import ERROR_KINDS, Outcome
 from rooflib.server.engine_metrics import Targets
 
@@ -22,8 +23,12 @@ LAG_SHARE = 0.10
 
 
 # The verdict stands on these figures' p95: a lag that may distort one makes the run invalid; one
-# that may distort only the others is a warning that names them.
+# that may distort only the others is a warning that names them. A pooling API's (embeddings,
+# score) stands on its request latency.
 VERDICT_FIGURES = ("ttft_ms", "tpot_ms")
+
+
+POOLING_VERDICT_FIGURES = ("e2e_ms",)
 
 
 FIGURE_NAMES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "e2e"}
@@ -47,7 +52,11 @@ DEFINITIONS = {
     "tpot_ms": "(e2e - ttft)/(output_tokens - 1) per request = vLLM/SGLang TPOT = AIPerf ITL = GuideLLM ITL",
     "itl_ms": "per-chunk gaps between content chunks, pooled = vLLM ITL = AIPerf ICL",
     "itl_token_ms": "each chunk gap divided over the tokens the chunk carried (server usage deltas)",
-    "e2e_ms": "request sent -> last content chunk",
+    "e2e_ms": "request sent -> last content chunk; embeddings and score: request sent -> the answer's last byte "
+              "(the request latency)",
+    "latency_per_input_token_ms": "embeddings and score: each request's latency divided by its prompt tokens "
+                                  "(the server's usage)",
+    "pairs_s": "score: (query, document) pairs scored per second",
     "percentiles": "linear interpolation (numpy default), n = samples",
 }
 
@@ -86,17 +95,18 @@ def distorted(lag: dict[str, Any], limits: dict[str, float], lag_ms: Sequence[fl
 
 
 def client_validity(lag: dict[str, Any], limits: dict[str, float], schedule_delay: dict[str, Any],
-                    cpu_util: float, lag_ms: Sequence[float] = (),
-                    wall_s: float = 0.0) -> tuple[bool, float, list[str]]:
+                    cpu_util: float, lag_ms: Sequence[float] = (), wall_s: float = 0.0,
+                    verdict_figures: Sequence[str] = VERDICT_FIGURES) -> tuple[bool, float, list[str]]:
     """Is the client's own delay small against the figures the verdict stands on? (valid,
     threshold ms, reasons). The threshold is the smallest of their limits (lag_limits).
 
     The verdict stands on p95 figures, so the lag's p95 decides, and so does the share of the
     run the client spent stalled; a p99 above the threshold only earns a warning (see analyse)."""
-    judged = [name for name in VERDICT_FIGURES if name in limits]
+    judged = [name for name in verdict_figures if name in limits]
     figure = min(judged, key=limits.get) if judged else None
     threshold = limits[figure] if figure else LAG_FLOOR_MS
-    median = "the median TTFT" if figure == "ttft_ms" else "the median decode span, over which TPOT is taken"
+    median = {"ttft_ms": "the median TTFT", "e2e_ms": "the median request latency"}.get(
+        figure, "the median decode span, over which TPOT is taken")
     size = f" ({LAG_SHARE:.0%} of {median})" if figure and threshold > LAG_FLOOR_MS else ""
     reasons = []
     stalled = stalls(lag_ms, threshold, wall_s)
@@ -116,35 +126,45 @@ def client_validity(lag: dict[str, Any], limits: dict[str, float], schedule_dela
     return not reasons, threshold, reasons
 
 
-def slo_check(ttft_p95: float | None, tpot_p95: float | None, slo: Targets) -> dict[str, Any]:
-    """Each target set, against what was measured."""
+def slo_check(ttft_p95: float | None, tpot_p95: float | None, slo: Targets, latency_p95: float | None = None,
+              latency_slo_ms: float | None = None) -> dict[str, Any]:
+    """Each target set, against what was measured (latency: the request's e2e)."""
     checks = {}
-    for name, target, value in (("ttft_p95_ms", slo.ttft_p95_ms, ttft_p95), ("tpot_p95_ms", slo.tpot_p95_ms, tpot_p95)):
+    for name, target, value in (("ttft_p95_ms", slo.ttft_p95_ms, ttft_p95), ("tpot_p95_ms", slo.tpot_p95_ms, tpot_p95),
+                                ("latency_p95_ms", latency_slo_ms, latency_p95)):
         if target is not None:
             checks[name] = {"target": target, "measured": value,
                             "met": value is not None and value <= target}
     return checks
 
 
+def generates(config: dict[str, Any]) -> bool:
+    """Whether the run's API streams generated tokens (else it is a pooling API: embeddings, score)."""
+    return APIS[config.get("endpoint") or "completions"].generates
+
+
 def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequence[float],
             cpu_s: float, wall_s: float, interrupted: bool = False, slo: Targets | None = None,
-            client: dict[str, Any] | None = None) -> dict[str, Any]:
+            client: dict[str, Any] | None = None, latency_slo_ms: float | None = None) -> dict[str, Any]:
     """The run's result document (--json), from per-request outcomes: `config` is the run's
-    settings as the document records them, `slo` the targets it is judged against (None: none).
-    The client's self-check is measured from `lag_ms`, `cpu_s` and `wall_s`, unless `client` gives
-    it (a merged run's: the self-checks its shards made, rooflib/load/merging.py)."""
+    settings as the document records them, `slo` the targets it is judged against (None: none),
+    `latency_slo_ms` the request latency's p95 target. The client's self-check is measured from
+    `lag_ms`, `cpu_s` and `wall_s`, unless `client` gives it (a merged run's: the self-checks its
+    shards made, rooflib/load/merging.py). A pooling API's requests have a latency (e2e), no TTFT,
+    TPOT or ITL."""
     slo = slo or Targets()
     measured = [o for o in outcomes if not o.warmup]
     done = [o for o in measured if o.ok]
     failed = [o for o in measured if not o.ok]
     errors = error_counts(failed)
-    ttft = summarize(o.ttft_ms for o in done)
-    tpot = summarize(o.tpot_ms for o in done if o.tpot_ms is not None)
-    itl, e2e = summarize(g for o in done for g in o.chunk_gaps_ms()), summarize(o.e2e_ms for o in done)
-    decode = summarize(o.e2e_ms - o.ttft_ms for o in done if o.tpot_ms is not None)
+    streamed = done if generates(config) else []
+    ttft = summarize(o.ttft_ms for o in streamed)
+    tpot = summarize(o.tpot_ms for o in streamed if o.tpot_ms is not None)
+    itl, e2e = summarize(g for o in streamed for g in o.chunk_gaps_ms()), summarize(o.e2e_ms for o in done)
+    decode = summarize(o.e2e_ms - o.ttft_ms for o in streamed if o.tpot_ms is not None)
     if client is None:
         client = client_section(measured, config, lag_ms, cpu_s, wall_s, lag_limits(ttft, decode, itl, e2e), errors)
-    checks = slo_check(ttft["p95"], tpot["p95"], slo)
+    checks = slo_check(ttft["p95"], tpot["p95"], slo, e2e["p95"], latency_slo_ms)
     verdict, reasons = judge(measured, done, failed, errors, client["valid"], checks)
     return {
         "kind": "bench",
@@ -156,16 +176,18 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
         "tpot_ms": tpot,
         "reasoning": reasoning_summary(done),
         "itl_ms": itl,
-        "itl_token_ms": summarize(g for o in done for g in o.token_gaps_ms()),
+        "itl_token_ms": summarize(g for o in streamed for g in o.token_gaps_ms()),
         "e2e_ms": e2e,
-        "throughput": throughput(done, slo),
+        "latency_per_input_token_ms": None if streamed or not done else summarize(
+            o.e2e_ms / o.prompt_tokens for o in done if o.prompt_tokens),
+        "throughput": throughput(done, slo, latency_slo_ms, pairs=config.get("endpoint") == "score"),
         "requests": requests_section(outcomes, measured, done, failed, errors, config),
         "config": config,
         "client": client,
-        "warnings": request_warnings(done, config) + client_warnings(client, ttft) + reading_warnings(done, ttft),
+        "warnings": request_warnings(done, config) + client_warnings(client, ttft) + reading_warnings(done, e2e),
         "interrupted": interrupted,
         "definitions": DEFINITIONS,
-        "samples": samples(done),
+        "samples": samples(done, streamed),
     }
 
 
@@ -185,7 +207,8 @@ def client_section(measured: Sequence[Outcome], config: dict[str, Any], lag_ms: 
     cpu_util = cpu_s / wall_s if wall_s else 0.0
     # Worker processes each probe their own loop: their stalls add up over workers x wall time.
     probed_s = wall_s * config.get("workers", 1)
-    valid, threshold, invalid_reasons = client_validity(lag, limits, schedule, cpu_util, lag_ms, probed_s)
+    valid, threshold, invalid_reasons = client_validity(lag, limits, schedule, cpu_util, lag_ms, probed_s,
+                                                        VERDICT_FIGURES if generates(config) else POOLING_VERDICT_FIGURES)
     if errors.get("client_fd_limit"):
         valid = False
         # First: it makes the run invalid whatever else the client did (a busy host may also have
@@ -224,20 +247,23 @@ def judge(measured: Sequence[Outcome], done: Sequence[Outcome], failed: Sequence
     return verdict, reasons
 
 
-def meets_slo(outcome: Outcome, slo: Targets) -> bool:
+def meets_slo(outcome: Outcome, slo: Targets, latency_slo_ms: float | None = None) -> bool:
     """Whether one request alone kept within the targets (goodput counts those)."""
     return ((slo.ttft_p95_ms is None or outcome.ttft_ms <= slo.ttft_p95_ms) and
-            (slo.tpot_p95_ms is None or outcome.tpot_ms is None or outcome.tpot_ms <= slo.tpot_p95_ms))
+            (slo.tpot_p95_ms is None or outcome.tpot_ms is None or outcome.tpot_ms <= slo.tpot_p95_ms) and
+            (latency_slo_ms is None or outcome.e2e_ms <= latency_slo_ms))
 
 
-def throughput(done: Sequence[Outcome], slo: Targets) -> dict[str, Any]:
-    """Rates over the span from the first request sent to the last token received."""
+def throughput(done: Sequence[Outcome], slo: Targets, latency_slo_ms: float | None = None,
+               pairs: bool = False) -> dict[str, Any]:
+    """Rates over the span from the first request sent to the last token (or answer) received;
+    with `pairs` (score), the pairs scored per second, counted in the answers."""
     duration_s = 0.0
     if done:
         duration_s = (max(o.token_times[-1] for o in done) - min(o.sent_ns for o in done)) / 1e9
     total_out = sum(o.completion_tokens or 0 for o in done)
     total_in = sum(o.prompt_tokens for o in done if o.prompt_tokens is not None)
-    slo_set = slo.ttft_p95_ms is not None or slo.tpot_p95_ms is not None
+    slo_set = slo.ttft_p95_ms is not None or slo.tpot_p95_ms is not None or latency_slo_ms is not None
     return {
         "req_s": len(done) / duration_s if duration_s else None,
         "output_tok_s": total_out / duration_s if duration_s else None,
@@ -245,7 +271,9 @@ def throughput(done: Sequence[Outcome], slo: Targets) -> dict[str, Any]:
         "input_tok_s": total_in / duration_s if duration_s else None,
         "duration_s": duration_s,
         "effective_concurrency": sum(o.e2e_ms for o in done) / 1e3 / duration_s if duration_s else None,
-        "goodput_req_s": sum(meets_slo(o, slo) for o in done) / duration_s if duration_s and slo_set else None,
+        "goodput_req_s": sum(meets_slo(o, slo, latency_slo_ms) for o in done) / duration_s
+        if duration_s and slo_set else None,
+        "pairs_s": sum(o.items or 0 for o in done) / duration_s if duration_s and pairs else None,
     }
 
 
@@ -287,9 +315,10 @@ def is_synthetic(config: dict[str, Any]) -> bool:
 def requests_section(outcomes: Sequence[Outcome], measured: Sequence[Outcome], done: Sequence[Outcome],
                      failed: Sequence[Outcome], errors: dict[str, int], config: dict[str, Any]) -> dict[str, Any]:
     """Counts of requests and tokens, and the first errors."""
-    out_tokens = config["output_tokens"]
+    out_tokens = config["output_tokens"] if generates(config) else 0
     short = short_outputs(done, out_tokens)
-    target_in = config["input_tokens"] if is_synthetic(config) and not config.get("input_dist") else None
+    target_in = config["input_tokens"] if is_synthetic(config) and not config.get("input_dist") \
+        and config.get("endpoint") != "score" else None
     prompt_lens = summarize(o.prompt_tokens for o in done if o.prompt_tokens is not None)
     return {
         "sent": len(measured), "completed": len(done), "failed": len(failed), "errors": errors,
@@ -335,6 +364,9 @@ def request_warnings(done: Sequence[Outcome], config: dict[str, Any]) -> list[st
     """What the server's answers say about the figures: short outputs, unknown chunk sizes, no
     usage, prompts off their length, prefix-cache hits on unique prompts."""
     warnings = []
+    if not generates(config):  # a pooling answer: no output tokens, no chunks
+        return ["the server sent no usage: the input tokens and the latency per input token are unknown"] \
+            if any(not o.usage_reported for o in done) else []
     short = short_outputs(done, config["output_tokens"])
     if short:
         warnings.append(f"ignore_eos not honoured: {len(short)} of {len(done)} requests returned fewer "
@@ -342,8 +374,9 @@ def request_warnings(done: Sequence[Outcome], config: dict[str, Any]) -> list[st
                         f"{', '.join(sorted({str(o.finish_reason) for o in short}))}); TPOT holds, throughput is lower")
     uneven = [o for o in done if o.usage_reported and sum(o.chunk_tokens) != o.completion_tokens]
     if uneven:
-        warnings.append(f"{len(uneven)} requests had chunks of unknown size (no per-chunk usage, e.g. SGLang "
-                        "without continuous_usage_stats): ITL per token counts one token per chunk there")
+        warnings.append(f"{len(uneven)} requests had chunks of unknown size (no per-chunk usage: SGLang "
+                        "without continuous_usage_stats, the Responses and Messages APIs): ITL per token counts one "
+                        "token per chunk there")
     if any(not o.usage_reported for o in done):
         warnings.append("the server sent no usage: output tokens counted as content chunks "
                         "(an undercount when a chunk carries several tokens)")
@@ -414,12 +447,13 @@ def reasoning_summary(done: Sequence[Outcome]) -> dict[str, Any] | None:
             "tpot_answer_ms": summarize(o.tpot_answer_ms for o in reasoned if o.tpot_answer_ms is not None)}
 
 
-def samples(done: Sequence[Outcome]) -> dict[str, list[float | None]]:
+def samples(done: Sequence[Outcome], streamed: Sequence[Outcome]) -> dict[str, list[float | None]]:
     """Per-request figures of the completed measured requests, in request order, for
-    compare.py's bootstrap (compact: 0.01 ms)."""
+    compare.py's bootstrap (compact: 0.01 ms); `streamed`: those with TTFT and TPOT (none of a
+    pooling API's)."""
     def r(value: float | None) -> float | None:
         return None if value is None else round(value, 2)
-    return {"ttft_ms": [r(o.ttft_ms) for o in done], "tpot_ms": [r(o.tpot_ms) for o in done],
+    return {"ttft_ms": [r(o.ttft_ms) for o in streamed], "tpot_ms": [r(o.tpot_ms) for o in streamed],
             "e2e_ms": [r(o.e2e_ms) for o in done],
             **({"ttft_answer_ms": [r(o.ttft_answer_ms) for o in done]} if any(o.reasoning_seen for o in done) else {})}
 

@@ -18,7 +18,6 @@ from rooflib.load.http1 import MAX_CHUNK_LINE, MAX_HEAD, _parse_head, chunk_size
 from rooflib.load.request_outcome import Outcome
 from rooflib.server import model_listing
 
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 class ChunkFraming:
     """Follows chunked transfer coding as body bytes arrive, to notice the end of a response.

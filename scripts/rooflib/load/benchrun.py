@@ -19,8 +19,9 @@ from rooflib.core import cli, conf, http_client, printing, signals
 from rooflib.core.errors import EXIT_USAGE, ServerError, UsageError
 from rooflib.load import shards, workloads
 from rooflib.load.analysis import analyse
-from rooflib.load.asyncclient import ENDPOINTS, Target
-from rooflib.load.promptgen import WORDS, TokenCounter, build_prompts, fallback_counter, payload, server_counter
+from rooflib.load.apis import APIS
+from rooflib.load.asyncclient import Target
+from rooflib.load.promptgen import WORDS, TokenCounter, build_prompts, fallback_counter, server_counter
 from rooflib.load.runner import Plan, RequestSource, RunResult, arrival_offsets, run_in_loop, run_workers, share
 from rooflib.server import deployment, fleet, gpu_telemetry, watch
 from rooflib.server.deployment import Served
@@ -116,6 +117,8 @@ class BenchOptions:
     shard: shards.Shard | None = None  # this process sends part I of N of the run (--shard)
     start_at: float | None = None      # the measured phase starts at this Unix time, in s (--start-at)
     records: str | None = None         # --records: the per-request lines go to this file
+    slo_latency_p95_ms: float | None = None  # request latency (e2e) p95 target: the pooling APIs' SLO
+    documents: int = 0                 # score: documents paired with each request's text (--documents)
 
     def recorded(self) -> dict[str, Any]:
         """The settings as the result's `config` records them (saved results and compare.py read
@@ -123,6 +126,7 @@ class BenchOptions:
         return {"num_requests": self.num_requests, "concurrency": self.concurrency, "rate": self.rate,
                 "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
                 "slo_ttft_p95_ms": self.slo.ttft_p95_ms, "slo_tpot_p95_ms": self.slo.tpot_p95_ms,
+                "slo_latency_p95_ms": self.slo_latency_p95_ms, "documents": self.documents or None,
                 "burstiness": self.burstiness, "duration_s": self.duration_s, "warmup": self.warmup,
                 "shared_prefix": self.shared_prefix, "workers": self.workers, "multi_turn": self.multi_turn,
                 "timeout_s": self.timeout_s, "seed": self.seed, "speed": self.speed,
@@ -149,7 +153,8 @@ def as_flags(options: BenchOptions) -> list[str]:
     pairs = [("-n", options.num_requests if options.num_requests_given else None), ("-c", options.concurrency),
              ("--rate", options.rate), ("--input-tokens", options.input_tokens),
              ("--output-tokens", options.output_tokens), ("--slo-ttft-p95-ms", options.slo.ttft_p95_ms),
-             ("--slo-tpot-p95-ms", options.slo.tpot_p95_ms), ("--burstiness", options.burstiness),
+             ("--slo-tpot-p95-ms", options.slo.tpot_p95_ms), ("--slo-latency-p95-ms", options.slo_latency_p95_ms),
+             ("--documents", options.documents or None), ("--burstiness", options.burstiness),
              ("--duration", options.duration_s), ("--warmup", options.warmup if options.warmup_given else None),
              ("--shared-prefix", options.shared_prefix), ("--workers", options.workers),
              ("--multi-turn", options.multi_turn), ("--timeout", options.timeout_s), ("--seed", options.seed),
@@ -211,7 +216,11 @@ def read_options(args: Any, settings: conf.Settings) -> BenchOptions:
         # sweep's parser has no --shard: its points run one after another on one machine
         shard=shards.parse_shard(getattr(args, "shard", "")),
         start_at=shards.parse_start_at(getattr(args, "start_at", ""), time.time()),
-        records=args.records or None)
+        records=args.records or None,
+        slo_latency_p95_ms=cli.number("--slo-latency-p95-ms (SLO_LATENCY_P95_MS)",
+                                      settings.get("SLO_LATENCY_P95_MS", args.slo_latency_p95_ms), float, 1e-3, None),
+        documents=cli.number("--documents", args.documents, int, 1, 10_000,
+                             default=1 if args.endpoint == "score" else 0))
 
 
 def parse_extra_body(text: str) -> dict[str, Any]:
@@ -244,7 +253,25 @@ def check_options(options: BenchOptions) -> BenchOptions:
         raise UsageError("--multi-turn sends --input-tokens per turn: drop --input-dist/--output-dist")
     if options.multi_turn > 1 and options.endpoint != "chat":
         raise UsageError("--multi-turn needs --endpoint chat: a conversation is a list of chat messages")
-    return check_parts(options)
+    return check_parts(check_pooling(options))
+
+
+def check_pooling(options: BenchOptions) -> BenchOptions:
+    """The options, when they fit the API: a pooling API (embeddings, score) answers once, so it
+    has no TTFT or TPOT and no output lengths; only score pairs documents."""
+    if options.documents and options.endpoint != "score":
+        raise UsageError(f"--documents pairs documents with a query for --endpoint score, not {options.endpoint}")
+    if APIS[options.endpoint].generates:
+        return options
+    if options.slo.ttft_p95_ms is not None or options.slo.tpot_p95_ms is not None:
+        raise UsageError(f"--endpoint {options.endpoint} answers once, with no TTFT or TPOT: "
+                         "set --slo-latency-p95-ms (the request latency) instead")
+    if options.output_dist:
+        raise UsageError(f"--endpoint {options.endpoint} generates no tokens: drop --output-dist")
+    if options.endpoint == "score" and options.workload == "trace":
+        raise UsageError("--endpoint score pairs each text with --documents others: use --input-tokens or --prompts, "
+                         "not --trace")
+    return options
 
 
 def check_parts(options: BenchOptions) -> BenchOptions:
@@ -306,7 +333,13 @@ def build_parser(sharded: bool = False):
     p.add_argument("--burstiness", default="", help="open-loop gamma shape: 1 = Poisson, <1 burstier, >1 steadier (default 1)")
     p.add_argument("--duration", default="", help="stop sending after this many seconds (in-flight requests finish)")
     p.add_argument("--warmup", default="", help="warm-up requests at the same concurrency, not counted (default: the concurrency)")
-    p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions", help="API to load")
+    p.add_argument("--endpoint", choices=list(APIS), default="completions",
+                   help="API to load: completions, chat, responses (OpenAI Responses), messages (Anthropic Messages) "
+                   "stream text; embeddings and score (rerank) answer once, measured by their latency")
+    p.add_argument("--documents", default="", help="score: documents paired with each request's text, each one "
+                   "--input-tokens long (default 1); the pairs per second count them")
+    p.add_argument("--slo-latency-p95-ms", default="", help="SLO: request latency (e2e) p95 at most this, the target of "
+                   "embeddings and score (else $SLO_LATENCY_P95_MS)")
     p.add_argument("--shared-prefix", default="", help="the first K prompt tokens are the same in every request (prefix-cache case; default 0)")
     p.add_argument("--multi-turn", default="", help="chat conversations of this many turns: -n counts conversations, "
                    "each turn adds a user message of --input-tokens to the history and the answers (default 1)")
@@ -364,7 +397,7 @@ def verify_sample(counter: TokenCounter, load: workloads.Workload) -> list[str]:
 def build_workload(target: Target, options: BenchOptions,
                    run_id: str) -> tuple[workloads.Workload, str, list[list[str]] | None]:
     """The run's workload, its prompt-length source (for the report), and multi-turn texts."""
-    chat = options.endpoint == "chat"
+    chat = APIS[options.endpoint].chat_template
     kind, dataset = options.workload, options.dataset
     out = options.output_tokens
     if kind in ("prompts", "sharegpt"):
@@ -425,6 +458,7 @@ def workload_identity(options: BenchOptions, load: workloads.Workload) -> dict[s
     if options.shard:  # a part of the run: compared only once merged (merge.py drops this key)
         identity["shard"] = str(options.shard)
     identity["extra_body"] = options.extra_body or None
+    identity["documents"] = options.documents or None
     if options.workload == "synthetic":
         identity["input_tokens"] = options.input_dist or options.input_tokens
         identity["output_tokens"] = options.output_dist or options.output_tokens
@@ -466,7 +500,8 @@ def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, qui
     first_sent = min((o.sent_ns for o in run.outcomes if o.sent_ns), default=None)
     # vLLM counts a request's last tokens just after it streamed them: by now it has.
     after, note_after = metrics_snapshot(target, options.timeout_s) if before is not None else (None, note)
-    result = analyse(run.outcomes, config, run.loop_lag_ms, run.cpu_s, run.wall_s, run.interrupted, slo=options.slo)
+    result = analyse(run.outcomes, config, run.loop_lag_ms, run.cpu_s, run.wall_s, run.interrupted, slo=options.slo,
+                     latency_slo_ms=options.slo_latency_p95_ms)
     result["workload"] = workload_identity(options, load)
     # Seconds from the start of execute to the first request on the wire: building the
     # workload, probing and the first scrape included (what a 100,000-request run waits).
@@ -512,7 +547,10 @@ def server_view(target: Target, options: BenchOptions, result: dict[str, Any], d
                 served: Served | None) -> dict[str, Any]:
     """The result's `server`: what the server said of itself, its metrics over the run with the
     diagnosis, the probe, and the client's figures against the server's (`sent`: a request went out)."""
-    checked = cross_check(delta, result, probed) if delta is not None and sent else None
+    # A score request is several engine requests (one per text, or per pair): its latency has no
+    # counterpart in the server's histograms.
+    checked = cross_check(delta, result, probed) if delta is not None and sent and options.endpoint != "score" \
+        else None
     if served is None and delta is not None:  # what the server says of its settings, as metrics reads it
         served = deployment.server_settings(target.base_url, delta["engine"], target.api_key, options.timeout_s)
     server = {"info": target.info, **server_side(delta, note, all_tokens, options.slo,
@@ -528,22 +566,25 @@ def check_fits(target: Target, options: BenchOptions, load: workloads.Workload) 
     with --over-limit, instead, the warning that says how many measured requests are over it (the
     server should reject them)."""
     max_len = target.info.get("max_model_len")
+    generates = APIS[options.endpoint].generates  # a pooling request's length is its text's
     longest = 0
     if load.input_dist and load.output_dist:
-        longest = load.input_dist.upper + load.output_dist.upper
+        longest = load.input_dist.upper + load.output_dist.upper * generates
     elif load.trace:
-        longest = max(r.input_tokens + r.output_tokens for r in load.trace[:load.count])
+        longest = max(r.input_tokens + r.output_tokens * generates for r in load.trace[:load.count])
     elif options.multi_turn == 1 and load.kind == "prompts" and options.workload == "synthetic":
-        longest = options.input_tokens + options.output_tokens
+        longest = options.input_tokens + options.output_tokens * generates
     if not max_len or longest <= max_len:
         return []
     if not options.over_limit:
-        raise UsageError(f"prompt + output tokens reach {longest}, over the model's max_model_len {max_len}: "
+        raise UsageError(f"{'prompt + output' if generates else 'prompt'} tokens reach {longest}, over the model's "
+                         f"max_model_len {max_len}: "
                          "shorten --input-tokens/--output-tokens or their distributions, or pass --over-limit "
                          "to measure how many the server rejects")
     # Counted from lengths alone (known here: the workloads above), and only now: building every
     # prompt would delay a large run's start.
-    over = sum(1 for i in range(options.warmup, load.count) if sum(load.lengths(i)) > max_len)
+    over = sum(1 for i in range(options.warmup, load.count)
+               if load.lengths(i)[0] + load.lengths(i)[1] * generates > max_len)
     return [f"{over} of the {load.count - options.warmup} measured requests are longer than max_model_len "
             f"{max_len} (prompt + output tokens), so they are expected to be rejected (--over-limit)"] if over else []
 
@@ -553,9 +594,7 @@ def make_plan(target: Target, options: BenchOptions, load: workloads.Workload,
     """What the runner sends: the requests made from the workload, with the load's shape; an
     open loop's arrivals are drawn here, once for the whole run, so that the parts of a run
     (--workers, --shard) send on one schedule."""
-    template = {k: v for k, v in payload(options.endpoint, target.model, "", 0, {}).items()
-                if k not in ("prompt", "messages", "max_tokens")}
-    source = RequestSource(load, target, ENDPOINTS[options.endpoint], template, options.extra_body, run_id)
+    source = RequestSource(load, target, options.endpoint, options.extra_body, run_id, options.documents)
     offsets = load.offsets_s(options.speed)
     if offsets is not None and options.warmup < len(offsets):
         offsets = [o - offsets[options.warmup] for o in offsets]
@@ -563,7 +602,7 @@ def make_plan(target: Target, options: BenchOptions, load: workloads.Workload,
         offsets = [0.0] * options.warmup + arrival_offsets(len(source) - options.warmup, options.rate,
                                                            options.burstiness, options.seed)
     start_at_ns = None if options.start_at is None else round(options.start_at * 1e9)
-    return Plan(source, options.warmup, options.concurrency, options.endpoint == "chat", options.duration_s,
+    return Plan(source, options.warmup, options.concurrency, options.duration_s,
                 turns, offsets, start_at_ns)
 
 

@@ -14,7 +14,7 @@ ROUNDS = 2000
 EXACT_UP_TO = 1000  # requests per run resampled one by one; above, the order statistic
 MAX_FILE_BYTES = 512 * 1024 ** 2
 LATENCIES = ("ttft_ms", "tpot_ms", "e2e_ms", "ttft_answer_ms")
-THROUGHPUT = ("output_tok_s", "req_s")
+THROUGHPUT = ("output_tok_s", "req_s", "pairs_s")  # pairs_s: score runs only
 
 
 def load(path: str) -> dict[str, Any]:

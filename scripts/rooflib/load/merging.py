@@ -95,7 +95,7 @@ def outcome_of(record: dict[str, Any], wall_minus_monotonic_ns: int) -> Recorded
         usage_reported=bool(record.get("usage_reported", True)), finish_reason=record.get("finish_reason"),
         cached_tokens=record.get("cached_tokens"), settled=True, requested_tokens=record.get("requested_tokens"),
         prompt_target=record.get("prompt_target"), reasoning_seen="reasoning_tokens" in record,
-        answer_at=record.get("answer_at"), figures={**figures, "chunk_ms": chunk_ms})
+        answer_at=record.get("answer_at"), items=record.get("items"), figures={**figures, "chunk_ms": chunk_ms})
 
 
 def read_result(path: str) -> ShardResult:
@@ -214,7 +214,7 @@ def merge(results: Sequence[ShardResult], records_path: str | None = None) -> di
     outcomes = outcomes_of(results)
     result = analyse(outcomes, config, [], 0.0, 0.0, any(r.doc["interrupted"] for r in results),
                      slo=Targets(config.get("slo_ttft_p95_ms"), config.get("slo_tpot_p95_ms")),
-                     client=merged_client(results, outcomes, config))
+                     client=merged_client(results, outcomes, config), latency_slo_ms=config.get("slo_latency_p95_ms"))
     result["workload"] = {key: value for key, value in first.doc["workload"].items() if key != "shard"}
     result["startup_s"] = max((r.doc.get("startup_s") or 0.0 for r in results), default=None)
     last = max(results, key=finished_at)

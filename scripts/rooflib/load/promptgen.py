@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 
 from rooflib.core import http_client
 from rooflib.core.errors import ServerError, UsageError
+from rooflib.load import apis
 
 # Words for prompt text: common, plain, mostly one token each in BPE vocabularies.
 WORDS = ("time year people way day man thing woman life child world school state family "
@@ -137,12 +138,5 @@ def build_prompts(counter: TokenCounter, count: int, input_tokens: int, shared_p
 
 def payload(endpoint: str, model: str, prompt: str, output_tokens: int,
             extra: dict[str, Any]) -> dict[str, Any]:
-    """The request body: greedy, exact length (ignore_eos), streamed with usage in every chunk."""
-    body: dict[str, Any] = {"model": model, "max_tokens": output_tokens, "temperature": 0,
-                            "ignore_eos": True, "stream": True,
-                            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    if endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        body["prompt"] = prompt
-    return {**body, **extra}
+    """The request body of one prompt (rooflib/load/apis.py), with `extra` merged last."""
+    return {**apis.body(endpoint, model, prompt, None, output_tokens), **extra}

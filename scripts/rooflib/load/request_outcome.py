@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from rooflib.core import fileio
+from rooflib.load.apis import APIS
 from rooflib.load.http1 import Response, parse_response
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # reasoning markers in plain text (DeepSeek-R1, Qwen3)
 
 
 ERROR_KINDS = ("unreachable", "wrong_model", "http_4xx", "http_5xx", "stream_cut",
-               "malformed_sse", "stream_error", "timeout", "empty_output", "client_fd_limit")
+               "malformed_sse", "malformed_answer", "stream_error", "timeout", "empty_output", "client_fd_limit")
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Outcome:
     prompt_target: int | None = None     # the prompt length it was built to (None: dataset text)
     reasoning_seen: bool = False
     answer_at: int | None = None  # index in token_times of the first answer (not reasoning) chunk
+    items: int | None = None  # a pooling answer's embeddings or scores (score: the pairs)
 
     @property
     def ok(self) -> bool:
@@ -113,7 +115,7 @@ class Outcome:
                round((self.sent_ns - self.scheduled_ns) / 1e6, 3),
                # What the analysis reads besides the times: a merge rebuilds the outcome from them.
                "requested_tokens": self.requested_tokens, "prompt_target": self.prompt_target,
-               "usage_reported": self.usage_reported}
+               "usage_reported": self.usage_reported, "items": self.items}
         if self.token_times:
             rec.update(ttft_ms=round(self.ttft_ms, 3), e2e_ms=round(self.e2e_ms, 3),
                        tpot_ms=None if self.tpot_ms is None else round(self.tpot_ms, 4),
@@ -161,33 +163,178 @@ def mark_reasoning(outcome: Outcome, content: Any, parsed_reasoning: bool, think
     return thinking
 
 
-def interpret(outcome: Outcome, response: Response, chat: bool) -> Outcome:
-    """Fill an Outcome from a parsed streamed response; errors are classified by kind."""
+def interpret(outcome: Outcome, response: Response, api: str) -> Outcome:
+    """Fill an Outcome from a parsed response of `api` (rooflib/load/apis.py); errors are
+    classified by kind."""
     outcome.status = response.status
-    if not _stream_opened(outcome, response):
+    if not _opened(outcome, response, APIS[api].generates):
         return outcome
-    cumulative, thinking = 0, False
+    if not APIS[api].generates:
+        return _answer(outcome, response)
+    read = {"responses": _responses_event, "messages": _messages_event}.get(api, _openai_event)
+    stream = _Stream(chat=api != "completions")
     for t_ns, data in response.events:
         if data.strip() == b"[DONE]":
             outcome.done_ns = t_ns
             break
-        chunk = _chunk(outcome, data)
-        if chunk is None:
-            return outcome
-        new_tokens, cumulative = _take_usage(outcome, chunk.get("usage"), cumulative)
-        for choice in chunk.get("choices") or []:
-            thinking = _take_choice(outcome, choice, t_ns, new_tokens, chat, thinking)
-    outcome.completion_tokens = cumulative if outcome.usage_reported else len(outcome.token_times)
+        event = _chunk(outcome, data)
+        if event is None or not read(outcome, event, t_ns, stream):
+            break
+    if outcome.error:
+        return outcome
+    outcome.completion_tokens = stream.cumulative if outcome.usage_reported else len(outcome.token_times)
     if outcome.done_ns is None:
         outcome.error = "stream_cut"
-        outcome.detail = f"stream ended without [DONE] after {len(outcome.token_times)} content chunks"
+        outcome.detail = (f"stream ended without {APIS[api].end_event} after {len(outcome.token_times)} "
+                          "content chunks")
     elif not outcome.token_times:
         outcome.error, outcome.detail = "empty_output", "the stream carried no content"
     return outcome
 
 
-def _stream_opened(outcome: Outcome, response: Response) -> bool:
-    """Whether the response is an event stream; if not, the outcome's error says why."""
+@dataclass
+class _Stream:
+    """What a stream's events carried so far: its output tokens by usage, whether the text is inside <think>."""
+    chat: bool
+    cumulative: int = 0
+    thinking: bool = False
+
+
+def _openai_event(outcome: Outcome, chunk: dict[str, Any], t_ns: int, stream: _Stream) -> bool:
+    """One chunk of an OpenAI completions or chat stream; False when the outcome's error is set."""
+    fault = odd_chunk(chunk)
+    if fault:
+        outcome.error, outcome.detail = "malformed_sse", fault
+        return False
+    new_tokens, stream.cumulative = _take_usage(outcome, chunk.get("usage"), stream.cumulative)
+    for choice in chunk.get("choices") or []:
+        stream.thinking = _take_choice(outcome, choice, t_ns, new_tokens, stream.chat, stream.thinking)
+    return True
+
+
+def _responses_event(outcome: Outcome, event: dict[str, Any], t_ns: int, stream: _Stream) -> bool:
+    """One event of a Responses API stream (see apis.py); False at its end or on an error."""
+    kind = event.get("type")
+    response = event.get("response") if isinstance(event.get("response"), dict) else {}
+    if kind in ("response.output_text.delta", "response.reasoning_text.delta",
+                "response.function_call_arguments.delta"):
+        _take_delta(outcome, event.get("delta"), t_ns, kind == "response.reasoning_text.delta", stream)
+    elif kind in ("response.completed", "response.incomplete"):
+        usage = response.get("usage")
+        fault = _usage_fault(usage, ("input_tokens", "output_tokens"), "input_tokens_details")
+        if fault:
+            outcome.error, outcome.detail = "malformed_sse", fault
+            return False
+        if usage and usage.get("output_tokens") is not None:
+            outcome.usage_reported = True
+            outcome.prompt_tokens = usage.get("input_tokens")
+            outcome.cached_tokens = (usage.get("input_tokens_details") or {}).get("cached_tokens")
+            stream.cumulative = usage["output_tokens"]
+        # vLLM sends response.completed with status "incomplete" and the reason when max_output_tokens ends it
+        outcome.finish_reason = (response.get("incomplete_details") or {}).get("reason") or response.get("status")
+        outcome.done_ns = t_ns
+        return False
+    elif kind in ("error", "response.failed"):
+        error = response.get("error") if kind == "response.failed" else event
+        outcome.error = "stream_error"
+        outcome.detail = str((error or {}).get("message", error) if isinstance(error, dict) else error)[:200]
+        return False
+    return True
+
+
+def _messages_event(outcome: Outcome, event: dict[str, Any], t_ns: int, stream: _Stream) -> bool:
+    """One event of an Anthropic Messages stream (see apis.py); False at its end or on an error."""
+    kind = event.get("type")
+    if kind == "content_block_delta":
+        delta = event.get("delta") if isinstance(event.get("delta"), dict) else {}
+        text = delta.get("text") or delta.get("partial_json") or delta.get("thinking")
+        _take_delta(outcome, text, t_ns, delta.get("type") == "thinking_delta", stream)
+    elif kind in ("message_start", "message_delta"):
+        message = event.get("message") if kind == "message_start" else event
+        usage = message.get("usage") if isinstance(message, dict) else None
+        fault = _usage_fault(usage, ("input_tokens", "output_tokens", "cache_read_input_tokens",
+                                     "cache_creation_input_tokens"))
+        if fault:
+            outcome.error, outcome.detail = "malformed_sse", fault
+            return False
+        if usage and usage.get("input_tokens") is not None:  # in message_start, and in vLLM's message_delta too
+            outcome.prompt_tokens = sum(usage.get(k) or 0 for k in ("input_tokens", "cache_read_input_tokens",
+                                                                    "cache_creation_input_tokens"))
+            outcome.cached_tokens = usage.get("cache_read_input_tokens", outcome.cached_tokens)
+        if usage and kind == "message_delta" and usage.get("output_tokens") is not None:  # the final count
+            outcome.usage_reported = True
+            stream.cumulative = usage["output_tokens"]
+        delta = event.get("delta") if kind == "message_delta" and isinstance(event.get("delta"), dict) else {}
+        outcome.finish_reason = delta.get("stop_reason") or outcome.finish_reason
+    elif kind == "message_stop":
+        outcome.done_ns = t_ns
+        return False
+    return True
+
+
+def _take_delta(outcome: Outcome, text: Any, t_ns: int, reasoning: bool, stream: _Stream) -> None:
+    """A text delta of a stream that carries no usage per event: one chunk, counted as one token
+    (the final usage gives the total)."""
+    if not isinstance(text, str) or not text:
+        return
+    outcome.token_times.append(t_ns)
+    outcome.chunk_tokens.append(1)
+    stream.thinking = mark_reasoning(outcome, text, reasoning, stream.thinking)
+    if not reasoning:
+        outcome.text += text
+
+
+def _usage_fault(usage: Any, counts: Sequence[str], details: str = "") -> str:
+    """Why a usage object does not fit its format ('' when it does, or there is none)."""
+    if usage is None:
+        return ""
+    if not isinstance(usage, dict):
+        return f"usage is {type(usage).__name__}, not an object"
+    inner = usage.get(details) if details else None
+    if inner is not None and not isinstance(inner, dict):
+        return f"usage.{details} is not an object"
+    for name, value in [*((k, usage.get(k)) for k in counts), ("cached_tokens", (inner or {}).get("cached_tokens"))]:
+        if not _count(value):
+            return f"usage.{name} is {value!r}, not a whole number"
+    return ""
+
+
+def _answer(outcome: Outcome, response: Response) -> Outcome:
+    """A pooling API's one answer (embeddings, score): its items and usage; its time is when its
+    last byte arrived (settle put it in done_ns)."""
+    try:
+        answer = fileio.parse_json(response.body)
+        if not isinstance(answer, dict):
+            raise ValueError("not an object")
+    except ValueError:
+        outcome.error, outcome.detail = "malformed_answer", f"bad JSON answer: {response.body[:80]!r}"
+        return outcome
+    if answer.get("error") is not None:
+        error = answer["error"]
+        outcome.error = "stream_error"
+        outcome.detail = str(error.get("message", error) if isinstance(error, dict) else error)[:200]
+        return outcome
+    items = answer.get("data")
+    fault = _usage_fault(answer.get("usage"), ("prompt_tokens",))
+    if not isinstance(items, list):
+        fault = fault or "the answer has no \"data\" list"
+    if fault:
+        outcome.error, outcome.detail = "malformed_answer", fault
+        return outcome
+    if not items:
+        outcome.error, outcome.detail = "empty_output", "the answer carried no embedding or score"
+        return outcome
+    outcome.items = len(items)
+    usage = answer.get("usage") or {}
+    outcome.prompt_tokens = usage.get("prompt_tokens")
+    outcome.usage_reported = outcome.prompt_tokens is not None
+    outcome.token_times = [outcome.done_ns]
+    return outcome
+
+
+def _opened(outcome: Outcome, response: Response, streamed: bool) -> bool:
+    """Whether the response is what the API answers (an event stream when `streamed`, else a
+    complete JSON answer); if not, the outcome's error says why."""
     if response.status is None:
         outcome.error = outcome.error or "stream_cut"
         outcome.detail = outcome.detail or "connection closed before an HTTP response"
@@ -198,16 +345,25 @@ def _stream_opened(outcome: Outcome, response: Response) -> bool:
         outcome.error = "wrong_model" if wrong_model else f"http_{response.status // 100}xx"
         outcome.detail = f"HTTP {response.status}: {text[:200]}"
         return False
-    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+    content_type = response.headers.get("content-type", "")
+    if streamed and not content_type.startswith("text/event-stream"):
         outcome.error = "malformed_sse"
-        outcome.detail = f"content-type {response.headers.get('content-type')!r}, not an event stream"
+        outcome.detail = f"content-type {content_type!r}, not an event stream"
+        return False
+    if not streamed and not response.complete:
+        outcome.error = "stream_cut"
+        outcome.detail = f"the answer ended after {len(response.body)} bytes, incomplete"
+        return False
+    if not streamed and not content_type.startswith("application/json"):
+        outcome.error = "malformed_answer"
+        outcome.detail = f"content-type {content_type!r}, not JSON"
         return False
     return True
 
 
 def _chunk(outcome: Outcome, data: bytes) -> dict[str, Any] | None:
-    """One SSE data line as a chunk of the OpenAI stream format; None, with the outcome's error
-    set, when it is not JSON, carries an error or does not fit the format."""
+    """One SSE data line as a JSON object; None, with the outcome's error set, when it is not
+    JSON or carries an error."""
     try:
         chunk = fileio.parse_json(data)
         if not isinstance(chunk, dict):
@@ -219,10 +375,6 @@ def _chunk(outcome: Outcome, data: bytes) -> dict[str, Any] | None:
         error = chunk["error"]
         outcome.error = "stream_error"
         outcome.detail = str(error.get("message", error) if isinstance(error, dict) else error)[:200]
-        return None
-    fault = odd_chunk(chunk)
-    if fault:
-        outcome.error, outcome.detail = "malformed_sse", fault
         return None
     return chunk
 
@@ -286,8 +438,8 @@ def odd_chunk(chunk: dict[str, Any]) -> str:
     return ""
 
 
-def settle(outcome: Outcome, chat: bool) -> Outcome:
-    """Parse and interpret the bytes a request received (after the run)."""
+def settle(outcome: Outcome, api: str) -> Outcome:
+    """Parse and interpret the bytes a request of `api` received (after the run)."""
     if outcome.settled:
         return outcome
     outcome.settled = True
@@ -299,8 +451,9 @@ def settle(outcome: Outcome, chat: bool) -> Outcome:
     except ValueError as exc:
         outcome.error, outcome.detail = "malformed_sse", str(exc)
         return outcome
-    if outcome.timed_out and not (response.complete and response.events):
+    if outcome.timed_out and not (response.complete and (response.events or not APIS[api].generates)):
         outcome.status = response.status
         outcome.error, outcome.detail = "timeout", "nothing received for --timeout seconds"
         return outcome
-    return interpret(outcome, response, chat)
+    outcome.done_ns = None if APIS[api].generates else reads[-1][0]  # a pooling answer: its last byte
+    return interpret(outcome, response, api)

@@ -15,9 +15,9 @@ from typing import Any, Callable, Iterator
 
 from rooflib.core import printing, signals
 from rooflib.core.errors import ServerError
-from rooflib.load import workloads
+from rooflib.load import apis, workloads
 from rooflib.load.analysis import EPOLL_ROUNDING_MS
-from rooflib.load.asyncclient import ENDPOINTS, Client, Target, request_bytes
+from rooflib.load.asyncclient import Client, Target, request_bytes
 from rooflib.load.request_outcome import Outcome, settle
 
 LAG_PROBE_S = 0.005
@@ -29,10 +29,10 @@ class RequestSource:
     sent: a run of 100,000 requests starts at once and holds one request's bytes per stream."""
     workload: workloads.Workload
     target: Target
-    path: str
-    template: dict[str, Any]  # the body without prompt/messages/max_tokens
+    api: str                  # a name of apis.APIS
     extra: dict[str, Any]     # --extra-body, merged last
     run_id: str
+    documents: int = 0        # score: the documents paired with each request's text
     indices: list[int] | None = None  # a worker's share of the workload
 
     def __len__(self) -> int:
@@ -42,23 +42,20 @@ class RequestSource:
         """The workload's index of this source's request i (a part's i is its own count)."""
         return i if self.indices is None else self.indices[i]
 
+    @property
+    def path(self) -> str:
+        return apis.APIS[self.api].path
+
     def get(self, i: int) -> tuple[bytes, workloads.Spec]:
         index = self.index_of(i)
         spec = self.workload.spec(index)
-        body = dict(self.template, max_tokens=spec.output_tokens)
-        if spec.messages is not None and self.path == ENDPOINTS["chat"]:
-            body["messages"] = spec.messages
-        elif spec.messages is not None:  # a conversation sent to /v1/completions: its text
-            body["prompt"] = "\n\n".join(m["content"] for m in spec.messages)
-        elif self.path == ENDPOINTS["chat"]:
-            body["messages"] = [{"role": "user", "content": spec.prompt}]
-        else:
-            body["prompt"] = spec.prompt
+        documents = [self.workload.document(index, k, self.documents) for k in range(self.documents)]
+        body = apis.body(self.api, self.target.model, spec.prompt, spec.messages, spec.output_tokens, documents)
         return request_bytes(self.target, self.path, {**body, **self.extra}, f"bench-{self.run_id}-{index}"), spec
 
     def subset(self, indices: list[int]) -> "RequestSource":
         mine = indices if self.indices is None else [self.indices[i] for i in indices]
-        return RequestSource(self.workload, self.target, self.path, self.template, self.extra, self.run_id, mine)
+        return RequestSource(self.workload, self.target, self.api, self.extra, self.run_id, self.documents, mine)
 
 
 @dataclass
@@ -70,7 +67,6 @@ class Plan:
     requests: RequestSource
     warmup: int
     concurrency: int | None
-    chat: bool
     duration_s: float | None = None
     # Multi-turn chat: the user message of every turn of conversation i (requests[i] is its
     # first turn); later turns carry the history, with the answers the server gave.
@@ -83,7 +79,7 @@ class Plan:
     def part(self, indices: list[int], concurrency: int | None) -> "Plan":
         """The requests (conversations) `indices` of this plan, sent with `concurrency` in flight."""
         return Plan(self.requests.subset(indices), sum(i < self.warmup for i in indices), concurrency,
-                    self.chat, self.duration_s,
+                    self.duration_s,
                     None if self.turns is None else [self.turns[i] for i in indices],
                     None if self.offsets_s is None else [self.offsets_s[i] for i in indices], self.start_at_ns)
 
@@ -159,8 +155,10 @@ class _Sending:
         if self.plan.turns is not None:
             return await self.conversation(index, scheduled_ns)
         request, spec = self.plan.requests.get(index)
+        generates = apis.APIS[self.plan.requests.api].generates
         outcome = Outcome(index=index, warmup=index < self.plan.warmup, scheduled_ns=scheduled_ns,
-                          requested_tokens=spec.output_tokens, prompt_target=spec.prompt_tokens)
+                          requested_tokens=spec.output_tokens if generates else None,
+                          prompt_target=None if self.plan.requests.documents else spec.prompt_tokens)
         await self.client.send(outcome, request)
         self._done(outcome)
 
@@ -173,13 +171,13 @@ class _Sending:
         for turn, text in enumerate(self.plan.turns[index]):
             messages.append({"role": "user", "content": text})
             request = first if turn == 0 else request_bytes(
-                source.target, source.path, {**source.template, "max_tokens": spec.output_tokens,
-                                             "messages": messages, **source.extra},
+                source.target, source.path, {**apis.body(source.api, source.target.model, None, messages,
+                                                         spec.output_tokens), **source.extra},
                 f"bench-{source.run_id}-{source.index_of(index)}-{turn}")
             outcome = Outcome(index=index, turn=turn, warmup=index < self.plan.warmup,
                               scheduled_ns=scheduled_ns if turn == 0 else None,
                               requested_tokens=spec.output_tokens)
-            settle(await self.client.send(outcome, request), True)
+            settle(await self.client.send(outcome, request), source.api)
             self._done(outcome)
             if not outcome.ok or self.interrupt.is_set():
                 return
@@ -293,7 +291,7 @@ async def run_plan(plan: Plan, timeout_s: float,
         gc.enable()
         gc.unfreeze()
     cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
-    return RunResult(sorted((settle(o, plan.chat) for o in sending.outcomes), key=lambda o: (o.index, o.turn)),
+    return RunResult(sorted((settle(o, plan.requests.api) for o in sending.outcomes), key=lambda o: (o.index, o.turn)),
                      lag, cpu_s, wall_s, interrupted=interrupt.is_set(), measured_from_ns=sending.measured_from_ns)
 
 

@@ -354,6 +354,13 @@ class Workload:
         entry = self.entries[index % len(self.entries)]
         return Spec(entry.prompt, entry.messages, out, tokens)
 
+    def document(self, index: int, k: int, documents: int) -> str:
+        """Score: the k-th of the `documents` texts paired with request `index`'s: a text made as the
+        requests' are, past them (a synthetic prompt of the same length; a dataset's entries,
+        round the file)."""
+        spec = self.spec(self.count + index * documents + k)
+        return spec.prompt if spec.prompt is not None else "\n\n".join(m["content"] for m in spec.messages)
+
     def offsets_s(self, speed: float) -> list[float] | None:
         if self.trace is None:
             return None

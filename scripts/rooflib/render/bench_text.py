@@ -18,9 +18,14 @@ def human_text(result: dict[str, Any]) -> str:
     """The console table (vLLM `bench serve` layout for easy comparison)."""
     lines = [*_summary_lines(result), f"{'':-<72}",
              f"{'ms':<16}{'p50':>9}{'p95':>9}{'p99':>9}{'mean':>9}{'min':>9}{'max':>9}{'n':>7}"]
-    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL (chunk)"),
-                       ("itl_token_ms", "ITL (token)"), ("e2e_ms", "E2E")):
-        lines.append(_row(label, result[key]))
+    if analysis.generates(result["config"]):
+        for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL (chunk)"),
+                           ("itl_token_ms", "ITL (token)"), ("e2e_ms", "E2E")):
+            lines.append(_row(label, result[key]))
+    else:  # a pooling API: one answer per request, its latency
+        lines.append(_row("Latency", result["e2e_ms"]))
+        if result["latency_per_input_token_ms"]:
+            lines.append(_row("Latency/in tok", result["latency_per_input_token_ms"]))
     reasoning = result.get("reasoning")
     if reasoning:
         for key, label in (("ttft_answer_ms", "TTFT answer"), ("tpot_reasoning_ms", "TPOT reasoning"),
@@ -35,6 +40,14 @@ def human_text(result: dict[str, Any]) -> str:
 def _summary_lines(result: dict[str, Any]) -> list[str]:
     """What ran against what, and how much got through."""
     cfg, req, thr = result["config"], result["requests"], result["throughput"]
+    if analysis.generates(cfg):
+        rates = [f"{'Output token throughput (tok/s):':<34}{printing.fmt_number(thr['output_tok_s'])}",
+                 f"{'Total token throughput (tok/s):':<34}{printing.fmt_number(thr['total_tok_s'])}",
+                 f"{'Output tokens (total, short):':<34}{req['output_tokens']['total']}, {req['output_tokens']['short']}"]
+    else:
+        rates = [f"{'Input token throughput (tok/s):':<34}{printing.fmt_number(thr['input_tok_s'])}"]
+        if thr.get("pairs_s") is not None:
+            rates.append(f"{'Pair throughput (pairs/s):':<34}{printing.fmt_number(thr['pairs_s'])}")
     return [f"{' Roofline bench ':=^72}",
             f"{'Server / model:':<34}{cfg['url']} / {cfg['model']}",
             f"{'Load:':<34}{cfg['load']}",
@@ -42,10 +55,7 @@ def _summary_lines(result: dict[str, Any]) -> list[str]:
             f"{'Requests completed / failed:':<34}{req['completed']} / {req['failed']}"
             + (f"  ({', '.join(f'{k} {v}' for k, v in req['errors'].items())})" if req["errors"] else ""),
             f"{'Duration (s):':<34}{printing.fmt_number(thr['duration_s'])}",
-            f"{'Request throughput (req/s):':<34}{printing.fmt_number(thr['req_s'])}",
-            f"{'Output token throughput (tok/s):':<34}{printing.fmt_number(thr['output_tok_s'])}",
-            f"{'Total token throughput (tok/s):':<34}{printing.fmt_number(thr['total_tok_s'])}",
-            f"{'Output tokens (total, short):':<34}{req['output_tokens']['total']}, {req['output_tokens']['short']}"]
+            f"{'Request throughput (req/s):':<34}{printing.fmt_number(thr['req_s'])}", *rates]
 
 
 def _client_lines(result: dict[str, Any]) -> list[str]:
@@ -137,8 +147,11 @@ def _row(label: str, s: dict[str, Any]) -> str:
 
 
 def workload_line(cfg: dict[str, Any]) -> str:
+    documents = f", {cfg['documents']} documents per query" if cfg.get("documents") else ""
     if cfg["workload"] != "synthetic":
-        return f"{cfg['workload']} {Path(cfg['dataset']).name}"
+        return f"{cfg['workload']} {Path(cfg['dataset']).name}{documents}"
+    if not analysis.generates(cfg):
+        return f"texts of {cfg['input_dist'] or cfg['input_tokens']} tokens{documents}"
     return (f"prompt {cfg['input_dist'] or cfg['input_tokens']} / output {cfg['output_dist'] or cfg['output_tokens']} tokens"
             + (f", {cfg['shared_prefix']} shared" if cfg["shared_prefix"] else ""))
 

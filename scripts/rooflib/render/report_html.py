@@ -11,7 +11,7 @@ from typing import Any, Iterable, Sequence
 from rooflib.core import fileio
 from rooflib.core.errors import UsageError
 from rooflib.core.stats import percentile, summarize
-from rooflib.load import sweeps
+from rooflib.load import analysis, sweeps
 
 TEMPLATE = Path(__file__).resolve().parent / "templates" / "report.html.j2"
 SCHEMA_VERSIONS = {"bench": 1, "sweep": 1, "accept": 1, "metrics": 1, "vram": 1, "roofline": 1, "compare": 1,
@@ -109,6 +109,8 @@ def workload_of(result: Result) -> dict[str, Any] | None:
 def describe_workload(workload: dict[str, Any] | None) -> str:
     if not workload:
         return "workload not recorded"
+    if {"input_tokens", "output_tokens"} <= set(workload) and not analysis.generates(workload):
+        return f"texts of {workload['input_tokens']} tokens, {workload['endpoint']}"  # embeddings, score
     if {"input_tokens", "output_tokens"} <= set(workload):
         text = f"{workload['input_tokens']} prompt / {workload['output_tokens']} output tokens"
         return text + (f", {workload['endpoint']}" if workload.get("endpoint") else "")
@@ -459,15 +461,20 @@ def cdf_series(name: str, values: Sequence[float]) -> Series:
     return Series(name, points, dots=False, step=True)
 
 
-def distributions(records: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
+def distributions(records: Sequence[dict[str, Any]], generated: bool = True) -> dict[str, list[float]]:
+    """The figures of the completed measured requests: TTFT, TPOT and ITL of a streamed API, the
+    latency of a pooling one (embeddings, score: one answer per request)."""
     done = [r for r in records if r.get("ok") and not r.get("warmup")]
+    if not generated:
+        return {"latency": [r["e2e_ms"] for r in done if r.get("e2e_ms") is not None]}
     itl = [b - a for r in done for a, b in zip(r.get("chunk_ms") or [], (r.get("chunk_ms") or [])[1:])]
     return {"TTFT": [r["ttft_ms"] for r in done if r.get("ttft_ms") is not None],
             "TPOT": [r["tpot_ms"] for r in done if r.get("tpot_ms") is not None], "ITL": itl}
 
 
 def distribution_chart(result: Result, records: Sequence[dict[str, Any]]) -> Chart:
-    values = distributions(records)
+    generated = analysis.generates(result.doc.get("config") or {})
+    values = distributions(records, generated)
     shown = {name: v for name, v in values.items() if v}
     # A log axis has no 0: a gap of 0 ms (two chunks in one read) is drawn at the smallest one measured.
     floor = min((x for v in shown.values() for x in v if x > 0), default=1e-3)
@@ -478,7 +485,7 @@ def distribution_chart(result: Result, records: Sequence[dict[str, Any]]) -> Cha
         s = summarize(v)
         rows.append([name, *(fmt(s[k]) for k in ("p50", "p95", "p99", "mean", "min", "max")), fmt(s["n"])])
     failed = sum(1 for r in records if not r.get("ok") and not r.get("warmup"))
-    return Chart("run-latency", "TTFT, TPOT and ITL distributions",
+    return Chart("run-latency", "TTFT, TPOT and ITL distributions" if generated else "Request latency distribution",
                  f"cumulative distributions from {len(records)} request records: "
                  f"{describe_workload(workload_of(result))}; server {server_of(result)}",
                  ["ms", "p50", "p95", "p99", "mean", "min", "max", "n"], rows, svg, legend_of(svg),
@@ -589,9 +596,16 @@ def bench_facts(result: Result) -> list[tuple[str, str]]:
     req, tp = doc.get("requests") or {}, doc.get("throughput") or {}
     facts = [("server", server_of(result)), ("workload", describe_workload(workload_of(result))),
              ("load", str((doc.get("config") or {}).get("load", "-"))),
-             ("requests", f"{fmt(req.get('completed'))} completed, {fmt(req.get('failed'))} failed"),
-             ("throughput", f"{fmt(tp.get('req_s'))} req/s, {fmt(tp.get('output_tok_s'))} output tok/s, "
-                            f"{fmt(tp.get('total_tok_s'))} total tok/s")]
+             ("requests", f"{fmt(req.get('completed'))} completed, {fmt(req.get('failed'))} failed")]
+    if not analysis.generates(doc.get("config") or {}):  # a pooling API: one answer per request
+        pairs = f", {fmt(tp.get('pairs_s'))} pairs/s" if tp.get("pairs_s") is not None else ""
+        facts.append(("throughput", f"{fmt(tp.get('req_s'))} req/s, {fmt(tp.get('input_tok_s'))} input tok/s{pairs}"))
+        for key, name in (("e2e_ms", "latency ms"), ("latency_per_input_token_ms", "latency per input token ms")):
+            s = doc.get(key) or {}
+            facts.append((name, f"p50 {fmt(s.get('p50'))}, p95 {fmt(s.get('p95'))}, p99 {fmt(s.get('p99'))}"))
+        return facts + [("warning", w) for w in doc.get("warnings") or []]
+    facts.append(("throughput", f"{fmt(tp.get('req_s'))} req/s, {fmt(tp.get('output_tok_s'))} output tok/s, "
+                                f"{fmt(tp.get('total_tok_s'))} total tok/s"))
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL")):
         s = doc.get(key) or {}
         facts.append((f"{name} ms", f"p50 {fmt(s.get('p50'))}, p95 {fmt(s.get('p95'))}, p99 {fmt(s.get('p99'))}"))
@@ -658,7 +672,7 @@ VERDICT_CLASS = {"better": "better", "worse": "worse", "no significant differenc
 # A trial's decision (rooflib/serving/trials.py) as the colour of its interval.
 TRIAL_CLASS = {"kept": "better", "trade-off": "mixed", "did not start": "worse", "engine crashed": "worse",
                "run failed": "worse", "requests failed": "worse"}
-SLO_WORDS = {"ttft_p95_ms": "TTFT p95", "tpot_p95_ms": "TPOT p95"}
+SLO_WORDS = {"ttft_p95_ms": "TTFT p95", "tpot_p95_ms": "TPOT p95", "latency_p95_ms": "latency p95"}
 
 
 def tune_chart(result: Result) -> Chart:
@@ -872,11 +886,17 @@ def model_mismatch(roofline: Result, measured: Sequence[Result]) -> list[str]:
 
 def _bench_answer(doc: dict[str, Any]) -> str:
     verdict, reasons = str(doc.get("verdict")), list(doc.get("verdict_reasons") or [])
-    figure = (f"TTFT p95 {fmt((doc.get('ttft_ms') or {}).get('p95'))} ms, TPOT p95 "
-              f"{fmt((doc.get('tpot_ms') or {}).get('p95'))} ms, "
-              f"{fmt((doc.get('throughput') or {}).get('output_tok_s'))} output tok/s")
-    todo = {"PASS": "the SLO holds at this load; a sweep finds how far it goes",
-            "NO SLO": "set SLO_TTFT_P95_MS / SLO_TPOT_P95_MS to judge it"}.get(verdict)
+    throughput = doc.get("throughput") or {}
+    if analysis.generates(doc.get("config") or {}):
+        figure = (f"TTFT p95 {fmt((doc.get('ttft_ms') or {}).get('p95'))} ms, TPOT p95 "
+                  f"{fmt((doc.get('tpot_ms') or {}).get('p95'))} ms, {fmt(throughput.get('output_tok_s'))} output tok/s")
+        targets, further = "SLO_TTFT_P95_MS / SLO_TPOT_P95_MS", "a sweep finds how far it goes"
+    else:  # a pooling API (embeddings, score): its latency and rates
+        figure = (f"latency p95 {fmt((doc.get('e2e_ms') or {}).get('p95'))} ms, {fmt(throughput.get('req_s'))} req/s, "
+                  f"{fmt(throughput.get('input_tok_s'))} input tok/s")
+        targets, further = "SLO_LATENCY_P95_MS", "bench at a higher concurrency finds how far it goes"
+    todo = {"PASS": f"the SLO holds at this load; {further}",
+            "NO SLO": f"set {targets} to judge it"}.get(verdict)
     if todo is None:
         todo = (f"{reasons[0]}" if reasons else "see the run below") + (
             ": not a measurement of the server, rerun it" if verdict == "INVALID" else "")

@@ -22,6 +22,7 @@ MODELS = {
     "tiny-gemma3": ["--arch", "gemma3"],
     "tiny-deepseek": ["--arch", "deepseek"],
     "tiny-qwen3-trained": ["--arch", "qwen3", "--train-steps", "80"],
+    "tiny-bert": ["--arch", "bert"],  # a pooling model: embeddings and score (profile cpu-tiny-pooling)
 }
 # v2: the models always speak (tiny_model.py: no token that decodes to no text). A cache that holds
 # the older ones (at <cache>/models/<name>) gets these built beside them.
