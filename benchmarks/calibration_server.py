@@ -2,8 +2,10 @@
 """A local OpenAI-compatible server that streams tokens on a known schedule, to calibrate bench.py.
 
 It answers /v1/models, /version, /tokenize (one token per word), /metrics and streaming
-/v1/completions and /v1/chat/completions: the first token TTFT ms after the request arrived, then
-one chunk every ITL ms, exactly the requested number of tokens (or fewer under a fault).
+/v1/completions, /v1/chat/completions, /v1/responses and /v1/messages (each in its own event format,
+rooflib/load/apis.py): the first token TTFT ms after the request arrived, then one chunk every ITL
+ms, exactly the requested number of tokens (or fewer under a fault). /v1/embeddings and /score
+answer once, TTFT ms after the request arrived (one embedding, or one score per document).
 
 It records the truth for every request (by its X-Request-Id), served at GET /calibration/truth:
 when the request arrived and when each content chunk was written (monotonic ns, the clock bench.py
@@ -46,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from rooflib.core import cli, stats
 from rooflib.core.errors import EXIT_OK, ServerError, UsageError
 from rooflib.load import runner
+from rooflib.load.apis import APIS
 
 FAULTS = ("http500", "http400", "cut", "malformed", "stream_error", "stall", "short", "no_usage")
 MODEL = "calibration"
@@ -87,23 +90,33 @@ class Stream:
     """One streamed completion, driven by loop timers (no coroutine per token)."""
 
     def __init__(self, server: "CalibrationServer", transport: asyncio.Transport, request: dict[str, Any],
-                 chat: bool, request_id: str, arrived_ns: int, fault: str | None, arrived_by: str):
-        self.server, self.transport, self.chat, self.fault = server, transport, chat, fault
-        self.total = int(request.get("max_tokens") or request.get("max_completion_tokens") or 16)
+                 api: str, request_id: str, arrived_ns: int, fault: str | None, arrived_by: str):
+        self.server, self.transport, self.api, self.fault = server, transport, api, fault
+        self.chat = api == "chat"
+        self.total = int(request.get("max_tokens") or request.get("max_completion_tokens")
+                         or request.get("max_output_tokens") or 16)
         if fault == "short":
             self.total = max(1, self.total // 2)
         options = request.get("stream_options") or {}
-        self.usage = fault != "no_usage" and bool(options.get("include_usage"))
+        # The Responses and Messages streams carry their usage once, in their last events.
+        self.usage = fault != "no_usage" and (bool(options.get("include_usage")) or api in ("responses", "messages"))
         self.continuous = self.usage and bool(options.get("continuous_usage_stats"))
-        self.prompt_tokens = server.count_tokens(request, chat)
+        self.prompt_tokens = server.count_tokens(request, APIS[api].chat_template)
         self.sent = 0
         self._middle = self._middle_event()
         self.truth = {"arrived_ns": arrived_ns, "arrived_by": arrived_by, "writes_ns": [], "tokens": []}
         server.truth[request_id] = self.truth
         head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
         transport.write(head)
-        if chat:  # a role-only first chunk, as vLLM sends: it must not count as the first token
+        # What opens the stream, as vLLM sends it: not a token
+        if self.chat:
             self._event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        elif api == "responses":
+            self._event({"type": "response.created", "response": {"status": "in_progress", "usage": None}})
+        elif api == "messages":
+            self._event({"type": "message_start", "message": {"role": "assistant", "content": [],
+                                                               "usage": {"input_tokens": self.prompt_tokens,
+                                                                         "output_tokens": 0}}})
         loop = asyncio.get_running_loop()
         schedule = server.schedule
         self.start_s = arrived_ns / 1e9 - time.perf_counter() + loop.time()  # loop clock of arrival
@@ -111,6 +124,10 @@ class Stream:
 
     def _chunk(self, tokens: int, finish: str | None) -> dict[str, Any]:
         text = " tok" * tokens
+        if self.api == "responses":
+            return {"type": "response.output_text.delta", "delta": text}
+        if self.api == "messages":
+            return {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
         choice = ({"index": 0, "delta": {"content": text}, "finish_reason": finish} if self.chat
                   else {"index": 0, "text": text, "finish_reason": finish})
         chunk: dict[str, Any] = {"object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -168,17 +185,54 @@ class Stream:
         self.server.generation_tokens += k
         if last:
             if self.usage:
-                self._event({"choices": [], "usage": self._usage()})
+                self._last_usage()
             self._finish()
         else:
             loop = asyncio.get_running_loop()
             loop.call_at(self.start_s + (schedule.ttft_ms + schedule.itl_ms * (len(self.truth["writes_ns"]))) / 1e3,
                          self.step)
 
+    def _last_usage(self) -> None:
+        """The usage after the last token, in the API's own event."""
+        if self.api == "responses":
+            self._event({"type": "response.completed", "response": {
+                "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
+                "usage": {"input_tokens": self.prompt_tokens, "output_tokens": self.sent,
+                          "total_tokens": self.prompt_tokens + self.sent, "input_tokens_details": {"cached_tokens": 0}}}})
+        elif self.api == "messages":
+            self._event({"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                         "usage": {"input_tokens": self.prompt_tokens, "output_tokens": self.sent}})
+        else:
+            self._event({"choices": [], "usage": self._usage()})
+
     def _finish(self) -> None:
-        self._event(b"[DONE]")
+        if self.api == "messages":
+            self._event({"type": "message_stop"})
+        elif self.api != "responses":  # response.completed ended that stream
+            self._event(b"[DONE]")
         self.transport.write(b"0\r\n\r\n")
         self.server.finished += 1
+
+
+def answer_once(server: "CalibrationServer", transport: asyncio.Transport, request: dict[str, Any], api: str,
+                request_id: str, arrived_ns: int, arrived_by: str) -> None:
+    """A pooling answer (embeddings, score), written TTFT ms after the request arrived."""
+    truth = {"arrived_ns": arrived_ns, "arrived_by": arrived_by, "writes_ns": [], "tokens": []}
+    server.truth[request_id] = truth
+    prompt_tokens = server.count_tokens(request, False)
+    items = ([{"index": k, "object": "score", "score": 0.5} for k in range(len(request.get("text_2") or []))]
+             if api == "score" else [{"index": 0, "object": "embedding", "embedding": [0.0] * 8}])
+    body = json.dumps({"object": "list", "model": server.schedule.model, "data": items,
+                       "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}).encode()
+
+    def write() -> None:
+        if transport.is_closing():
+            return
+        truth["writes_ns"].append(time.perf_counter_ns())
+        transport.write(_response(200, body))
+        server.finished += 1
+    loop = asyncio.get_running_loop()
+    loop.call_at(arrived_ns / 1e9 - time.perf_counter() + loop.time() + server.schedule.ttft_ms / 1e3, write)
 
 
 # SO_TIMESTAMPNS (Linux): the kernel notes when each segment arrived, in CLOCK_REALTIME ns.
@@ -282,10 +336,15 @@ class CalibrationServer:
         return f"http://{self.host}:{self.port}"
 
     def count_tokens(self, request: dict[str, Any], chat: bool) -> int:
+        """One token per word: of the messages (with the template's tokens), the Responses input,
+        the prompt, or a pooling request's texts."""
         if chat:
-            text = " ".join(str(m.get("content", "")) for m in request.get("messages") or [])
+            turns = request.get("messages") or request.get("input")
+            text = turns if isinstance(turns, str) else " ".join(str(m.get("content", "")) for m in turns or [])
             return len(text.split()) + CHAT_TEMPLATE_TOKENS
-        return len(str(request.get("prompt", "")).split())
+        texts = [request.get("prompt") or request.get("input") or request.get("text_1") or "",
+                 *(request.get("text_2") or [])]
+        return sum(len(str(text).split()) for text in texts)
 
     def handle(self, transport, method: str, path: str, headers: dict[str, str], body: bytes, arrived: int,
                arrived_by: str) -> None:
@@ -318,7 +377,7 @@ class CalibrationServer:
             chat = "messages" in request
             count = self.count_tokens(request, chat)
             transport.write(_response(200, json.dumps({"count": count, "tokens": list(range(count))}).encode()))
-        elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+        elif method == "POST" and path in {api.path for api in APIS.values()}:
             if request.get("model") != self.schedule.model:
                 message = f"The model `{request.get('model')}` does not exist."
                 transport.write(_response(404, json.dumps({"error": {"message": message, "code": 404}}).encode()))
@@ -329,8 +388,12 @@ class CalibrationServer:
                 status = int(fault[4:])
                 transport.write(_response(status, json.dumps({"error": {"message": f"injected {fault}"}}).encode()))
                 return
-            Stream(self, transport, request, path.endswith("chat/completions"),
-                   headers.get("x-request-id", str(self.requests)), arrived, fault, arrived_by)
+            api = next(name for name, api in APIS.items() if api.path == path)
+            request_id = headers.get("x-request-id", str(self.requests))
+            if APIS[api].generates:
+                Stream(self, transport, request, api, request_id, arrived, fault, arrived_by)
+            else:
+                answer_once(self, transport, request, api, request_id, arrived, arrived_by)
         else:
             transport.write(_response(404, b'{"error": {"message": "not found"}}'))
 

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import bench
 import compare
+import httpx
 import pytest
 import report
 import sweep
+from calibration_server import CalibrationServer, Schedule
 from fault_server import KEY, Action, as_json, chunks, fault_server, response
 
 from rooflib.load import apis, http1, request_outcome
@@ -284,6 +286,25 @@ def test_the_console_table_shows_latency_rows_for_a_pooling_api(capsys):
     assert re.search(r"^Pair throughput \(pairs/s\): +[\d.]+", out, re.M)
     assert "texts of 8 tokens, 2 documents per query (score" in out
     assert not re.search(r"^(TTFT|TPOT|ITL)", out, re.M)
+
+
+@pytest.mark.parametrize("api", ["responses", "messages", "embeddings", "score"])
+def test_the_calibration_server_speaks_each_api(api, capsys):
+    """The server task bench:calibrate measures the client's error with (its timing truth is the
+    benchmark's to compare): every request answered in the API's format, counted exactly."""
+    server = CalibrationServer(Schedule(ttft_ms=5, itl_ms=1)).start_in_thread()
+    try:
+        code, result, err = _bench(server.url, capsys, "--endpoint", api, "-n", "6", "-c", "3", "--input-tokens", "12",
+                                   "--output-tokens", "5")
+        truth = httpx.get(server.url + "/calibration/truth").json()
+    finally:
+        server.stop()
+    assert result["requests"]["completed"] == 6, result["requests"]["first_errors"] or err
+    # 12 tokens by the server's count, its chat template included; score: a query and one document
+    assert result["requests"]["prompt_tokens"]["min"] == (24 if api == "score" else 12)
+    writes = [len(entry["writes_ns"]) for entry in truth.values()]
+    assert writes == [5 if apis.APIS[api].generates else 1] * 9  # 6 measured, 3 warm-up
+    assert result["requests"]["output_tokens"]["total"] == (30 if apis.APIS[api].generates else 0)
 
 
 # ---------------------------------------------------------------------------------------------
