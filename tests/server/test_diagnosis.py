@@ -344,6 +344,20 @@ def test_the_largest_engine_step_shows_max_num_batched_tokens():
                                     "tokens take 2 steps each")
 
 
+def test_prompts_split_over_engine_steps_lead_a_low_hit_rate():
+    """Long prompts that share nothing and a per-step budget that splits each: the steps are the
+    measured cause of the slow prefill (the budget's lever first); the hit rate follows under Also."""
+    r = diagnosed(window(prompt=4000, prefill=3.0, steps=[2048.0] * 40 + [8.0] * 400, hits=0.0))
+    assert kinds(r) == ["prefill", "prefix_unstable"]
+    root = r["diagnosis"]["root_cause"]
+    assert (root["setting"], root["current"], root["caused_by"]) == ("--max-num-batched-tokens", 2048, None)
+    assert "2 engine steps each under --max-num-batched-tokens 2,048 (inferred" in root["evidence"]
+    assert r["diagnosis"]["plan"][0]["setting"] == "--max-num-batched-tokens"
+    # One step holds each prompt: the low hit rate stays the root, and the slow prefill its consequence.
+    r = diagnosed(window(prompt=1600, prefill=3.0, steps=[2048.0] * 40 + [8.0] * 400, hits=0.0))
+    assert kinds(r) == ["prefix_unstable", "prefill"]
+
+
 def test_a_root_outside_the_engine_comes_first():
     outside = diagnosis._finding("outside_engine", "the client saw 300 ms more than the engine", "high: both sides")
     queue = diagnosis._finding("queue", "requests wait", "low")

@@ -71,9 +71,10 @@ EXPLICIT_KV = {"vllm": "kv_cache_memory_bytes", "sglang": "max_total_tokens"}
 FP8_KV = {"vllm": "fp8", "sglang": "fp8_e4m3"}
 
 # Which finding is the root when several have no cause above them: the one whose chain holds
-# the most of the user's time first (a queue before slow prefills before slow tokens).
-RANK = ("outside_engine", "kv_cache", "running_limit", "queue", "prefix_cache_off", "prefix_unstable",
-        "prefill", "decode")
+# the most of the user's time first (a queue before slow prefills before slow tokens; prompts split
+# over engine steps, a measured cause, before a low hit rate whose gain the prompts decide).
+RANK = ("outside_engine", "kv_cache", "running_limit", "queue", "prefix_cache_off", "prefill", "prefix_unstable",
+        "decode")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,12 +381,28 @@ def findings(r: Reading, s: Mapping[str, Known]) -> list[dict[str, Any]]:
     found += _prefix_findings(r, s, flags, limit == "kv_cache")
     prefix_root = next((f["kind"] for f in found if f["kind"].startswith("prefix_")), None)
     if not queued and _over(ttft, "p95", slo.ttft_p95_ms):
+        steps = _prefill_steps(r, s)
+        # Prompts split over several engine steps are a measured cause of their own: it leads a low
+        # hit rate whose gain depends on what the prompts share (the cache being off still leads).
+        cause = None if steps and prefix_root == "prefix_unstable" else prefix_root
         found.append(_finding("prefill", (
             f"{_above(ttft, 'p95', slo.ttft_p95_ms, 'TTFT')} with little queueing (queue {pct(share)} of e2e)"
             + (f": prefill mean {ms(r.prefill_ms.mean)}" if r.prefill_ms.mean is not None else "")
-            + f", prompts of {_tokens(r.prompt_tokens_mean)} tokens on average"), HIGH, prefix_root))
+            + f", prompts of {_tokens(r.prompt_tokens_mean)} tokens on average"
+            + (f", {steps} engine steps each under {flags['batched']} {said(s['max_num_batched_tokens'])}"
+               if steps else "")), HIGH, cause,
+            flags["batched"] if steps else None, s["max_num_batched_tokens"] if steps else None))
     decode = _decode_finding(r, s, flags, next((f["kind"] for f in found if f["kind"] == "prefill"), prefix_root))
     return found + ([decode] if decode else [])
+
+
+def _prefill_steps(r: Reading, s: Mapping[str, Known]) -> int | None:
+    """The engine steps a mean prompt takes when vLLM's per-step token budget splits it (None when
+    one step holds it, or the budget is not known)."""
+    batched, prompt = s["max_num_batched_tokens"].value, r.prompt_tokens_mean
+    if r.engine != "vllm" or not batched or not prompt or prompt <= batched:
+        return None
+    return math.ceil(prompt / batched)
 
 
 def _prefix_findings(r: Reading, s: Mapping[str, Known], flags: Mapping[str, str],
@@ -649,11 +666,11 @@ def _prefix_unstable_levers(f, r, s, flags) -> list[dict[str, Any]]:
 
 def _prefill_levers(f, r, s, flags) -> list[dict[str, Any]]:
     result = []
-    batched, prompt = s["max_num_batched_tokens"], r.prompt_tokens_mean
-    if r.engine == "vllm" and batched.value and prompt and prompt > batched.value:
+    batched, prompt, steps = s["max_num_batched_tokens"], r.prompt_tokens_mean, _prefill_steps(r, s)
+    if steps:
         proposed = _power_of_two(prompt)
         result.append(_lever(flags["batched"], batched, proposed,
-                             f"prompts of {prompt:,.0f} tokens take {math.ceil(prompt / batched.value)} steps each",
+                             f"prompts of {prompt:,.0f} tokens take {steps} steps each",
                              "each prompt prefills in one step, so TTFT falls; tokens of running requests stall "
                              "longer behind it (ITL p99 rises)"))
     tp = s.get("tensor_parallel_size")
