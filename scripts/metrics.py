@@ -82,7 +82,9 @@ Functions for other scripts live in rooflib/server/engine_metrics.py (errors: Se
 A report is a JSON-ready dict: engine, ttft_ms, itl_ms, tpot_ms, e2e_ms, queue_ms, prefill_ms,
 decode_ms (each p50, p95, p99, mean, n), running, waiting, kv_cache_usage, preemptions,
 prefix_cache_hit_rate, prompt_tok_s, gen_tok_s, prompt_tokens_mean, output_tokens_mean, mfu,
-bandwidth_util, deployment (the cache_config_info settings), settings (each setting's value,
+bandwidth_util, pooling (the pooling APIs' requests by API from http_requests_total, whether only
+pooling ran, and what TTFT/TPOT mean for them), multimodal_cache (the processor cache's queries, hits,
+hit rate and meaning), deployment (the cache_config_info settings), settings (each setting's value,
 source: exported/inferred/unknown, and how), slo, slo_source, diagnosis: {root_cause, findings
 (each kind, evidence, confidence, caused_by, setting, current, current_source), plan (each
 setting, current, current_source, proposed, reason, effect, text), verify (commands)}, warnings.

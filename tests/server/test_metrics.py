@@ -2,7 +2,8 @@
 name generation of vLLM and SGLang, resets, engines summed, bad input; then scenarios on the real
 CPU vLLM where each induced picture must be named by the diagnosis (and a healthy server not).
 
-Fixtures (tests/fixtures/metrics/): vllm-0.32-*.txt are recorded from the real CPU vLLM 0.32;
+Fixtures (tests/fixtures/metrics/): vllm-0.32-*.txt are recorded from the real CPU vLLM 0.32 (but
+vllm-0.32-pooling.txt, written from its source: test_metrics_media.py reads it);
 sglang-0.4.txt, sglang-0.5-tp2.txt and vllm-v0.txt are written from the documented formats (their headers
 say so); sglang-*-cpu.txt are recorded from live SGLangs (test_sglang_recorded.py reads them).
 """

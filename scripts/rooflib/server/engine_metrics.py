@@ -9,7 +9,7 @@ import math
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -259,7 +259,15 @@ TOKEN_COUNTS = ("prompt_len", "output_len", "step_tokens", "uncached_prompt_len"
 # of prometheus-fastapi-instrumentator, label handler; SGLang (0.5.23, main 2026-08):
 # sglang:http_requests_total, label endpoint, counted as a request arrives.
 ENDPOINT_COUNTERS = {"vllm": ("http_requests_total", "handler"), "sglang": ("sglang:http_requests_total", "endpoint")}
-ENDPOINTS = {"/v1/chat/completions": "chat_requests", "/v1/completions": "completion_requests"}
+# The routes of vLLM's pooling APIs and the API each serves (vLLM 0.32.0: vllm/entrypoints/pooling/
+# embed/api_router.py, scoring/api_router.py, classify/api_router.py, pooling/api_router.py). Their
+# requests answer once with embeddings, scores or classes and generate no token: the engine
+# finishes them as stopped with their pooled output (vllm/v1/core/sched/scheduler.py).
+POOLING_ROUTES = {"/v1/embeddings": "embeddings", "/score": "score", "/v1/score": "score", "/rerank": "rerank",
+                  "/v1/rerank": "rerank", "/v2/rerank": "rerank", "/classify": "classify", "/pooling": "pooling"}
+POOLING_APIS = tuple(dict.fromkeys(POOLING_ROUTES.values()))
+ENDPOINTS = {"/v1/chat/completions": "chat_requests", "/v1/completions": "completion_requests",
+             **{route: f"{api}_requests" for route, api in POOLING_ROUTES.items()}}
 
 
 COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -282,6 +290,13 @@ COUNTERS: dict[str, dict[str, tuple[str, ...]]] = {
     # Draft tokens accepted by speculative decoding (vllm/v1/spec_decode/metrics.py): a request
     # gains them beside its one token per step.
     "spec_accepted": {"vllm": ("vllm:spec_decode_num_accepted_tokens_total",), "sglang": ()},
+    # vLLM's multimodal processor cache, counted in items (images, audio clips): an item found in
+    # it was processed before (resized, cut into patches by the model's Hugging Face processor) and
+    # is not processed again (vllm/v1/metrics/loggers.py, fed by vllm/renderers/base.py stat_mm_cache;
+    # its size is --mm-processor-cache-gb, 4 GiB per API and engine process: vllm/config/multimodal.py,
+    # vLLM 0.32.0).
+    "mm_cache_queries": {"vllm": ("vllm:mm_cache_queries_total",), "sglang": ()},
+    "mm_cache_hits": {"vllm": ("vllm:mm_cache_hits_total",), "sglang": ()},
 }
 
 
@@ -469,7 +484,7 @@ def merge(snapshots: Sequence[dict[str, Any]]) -> dict[str, Any]:
         parts = [s["histograms"][concept] for s in snapshots if concept in s["histograms"]]
         if parts:
             merged["histograms"][concept] = _add_histograms(parts, merged["warnings"])
-    for concept in [*COUNTERS, *ENDPOINTS.values()]:
+    for concept in [*COUNTERS, *dict.fromkeys(ENDPOINTS.values())]:
         parts = [s["counters"][concept] for s in snapshots if concept in s["counters"]]
         if parts:
             merged["counters"][concept] = {"metric": parts[0]["metric"], "value": sum(p["value"] for p in parts),
@@ -675,6 +690,9 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
     endpoints = {name: count(f"{name}_requests") or 0 for name in ("chat", "completion")}
     result["endpoint"] = max(endpoints, key=endpoints.get).replace("completion", "completions") \
         if any(endpoints.values()) else None
+    pooling, mm_cache = pooling_traffic(counters), multimodal_cache(counters)
+    result["pooling"] = asdict(pooling) if pooling else None
+    result["multimodal_cache"] = asdict(mm_cache) if mm_cache else None
     # Little's law over the requests that finished: time spent running (prefill + decode) or
     # queued, divided by the interval, is the mean number running or waiting.
     busy = _running_seconds(snap["histograms"])
@@ -704,6 +722,65 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
         result["deployment"]["max_num_seqs_note"] = diagnosis.said(seqs) if seqs.value else f"unknown: {seqs.how}"
     result["diagnosis"] = diagnosis.diagnose(reading, settings, served.url if served else None)
     return result
+
+
+@dataclass(frozen=True)
+class PoolingTraffic:
+    """The requests of vLLM's pooling APIs (POOLING_ROUTES), by API, as http_requests_total counts
+    them: one per HTTP request (a /score or /rerank call with several documents is several engine
+    requests). `only`: no token was generated (vllm:generation_tokens_total did not grow), so every
+    request the engine finished was a pooling one."""
+    requests: dict[str, int]
+    total: int
+    only: bool
+    meaning: str
+
+
+# What vLLM 0.32.0 observes for a request that generates no token (vllm/v1/metrics/stats.py,
+# IterationStats.update_from_output and update_from_finished_request): its one output comes while
+# it is prefilling, so TTFT is its time to that output, decode time (last token - first token) and
+# TPOT are 0, and no inter-token gap is observed.
+POOLING_MEANING = ("pooling requests answer once and generate no token: vLLM records each one's TTFT as its whole "
+                   "time to the answer (the input's prefill and the pooling), its decode time and TPOT as 0 and no "
+                   "ITL, so there is no decode phase and no token gap to judge; judge them by e2e latency and "
+                   "requests/s (task bench --endpoint embeddings or score)")
+MIXED_MEANING = ("pooling requests beside generating ones: TTFT, TPOT, decode and e2e mix both (a pooling request's "
+                 "TTFT is its whole time, its TPOT and decode time 0), so bench each API apart for its own figures")
+
+
+def pooling_traffic(counters: Mapping[str, Mapping[str, Any]]) -> PoolingTraffic | None:
+    """The pooling APIs' requests in the counters, None when there were none."""
+    requests = {api: int(counters[f"{api}_requests"]["value"]) for api in POOLING_APIS
+                if counters.get(f"{api}_requests", {}).get("value", 0) > 0}
+    if not requests:
+        return None
+    only = counters.get("generation_tokens", {}).get("value") == 0
+    return PoolingTraffic(requests, sum(requests.values()), only, POOLING_MEANING if only else MIXED_MEANING)
+
+
+@dataclass(frozen=True)
+class MultimodalCache:
+    """vLLM's multimodal processor cache over the window (or since start), in items (images, audio
+    clips): vllm:mm_cache_hits_total / vllm:mm_cache_queries_total."""
+    queries: int
+    hits: int
+    hit_rate: float
+    meaning: str
+
+
+MM_CACHE_MEANING = ("the share of the requests' images (and other media items) vLLM found already processed, so the "
+                    "model's processor (resizing, cutting into patches) did not run on them again; a new image always "
+                    "misses, so a low rate matters only where images repeat (one image, many questions): then "
+                    "--mm-processor-cache-gb (4 GiB per API and engine process by default) is too small for them")
+
+
+def multimodal_cache(counters: Mapping[str, Mapping[str, Any]]) -> MultimodalCache | None:
+    """The multimodal processor cache's hit rate, None when no item was looked up."""
+    queries = counters.get("mm_cache_queries", {}).get("value", 0)
+    if queries <= 0:
+        return None
+    hits = counters.get("mm_cache_hits", {}).get("value", 0)
+    return MultimodalCache(int(queries), int(hits), hits / queries, MM_CACHE_MEANING)
 
 
 def _lengths(snap: dict[str, Any], requests: int) -> dict[str, Any]:
@@ -1013,6 +1090,8 @@ def _prometheus_figures(engine: str, source: str, seconds: float, chosen: dict[s
 
 ROWS = [("ttft", "TTFT"), ("itl", "ITL"), ("tpot", "TPOT"), ("e2e", "e2e"), ("queue", "queue"),
         ("prefill", "prefill"), ("decode", "decode")]
+# Rows that only generated tokens fill: left out when every request was a pooling one.
+GENERATION_ROWS = ("itl", "tpot", "decode")
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -1024,9 +1103,10 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [f"{ENGINE_LABELS[r['engine']]} at {where}, {span}"
              + (f", {r['engines']} engines" if r["engines"] > 1 else "")]
     lines.append(f"  {'':8}{'p50':>10}{'p95':>10}{'p99':>10}{'mean':>10}{'n':>8}  metric")
+    pooling_only = bool(r.get("pooling") and r["pooling"]["only"])
     for concept, label in ROWS:
         row = r[f"{concept}_ms"]
-        if row["metric"] is None:
+        if row["metric"] is None or (pooling_only and concept in GENERATION_ROWS):
             continue
         cells = "".join(f"{quantile_text(Latency.of(row), q):>10}" for q in QUANTILES)
         lines.append(f"  {label:8}{cells}{_ms(row['mean']):>10}{row['n']:>8}  {row['metric']}")
@@ -1038,6 +1118,7 @@ def format_report(r: dict[str, Any]) -> str:
                f"on average ({r['lengths_from']})") if r["prompt_tokens_mean"] is not None else ""
     lines.append(f"  prompt {_rate(r['prompt_tok_s'])} tok/s, generation {_rate(r['gen_tok_s'])} tok/s, "
                  f"{r['requests']} requests finished{lengths}")
+    lines += _media_lines(r)
     if r["tflops_per_gpu"] is not None:
         on = f" of {r['gpu']}" if r["gpu"] else " (pass --gpu for MFU)"
         lines.append(f"  per GPU {r['tflops_per_gpu']:.3g} TFLOP/s, {r['tb_s_per_gpu'] * 1000:.3g} GB/s: "
@@ -1049,6 +1130,20 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(_targets_line(r))
     lines += diagnosis.format_diagnosis(r["diagnosis"])
     return "\n".join(lines)
+
+
+def _media_lines(r: dict[str, Any]) -> list[str]:
+    """The pooling APIs' requests and what their latencies mean; the multimodal processor cache."""
+    lines = []
+    pooling, cache = r.get("pooling"), r.get("multimodal_cache")
+    if pooling:
+        routes = ", ".join(f"{api} {count:,}" for api, count in pooling["requests"].items())
+        lines.append(f"  pooling: {pooling['total']:,} requests ({routes}; http_requests_total): {pooling['meaning']}")
+    if cache:
+        lines.append(f"  multimodal processor cache: {cache['hits']:,} of {cache['queries']:,} items hit "
+                     f"({_pct(cache['hit_rate'])}; vllm:mm_cache_hits_total / vllm:mm_cache_queries_total): "
+                     f"{cache['meaning']}")
+    return lines
 
 
 def _deployment_line(dep: dict[str, Any]) -> str:
