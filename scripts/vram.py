@@ -14,7 +14,14 @@ vLLM groups them), and "Maximum concurrency" counts the blocks one request of ma
 Weights and the activation terms are estimates: every answer carries a low..high range of KV
 tokens, the sum of each term's stated spread (range_sources: weights, activation peak, non-torch,
 CUDA graphs or eager mode), and wider where the model does not cover the setup and says so
-(outside_model): a multimodal encoder, expert-parallel buffers, an AMD GPU (ROCm), WSL2 (--wsl).
+(outside_model): a multimodal model without vision_config, expert-parallel buffers, an AMD GPU
+(ROCm), WSL2 (--wsl). A vision_config's encoder is modelled (vision_encoder): its weights, and the
+profile run's dummy images (as many as max_num_batched_tokens holds, at least one of the most tokens)
+whose activations and encoder-cache outputs join the activation peak.
+A BERT-style pooling model (bert, roberta, xlm-roberta: embeddings, score, rerank) has no KV cache:
+the answer (model_kind "pooling") is its weights, the profile batch, the memory left, and what bounds
+requests instead: one engine step of max_num_seqs requests and max_num_batched_tokens tokens (raised
+to max_model_len: no chunked prefill), at the context limit and at TYPICAL.
 A verdict that flips inside the range (or with a 0.01 change of gpu_memory_utilization) is marked
 marginal with the setting that decides it. Given the KV space (--kv-cache-bytes, like vLLM's
 --kv-cache-memory-bytes), tokens and concurrency are exact.
@@ -66,7 +73,8 @@ Exit codes: 0 fits (at least one request of CTX tokens), 1 does not fit (the lev
 would), 2 bad input (unknown model or GPU, CTX beyond the model's limit, TP that does not divide
 the heads, a number out of range, JSON that does not parse, a served model whose config is not
 readable here), 3 fetching config.json or the server failed.
-JSON keys beyond the budget: kv_cache_tokens_low/high, max_concurrency_low/high, non_kv_more_gib,
+JSON keys beyond the budget: model_kind (generative or pooling), vision_encoder, kv_cache_tokens_low/high,
+max_concurrency_low/high, non_kv_more_gib,
 non_kv_less_gib, range_sources, outside_model, kv_cache_tokens_meaning, max_model_len_that_fits,
 context_room, typical, assumptions, marginal, marginal_reason, flips_at_gpu_util, levers, fix,
 multimodal, expert_parallel, server, model_check.
@@ -236,6 +244,8 @@ def checked_against_server(inp: Inputs, result: dict[str, Any], dep: Mapping[str
 def render(r: Mapping[str, Any]) -> str:
     """The human answer: what fits first (weights, the full context, the longest context, requests
     at the typical length), the assumptions, then the budget, the KV cache, the levers, the roofline."""
+    if r["model_kind"] == "pooling":
+        return "\n".join(pooling_lines(r))
     lines = _headline(r) + [f"  assumes       {text}" for text in r["assumptions"]]
     lines += _server_lines(r) + _budget_lines(r) + _lever_lines(r)
     if r.get("roofline"):
@@ -285,6 +295,13 @@ def _budget_lines(r: Mapping[str, Any]) -> list[str]:
         lines += [f"            not modelled, the range widens: {why}" for why in r["outside_model"]]
     if r.get("marginal"):
         lines.append(f"  marginal  {r['marginal_reason']}")
+    vision = r.get("vision_encoder")
+    if vision:
+        lines.append(f"  vision    encoder {vision['params_b'] * 1000:,.0f}M parameters "
+                     f"({_gib(vision['weights_gib'])} of the weights); the profile run encodes "
+                     f"{vision['images_profiled']} image(s) of {vision['tokens_per_image']:,} tokens (encoder budget "
+                     f"{vision['budget_tokens']:,} tokens = max(max_num_batched_tokens, one image)): activations "
+                     f"{_gib(vision['forward_gib'])}, encoder cache {_gib(vision['cache_gib'])}, in the activation figure")
     if r.get("expert_parallel"):
         lines.append("  expert parallel: experts split over the TP ranks (same bytes per GPU)")
     if r.get("linear_state_bytes_per_request"):
@@ -371,17 +388,45 @@ def _context_lines(r: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def pooling_lines(r: Mapping[str, Any]) -> list[str]:
+    """The answer for a pooling model: the weights, no KV cache, and what bounds requests instead."""
+    verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+    budget = r["gpu_memory_gib"] * r["gpu_util"]
+    batched, ctx = r["max_num_batched_tokens"], r["ctx"]
+    return [
+        f"{verdict}: {r['model']} on {r['gpu']} (TP={r['tp']}), vllm: a pooling model, no KV cache",
+        f"  weights       {'fit' if r['weights_gib'] < budget else 'DO NOT FIT'}: {_gib(r['weights_gib'])} per GPU "
+        f"of a {_gib(budget)} budget ({r['weights_quant']})",
+        "  no KV cache   its attention is bidirectional (encoder-only): a request keeps nothing between steps, so "
+        "memory does not bound how many run at once",
+        f"  per step      {r['requests_per_step']:,} request(s) of the full {ctx:,} tokens, "
+        f"{r['typical_requests_per_step']:,} of {r['typical_tokens']:,} (TYPICAL): each input is computed whole in one "
+        f"step (no chunked prefill), at most max_num_batched_tokens {batched:,} tokens and max_num_seqs "
+        f"{r['max_num_seqs']:,} requests; more requests queue for the next step",
+        f"  memory        {_gib(r['gpu_memory_gib'])} x {r['gpu_util']:g} = {_gib(budget)}; weights "
+        f"{_gib(r['weights_gib'])}, activation {_gib(r['activation_gib'])} (a batch of {batched:,} tokens), non-torch "
+        f"{_gib(r['non_torch_gib'])}, CUDA graphs {_gib(r['cudagraph_gib'])}; {_gib(r['left_gib'])} left that no "
+        "request uses (a lower --gpu-memory-utilization gives it to other processes)",
+        f"  levers        --max-num-batched-tokens above {batched:,} puts more tokens in a step (more requests per "
+        "step, each step longer); --max-model-len below the model's limit lets a step hold more requests of the limit",
+    ]
+
+
 def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
     server, defaults = served_inputs(args, transport) if args.url else (None, estimate.ServerDefaults())
     inp = estimate.inputs_from_args(args, transport, defaults)
+    settings = conf.settings_from_args(args)
+    asked = cli.number("TYPICAL", settings.get("TYPICAL", args.typical_tokens)) or TYPICAL_TOKENS
+    if inp.model.encoder_only:
+        fit = estimate.pooling_fit(inp, asked)
+        return {**dataclasses.asdict(fit), "model_kind": "pooling", "kv_cache": None, "server": server,
+                "kind": "vram", "schema_version": 1}, inp
     result = estimate.estimate(inp)
     dep = server["deployment"] if server else {}
     if not result["kv_space_fixed"] and dep.get("num_gpu_blocks") and result["engine"] == "vllm":
         inp, result = checked_against_server(inp, result, dep)
     if server and inp.gpu.get("id") == "cpu":
         result["gpu"] = "the server's device (KV space from its metrics)"
-    settings = conf.settings_from_args(args)
-    asked = cli.number("TYPICAL", settings.get("TYPICAL", args.typical_tokens)) or TYPICAL_TOKENS
     # vLLM refuses a request longer than max_model_len ("This model's maximum context length is N
     # tokens. However, your prompt contains ...", vllm/renderers/params.py, vLLM 0.32): the typical
     # request is capped at the limit in force (CTX, or the server's).
@@ -397,7 +442,7 @@ def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
     result["assumptions"] = assumptions(inp, result, settings.get("MODEL", args.model) or None)
     near_one_request(inp, result)
     result["server"] = server
-    result |= {"kind": "vram", "schema_version": 1}
+    result |= {"model_kind": "generative", "kind": "vram", "schema_version": 1}
     return result, inp
 
 
@@ -415,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> int:
         result, inp = run(args)
-        if not args.no_roofline and inp.gpu.get("bandwidth_tb_s"):
+        if not args.no_roofline and inp.gpu.get("bandwidth_tb_s") and result["model_kind"] == "generative":
             result["roofline"] = physics.roofline(inp, result)
         printed = printing.emit(result, render(result), args.output)
         return printed or (EXIT_OK if result["fits"] else EXIT_CHECK_FAILED)

@@ -16,7 +16,7 @@ from markdown_doc import REPO, Doc
 from rooflib.core.catalogs import load_catalog
 from rooflib.quality import toolcalls
 from rooflib.server import diagnosis, engine_metrics
-from rooflib.sizing import physics
+from rooflib.sizing import estimate, physics
 
 SKILL = "SKILL.md"
 ROOFLINE = "references/roofline.md"
@@ -49,6 +49,9 @@ LLAMA_ROOFLINE = ("--model", "llama-3.1-8b", "--gpu", "h100", "--batch", "1", "-
 # The skill's worked example of "users" at a typical length: a 1,024-token prompt and 256 output tokens.
 TYPICAL_REQUEST_TOKENS = 1024 + 256
 QWEN_ROOFLINE = ("--model", "qwen3-32b", "--gpu", "h100", "--prompt-tokens", "1024")
+# The sizing reference's pooling model and vision-language model.
+BGE_H100 = ("--model", "bge-m3", "--gpu", "h100")
+QWEN_VL_H100 = ("--model", "qwen2.5-vl-7b", "--gpu", "h100", "--ctx", "32768")
 PPL_GATES = yaml.safe_load((REPO / "scripts" / "rooflib" / "catalog" / "ppl_gates.yaml").read_text())
 
 # (claim, the number as the docs write it (normalized), where it is written, what the tool says)
@@ -104,6 +107,25 @@ CLAIMS = [
      lambda: int(roofline(*LLAMA_ROOFLINE)["decode"]["tokens_per_s_per_user_bound"])),
     ("Llama-3.1-8B H100 prefill bound of 2048 tokens, ms", "32.2", [SKILL, ROOFLINE],
      lambda: round(roofline(*LLAMA_ROOFLINE)["prefill"]["ttft_ms_bound"], 1)),
+    ("bge-m3 on one H100: weights, GiB", "1.05", [ROOFLINE], lambda: round(vram(*BGE_H100)["weights_gib"], 2)),
+    ("bge-m3 on one H100: memory no request uses, GiB", "70.73", [ROOFLINE],
+     lambda: round(vram(*BGE_H100)["left_gib"], 2)),
+    ("bge-m3: its context limit, tokens", "8194", [ROOFLINE], lambda: vram(*BGE_H100)["ctx"]),
+    ("bge-m3 on one H100: requests of 2,048 tokens per step", "4", [ROOFLINE],
+     lambda: vram(*BGE_H100)["typical_requests_per_step"]),
+    ("Qwen2-VL / Qwen2.5-VL most pixels an image", "12845056", [ROOFLINE], lambda: estimate.QWEN_VL_MAX_PIXELS),
+    ("Qwen2.5-VL-7B: tokens of the largest image", "16384", [ROOFLINE],
+     lambda: vram(*QWEN_VL_H100)["vision_encoder"]["tokens_per_image"]),
+    ("Qwen2.5-VL-7B: vision encoder parameters, M", "676",
+     [ROOFLINE], lambda: round(vram(*QWEN_VL_H100)["vision_encoder"]["params_b"] * 1000)),
+    ("Qwen2.5-VL-7B on one H100: encoder activations, GiB", "1.72", [ROOFLINE],
+     lambda: round(vram(*QWEN_VL_H100)["vision_encoder"]["forward_gib"], 2)),
+    ("Qwen2.5-VL-7B on one H100: encoder cache, GiB", "0.11", [ROOFLINE],
+     lambda: round(vram(*QWEN_VL_H100)["vision_encoder"]["cache_gib"], 2)),
+    ("Qwen2.5-VL-7B on one H100 at 32768: KV tokens", "1026672", [ROOFLINE],
+     lambda: vram(*QWEN_VL_H100)["kv_cache_tokens"]),
+    ("Qwen2.5-VL-7B on one H100 at 32768, language model only: KV tokens", "1054560", [ROOFLINE],
+     lambda: vram(*QWEN_VL_H100, "--language-model-only")["kv_cache_tokens"]),
     ("H100 SXM bandwidth, TB/s", "3.35", [ROOFLINE], lambda: load_catalog("gpus")["h100-sxm"]["bandwidth_tb_s"]),
     ("H100 SXM dense BF16 TFLOP/s", "989", [ROOFLINE], lambda: load_catalog("gpus")["h100-sxm"]["bf16_dense_tflops"]),
     ("H100 SXM dense FP8 TFLOP/s", "1979", [ROOFLINE], lambda: load_catalog("gpus")["h100-sxm"]["fp8_dense_tflops"]),

@@ -90,8 +90,76 @@ class Model:
     linear_state: tuple[int, int, int, int, int] | None = None  # conv kernel, k heads, k dim, v heads, v dim
     extra_params: float = 0.0       # vision tower and the like, counted in the weights only
     multimodal: bool = False        # has an encoder vLLM profiles (vision_config) besides the language model
+    vision: VisionTower | None = None  # the vision encoder's shape, where vision_config gives it
+    encoder_only: bool = False      # a BERT-style pooling model: bidirectional attention, no KV cache
+    gated_mlp: bool = True          # gate, up and down projections (SwiGLU); False: up and down (BERT's GELU MLP)
+    position_embeddings: int = 0    # rows of learned position and token-type embeddings (BERT-style)
     checkpoint_bytes: int | None = None  # measured (local safetensors / Hub index) when known
     params_b: float | None = None   # the model card's figure, for the catalog check
+
+
+# Encoder-only (BERT-style) model types vLLM serves as pooling models with bidirectional attention
+# (vLLM 0.32.0: BertModel, RobertaModel, XLMRobertaModel and their *ForSequenceClassification in
+# vllm/model_executor/models/registry.py, bert.py and roberta.py; EncoderOnlyAttention has no KV
+# cache spec: vllm/model_executor/layers/attention/encoder_only_attention.py).
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+# The most pixels Qwen2-VL and Qwen2.5-VL checkpoints let one image have: max_pixels 12,845,056 in
+# their preprocessor_config.json (Qwen/Qwen2.5-VL-7B-Instruct@cc594898137f460bfe9f0759e9844b3ce807cfb5),
+# which vLLM's budget reads (get_image_size_with_most_features, vllm/model_executor/models/qwen2_vl.py,
+# vLLM 0.32.0): 16,384 tokens of 28 x 28 pixels. config.json does not carry it.
+QWEN_VL_MAX_PIXELS = 12_845_056
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """A vision-language model's vision encoder from its vision_config: the parameters vLLM loads
+    beside the language model (encoder blocks, patch and position embeddings, the projector to the
+    language model), and what one image costs: its most tokens for the language model and the
+    encoder's patches behind each token."""
+    params: float
+    width: int
+    intermediate: int
+    gated_mlp: bool
+    patches_per_token: int
+    tokens_per_image: int
+    out_hidden: int
+
+
+def vision_tower(config: Mapping[str, Any]) -> VisionTower | None:
+    """The vision encoder of a config.json with a vision_config, None without one or without its
+    depth and width. Two layouts: dynamic resolution with merged patches (Qwen2-VL, Qwen2.5-VL:
+    spatial_merge_size, a PatchMerger MLP to the language model's width, up to QWEN_VL_MAX_PIXELS per
+    image) and a fixed-size ViT (CLIP or SigLIP in LLaVA: image_size / patch_size squared patches, one
+    token each, a two-layer projector). LLaVA-NeXT's tiling of large images is not modelled."""
+    vc = config.get("vision_config")
+    if not isinstance(vc, Mapping):
+        return None
+    layers = int(vc.get("num_hidden_layers") or vc.get("depth") or 0)
+    width = int(vc.get("embed_dim") or vc.get("hidden_size") or 0)
+    if not layers or not width:
+        return None
+    intermediate = int(vc.get("intermediate_size") or width * float(vc.get("mlp_ratio") or 4))
+    gated = str(vc.get("hidden_act", "")) == "silu"
+    patch = int(vc.get("patch_size") or 14)
+    channels = int(vc.get("in_chans") or vc.get("in_channels") or vc.get("num_channels") or 3)
+    text_hidden = int(_text_config(config)["hidden_size"])
+    out = int(vc.get("out_hidden_size") or text_hidden)
+    blocks = layers * (4 * width * width + (3 if gated else 2) * width * intermediate)
+    embed = channels * patch * patch * int(vc.get("temporal_patch_size") or 1) * width
+    merge = int(vc.get("spatial_merge_size") or 1)
+    if merge > 1:
+        merged = width * merge * merge
+        projector = merged * merged + merged * out
+        tokens, patches = QWEN_VL_MAX_PIXELS // (patch * merge) ** 2, merge * merge
+    else:
+        side = int(vc.get("image_size") or 336) // patch
+        embed += side * side * width
+        projector = width * out + out * out
+        # Gemma 3 pools its 64 x 64 patches into mm_tokens_per_image (256) tokens.
+        tokens = int(config.get("mm_tokens_per_image") or side * side)
+        patches = max(1, side * side // tokens)
+    return VisionTower(params=float(blocks + embed + projector), width=width, intermediate=intermediate,
+                       gated_mlp=gated, patches_per_token=patches, tokens_per_image=tokens, out_hidden=out)
 
 
 def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -217,7 +285,8 @@ def model_from_config(config: Mapping[str, Any], name: str, source: str,
                         int(cfg["linear_key_head_dim"]), int(cfg["linear_num_value_heads"]),
                         int(cfg["linear_value_head_dim"]))
     dtype = str(config.get("torch_dtype") or config.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-    return Model(
+    vision = vision_tower(config)
+    model = Model(
         name=name, source=source, layers=_layer_kinds(cfg, n_layers), hidden=hidden, heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, vocab=int(cfg.get("vocab_size") or 32000),
         intermediate=intermediate, max_len=derived_max_len(cfg),
@@ -228,10 +297,25 @@ def model_from_config(config: Mapping[str, Any], name: str, source: str,
                                   (config.get("quantization_config") or {}).get("modules_to_not_convert") or []),
         top_k=int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0),
         expert_intermediate=expert_intermediate, shared_intermediate=shared, moe_layers=moe_layers,
-        dense_intermediate=dense_intermediate, linear_state=linear_state,
-        extra_params=extra_params_b * 1e9, checkpoint_bytes=checkpoint_bytes, params_b=params_b,
+        dense_intermediate=dense_intermediate, linear_state=linear_state, params_b=params_b, vision=vision,
+        extra_params=extra_params_b * 1e9 or (vision.params if vision else 0.0), checkpoint_bytes=checkpoint_bytes,
         multimodal=bool(config.get("vision_config") or extra_params_b
                         or any("ForConditionalGeneration" in str(a) for a in config.get("architectures") or [])))
+    return replace(model, **_encoder_only_fields(cfg))
+
+
+def _encoder_only_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What sets a BERT-style pooling model (ENCODER_MODEL_TYPES) apart from a decoder: no LM head,
+    an MLP of two matrices (GELU), learned position and token-type embeddings, and a float32
+    checkpoint loaded in float16 (vLLM loads float32 in 16 bits, float16 for a pooling model where
+    the platform has it: _resolve_auto_dtype, vllm/config/model.py, vLLM 0.32.0)."""
+    if cfg.get("model_type") not in ENCODER_MODEL_TYPES:
+        return {}
+    fields: dict[str, Any] = {"encoder_only": True, "gated_mlp": False, "position_embeddings":
+                              int(cfg.get("max_position_embeddings") or 0) + int(cfg.get("type_vocab_size") or 0)}
+    if checkpoint_quant(cfg) == "fp32":
+        fields.update(quant="fp16", dtype_bytes=2)
+    return fields
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,9 +501,11 @@ def count_params(m: Model) -> Params:
     expert_each = 3 * m.hidden * m.expert_intermediate
     dense_layers = len(m.layers) - moe
     mlp_width = m.dense_intermediate if m.experts else m.intermediate
-    embed = float(m.vocab * m.hidden)
-    return Params(embed=embed, lm_head=0.0 if m.tie_embeddings else embed, attention=attention,
-                  replicated=replicated + moe * m.hidden * m.experts, dense_mlp=3.0 * m.hidden * mlp_width * dense_layers,
+    embed = float((m.vocab + m.position_embeddings) * m.hidden)
+    no_head = m.tie_embeddings or m.encoder_only  # a pooling model has no LM head
+    return Params(embed=embed, lm_head=0.0 if no_head else embed, attention=attention,
+                  replicated=replicated + moe * m.hidden * m.experts,
+                  dense_mlp=(3.0 if m.gated_mlp else 2.0) * m.hidden * mlp_width * dense_layers,
                   experts=float(moe * m.experts * expert_each), expert_each=float(expert_each),
                   shared=3.0 * m.hidden * m.shared_intermediate * moe)
 
@@ -739,7 +825,7 @@ def activation_bytes(m: Model, tp: int, tokens: int, seqs: int, quant: str, samp
     (first-order; see the benchmark for its error)."""
     mlp = (m.top_k * m.expert_intermediate + m.shared_intermediate) if m.experts else m.intermediate
     qkv = m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim if not m.mla else m.heads * (m.mla[2] + m.mla[3]) * 2
-    forward = tokens * (3 * mlp + qkv) / tp * 2
+    forward = tokens * ((3 if m.gated_mlp else 2) * mlp + qkv) / tp * 2
     if m.experts and quant == "int4":
         # 4-bit experts (AWQ, GPTQ, compressed-tensors W4A16) run fused_marlin_moe, whose
         # intermediate caches are M x top_k x (max(2N, K) + N) elements for N = the expert width per
@@ -761,6 +847,37 @@ def activation_bytes(m: Model, tp: int, tokens: int, seqs: int, quant: str, samp
     # non-KV memory ("other" in benchmarks/vram_accuracy.py) sat 0.14-0.2 GiB below this term
     # when it was 0.3 GiB.
     return max(forward, rows * m.vocab * SAMPLER_BYTES_PER_LOGIT[sampler]) + 0.15 * GIB
+
+
+@dataclass(frozen=True)
+class EncoderProfile:
+    """What vLLM's profile run spends on a vision encoder (GPUModelRunner.profile_run, vLLM 0.32.0):
+    it encodes `images` dummy images of the most tokens each and keeps their outputs in the encoder
+    cache while the language model's dummy batch runs, so the peak is the larger of the encoder's
+    and the language model's activations, plus those outputs.
+
+    The budget is vllm/v1/core/encoder_cache_manager.py compute_mm_encoder_budget: the encoder cache
+    and compute budgets default to max_num_batched_tokens (vllm/config/scheduler.py), raised to one
+    image's tokens; the images are vllm/multimodal/encoder_budget.py _get_max_items: as many whole
+    images as the budget holds, at most max_num_seqs x the images one prompt of max_model_len holds,
+    at least one."""
+    tokens_per_image: int
+    budget_tokens: int
+    images: int
+    cache_bytes: float    # the encoder outputs kept: images x tokens x the language model's width, 16-bit
+    forward_bytes: float  # the encoder's activations over the images' patches (first-order, as activation_bytes)
+
+
+def encoder_profile(m: Model, tp: int, max_num_batched_tokens: int, max_num_seqs: int, ctx: int) -> EncoderProfile:
+    tower = m.vision
+    per_image = tower.tokens_per_image
+    budget = max(max_num_batched_tokens, per_image)
+    images = max(1, min(budget // per_image, max_num_seqs * max(1, ctx // per_image)))
+    patches = images * per_image * tower.patches_per_token
+    mlp = (3 if tower.gated_mlp else 2) * tower.intermediate
+    return EncoderProfile(tokens_per_image=per_image, budget_tokens=budget, images=images,
+                          cache_bytes=float(images * per_image * tower.out_hidden * 2),
+                          forward_bytes=patches * (mlp + 3 * tower.width) / tp * 2)
 
 
 # GPUs with NVLink multicast (Hopper, Blackwell): vLLM's symmetric-memory all-reduce and its
@@ -851,6 +968,11 @@ def budget(inp: Inputs, stage: int = 0) -> dict[str, Any]:
             sampler = default_sampler(version) if inp.sampler == "auto" else inp.sampler
             out["activation_bytes"] = activation_bytes(m, inp.tp, d["max_num_batched_tokens"], d["max_num_seqs"],
                                                        quant, sampler, runs_v0(inp), samples=stage == inp.pp - 1)
+            if m.vision and stage == 0 and not runs_v0(inp):
+                enc = encoder_profile(m, inp.tp, d["max_num_batched_tokens"], d["max_num_seqs"],
+                                      inp.ctx or m.max_len)
+                out["encoder"] = enc
+                out["activation_bytes"] = max(out["activation_bytes"], enc.forward_bytes) + enc.cache_bytes
             out["non_torch_bytes"] = non_torch_bytes(inp, version)
             if version >= (0, 21) and not inp.enforce_eager and inp.platform == "gpu":
                 out["cudagraph_bytes"] = cudagraph_bytes(m)
@@ -970,11 +1092,88 @@ def estimate(inp: Inputs) -> dict[str, Any]:
     # vLLM starts only if one request of max_model_len fits beside the blocks it holds back.
     result["fits"] = b["kv_space_bytes"] > 0 and result["max_concurrency"] >= 1 \
         and result.get("max_model_len_that_fits", ctx) >= ctx
-    result.update(multimodal=m.multimodal, expert_parallel=inp.expert_parallel)
+    result.update(multimodal=m.multimodal, expert_parallel=inp.expert_parallel, vision_encoder=_vision_json(inp, b))
     result.update(uncertainty(inp, b, result, capacity,
                               lambda kv_space: longest_context(inp, specs, b, kv_space)
                               if inp.engine == "vllm" else int(kv_space // (token_bytes * attention_layers))))
     return result
+
+
+@dataclass(frozen=True)
+class PoolingFit:
+    """An encoder-only pooling model (embeddings, score, rerank) on one GPU, as vLLM 0.32.0 sizes it.
+
+    Its attention is bidirectional, so it has no KV cache (EncoderOnlyAttention has no KV cache spec,
+    vllm/model_executor/layers/attention/encoder_only_attention.py) and no chunked prefill
+    (ModelConfig.is_chunked_prefill_supported, vllm/config/model.py): each request's whole input is
+    computed in one engine step, so max_num_batched_tokens is raised to at least max_model_len
+    (EngineArgs, vllm/engine/arg_utils.py) and a smaller value is refused (SchedulerConfig.
+    verify_max_model_len). The profile run is one forward of max_num_batched_tokens and the pooler
+    over its requests (GPUModelRunner.profile_run, _dummy_pooler_run). What bounds concurrency is a
+    step: at most max_num_seqs requests and max_num_batched_tokens tokens; the memory the budget
+    leaves holds nothing that grows with requests."""
+    model: str
+    model_source: str
+    gpu: str
+    tp: int
+    ctx: int
+    weights_quant: str
+    gpu_memory_gib: float
+    gpu_util: float
+    weights_gib: float
+    activation_gib: float
+    non_torch_gib: float
+    cudagraph_gib: float
+    left_gib: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    requests_per_step: int
+    typical_tokens: int
+    typical_requests_per_step: int
+    fits: bool
+
+
+def pooling_fit(inp: Inputs, typical: int) -> PoolingFit:
+    """The memory budget of a pooling model and the requests one engine step holds at the context
+    limit and at `typical` tokens."""
+    check_inputs(inp)
+    if inp.engine != "vllm" or inp.kv_cache_bytes is not None or inp.platform != "gpu":
+        raise UsageError(f"{inp.model.name} is a pooling model (no KV cache): vram sizes it for vLLM on a GPU, "
+                         "without ENGINE=sglang, --kv-cache-bytes or --platform cpu")
+    m, ctx = inp.model, inp.ctx or inp.model.max_len
+    d = vllm_defaults(inp)
+    batched = inp.max_num_batched_tokens or max(ctx, d["max_num_batched_tokens"])
+    if batched < ctx:
+        raise UsageError(f"MAX_NUM_BATCHED_TOKENS={batched} is below CTX={ctx}: a pooling model computes each input "
+                         "in one step, and vLLM refuses to start (\"max_num_batched_tokens ... is smaller than "
+                         "max_model_len\"); raise it or lower CTX")
+    quant = weight_quant(m, inp.quant)
+    weights = weight_bytes(m, quant, inp.tp)["per_gpu"]
+    version = version_tuple(inp.vllm_version)
+    activation = activation_bytes(m, inp.tp, batched, d["max_num_seqs"], quant, "pytorch", samples=False)
+    non_torch = non_torch_bytes(inp, version)
+    graphs = cudagraph_bytes(m) if version >= (0, 21) and not inp.enforce_eager else 0.0
+    total = float(inp.gpu.get("memory_gib") or 0) * GIB
+    left = total * d["gpu_util"] - weights - activation - non_torch - graphs
+    seqs = d["max_num_seqs"]
+    short = min(typical, ctx)
+    return PoolingFit(
+        model=m.name, model_source=m.source, gpu=str(inp.gpu.get("name")), tp=inp.tp, ctx=ctx, weights_quant=quant,
+        gpu_memory_gib=total / GIB, gpu_util=d["gpu_util"], weights_gib=weights / GIB,
+        activation_gib=activation / GIB, non_torch_gib=non_torch / GIB, cudagraph_gib=graphs / GIB,
+        left_gib=left / GIB, max_num_seqs=seqs, max_num_batched_tokens=batched,
+        requests_per_step=min(seqs, batched // ctx), typical_tokens=short,
+        typical_requests_per_step=min(seqs, batched // short), fits=left >= 0)
+
+
+def _vision_json(inp: Inputs, b: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The vision encoder's part of the answer: its size, the profile's images and their memory."""
+    enc, m = b.get("encoder"), inp.model
+    if enc is None:
+        return None
+    return {"params_b": m.vision.params / 1e9, "weights_gib": m.extra_params * min(m.dtype_bytes, 2) / inp.tp / GIB,
+            "tokens_per_image": enc.tokens_per_image, "budget_tokens": enc.budget_tokens,
+            "images_profiled": enc.images, "cache_gib": enc.cache_bytes / GIB, "forward_gib": enc.forward_bytes / GIB}
 
 
 @dataclass(frozen=True)
@@ -1013,6 +1212,9 @@ EAGER_SPREAD = 0.5 * GIB
 # vision tower's size is the model card's: the Gemma 3 logs read 0.4-0.6 GiB more weights and a
 # 0.3 GiB higher peak than their text-only Gemma 2 siblings.
 MULTIMODAL_SPREAD = (1.0 * GIB, 0.3 * GIB)
+# Where vision_config gives the encoder's shape its profile peak is modelled (EncoderProfile), to
+# the first order of the language model's activation term: +-50%, no public log checks it yet.
+ENCODER_SPREAD = 0.5
 # --enable-expert-parallel: the all-to-all buffers (DeepEP's VLLM_DEEPEP_BUFFER_SIZE_MB, 1024 by
 # default, vllm/envs.py) and, with graphs, larger CUDA graphs (~5 GiB estimated in TP4 + EP logs).
 EXPERT_PARALLEL_BUFFERS = 1.0 * GIB
@@ -1069,7 +1271,12 @@ def spread_sources(inp: Inputs, b: Mapping[str, Any]) -> list[Spread]:
     elif vllm and inp.enforce_eager:
         out.append(Spread("eager", EAGER_SPREAD, EAGER_SPREAD, "--enforce-eager: the profile run without graphs or "
                                                                "torch.compile; eager logs sit up to 0.5 GiB either side"))
-    if vllm and m.multimodal:
+    enc = b.get("encoder")
+    if vllm and enc:
+        spread = ENCODER_SPREAD * (enc.forward_bytes + enc.cache_bytes)
+        out.append(Spread("vision-encoder", spread, spread, "the vision encoder's profile peak (its dummy images' "
+                          "activations and encoder-cache outputs) is first-order"))
+    elif vllm and m.multimodal:
         out.append(Spread("multimodal", *MULTIMODAL_SPREAD, "the vision encoder's profile run (dummy images) and the "
                           "vision tower's exact size are not modelled", outside=True))
     if vllm and inp.expert_parallel:
@@ -1395,7 +1602,7 @@ def inputs_from_args(args, transport: Any = None, server: ServerDefaults = Serve
         overrides = {**overrides, "rope_scaling": rope}
     model = resolve_model(get("MODEL") or server.model, transport, hf_overrides=overrides)
     if args.language_model_only:
-        model = replace(model, extra_params=0.0, multimodal=False)
+        model = replace(model, extra_params=0.0, multimodal=False, vision=None)
     return Inputs(
         model=model, gpu=gpu,
         tp=cli.number("TP", get("TP")) or 1, pp=cli.number("PP", get("PP")) or 1,
