@@ -29,7 +29,7 @@ context_len, page_size) and, with --url, from the server itself: /v1/models (max
 /get_server_info (mem_fraction_static, max_running_requests or the cap SGLang chose, chunked_prefill_size,
 the radix cache, page size, KV dtype, attention backend, version).
 What none exports is inferred with its evidence (max_num_seqs from the running count while
-requests waited and the KV cache had room; max_num_batched_tokens from the largest engine step)
+requests waited and the KV cache had room; prefix caching from any hit)
 or reported as unknown (JSON `settings`). Each finding states its confidence: gauges are samples
 that can miss the peak, counters and histograms cannot. Prompt and output lengths are those of
 the finished requests (vllm:request_prompt_tokens). A quantile is printed as the histogram bucket

@@ -333,28 +333,38 @@ def test_slow_tokens_of_a_small_batch_are_memory_bound():
         "speculative decoding (--speculative-config)", "FP8 weights (--quantization fp8)"]
 
 
-def test_the_largest_engine_step_shows_max_num_batched_tokens():
-    """4,000-token prompts prefilled in chunks: the largest steps fill the 1,024-2,048 bucket."""
-    r = diagnosed(window(prompt=4000, prefill=3.0, steps=[2048.0] * 40 + [8.0] * 400))
-    assert r["settings"]["max_num_batched_tokens"]["value"] == 2048
-    assert r["settings"]["max_num_batched_tokens"]["source"] == "inferred"
+def batched_budget(tokens: int) -> deployment.Served:
+    """vLLM's /server_info in dev mode: the per-step token budget, exported."""
+    return deployment.Served("http://h:8000", {"max_num_batched_tokens": deployment.Known(
+        tokens, "exported", "vLLM /server_info scheduler_config.max_num_batched_tokens")})
+
+
+def test_the_largest_engine_step_is_a_prompt_not_the_per_step_budget():
+    """vLLM 0.32 counts a chunked prompt's tokens in the step that finishes it: steps of 2,048
+    under 4,000-token prompts are 4,000-token prompts less their cache hits, not a 2,048 budget.
+    Exported, the budget gives the lever."""
+    steps = [2048.0] * 40 + [8.0] * 400
+    r = diagnosed(window(prompt=4000, prefill=3.0, steps=steps))
+    assert r["settings"]["max_num_batched_tokens"]["source"] == "unknown"
+    assert "--max-num-batched-tokens" not in [lever["setting"] for lever in r["diagnosis"]["plan"]]
+    r = diagnosed(window(prompt=4000, prefill=3.0, steps=steps), served=batched_budget(2048))
     assert kinds(r) == ["prefill"]
     lever = r["diagnosis"]["plan"][0]
-    assert lever["text"].startswith("--max-num-batched-tokens: 2,048 -> 4,096 (current: inferred): prompts of 4,000 "
+    assert lever["text"].startswith("--max-num-batched-tokens: 2,048 -> 4,096 (current: exported): prompts of 4,000 "
                                     "tokens take 2 steps each")
 
 
 def test_prompts_split_over_engine_steps_lead_a_low_hit_rate():
     """Long prompts that share nothing and a per-step budget that splits each: the steps are the
     measured cause of the slow prefill (the budget's lever first); the hit rate follows under Also."""
-    r = diagnosed(window(prompt=4000, prefill=3.0, steps=[2048.0] * 40 + [8.0] * 400, hits=0.0))
+    r = diagnosed(window(prompt=4000, prefill=3.0, hits=0.0), served=batched_budget(2048))
     assert kinds(r) == ["prefill", "prefix_unstable"]
     root = r["diagnosis"]["root_cause"]
     assert (root["setting"], root["current"], root["caused_by"]) == ("--max-num-batched-tokens", 2048, None)
-    assert "2 engine steps each under --max-num-batched-tokens 2,048 (inferred" in root["evidence"]
+    assert "2 engine steps each under --max-num-batched-tokens 2,048 (exported" in root["evidence"]
     assert r["diagnosis"]["plan"][0]["setting"] == "--max-num-batched-tokens"
     # One step holds each prompt: the low hit rate stays the root, and the slow prefill its consequence.
-    r = diagnosed(window(prompt=1600, prefill=3.0, steps=[2048.0] * 40 + [8.0] * 400, hits=0.0))
+    r = diagnosed(window(prompt=1600, prefill=3.0, hits=0.0), served=batched_budget(2048))
     assert kinds(r) == ["prefix_unstable", "prefill"]
 
 

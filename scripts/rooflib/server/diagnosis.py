@@ -246,18 +246,12 @@ def _running_floors(r: Reading) -> list[tuple[int, str]]:
 
 
 def _infer_batched(r: Reading) -> Known:
-    """vLLM's per-step token budget: the largest engine step (vllm:iteration_tokens_total) while
-    longer prompts were prefilled in chunks fills it."""
-    step, prompt = r.step_tokens_largest, r.prompt_tokens_largest
-    longest = max(prompt[0], r.prompt_tokens_mean or 0) if prompt else 0
-    if step and longest >= step[1]:
-        return Known(int(step[1]), INFERRED, (
-            f"the largest engine steps held {step[0]:g}-{step[1]:g} tokens (vllm:iteration_tokens_total) while "
-            f"prompts of {longest:,.0f} tokens and more were prefilled in chunks"))
-    if step:
-        return Known(None, UNKNOWN, f"no metric exports it; the largest engine steps held {step[0]:g}-{step[1]:g} "
-                                    "tokens, and no prompt was long enough to fill a step")
-    return Known(None, UNKNOWN, "no metric exports it")
+    """vLLM's per-step token budget is in no metric, and no figure shows it: vLLM 0.32 counts a
+    prompt's computed tokens in vllm:iteration_tokens_total all at once, in the step that finishes
+    its prefill (IterationStats.update_from_output, vllm/v1/metrics/stats.py), so the largest
+    "step" there is a prompt (less its cache hits), not the budget it was split by."""
+    return Known(None, UNKNOWN, "no metric exports it (vLLM's /server_info does with VLLM_SERVER_DEV_MODE=1; "
+                                "vllm:iteration_tokens_total counts a chunked prompt in the step that finishes it)")
 
 
 def _infer_prefix_caching(r: Reading) -> Known:

@@ -86,8 +86,6 @@ class Reading:
     prompt_tokens_mean: float | None
     output_tokens_mean: float | None
     tokens_per_request: float | None     # prompt + output: the KV one request holds at its end
-    prompt_tokens_largest: tuple[float, float] | None   # the prompt_len bucket of the longest prompts
-    step_tokens_largest: tuple[float, float] | None     # the bucket of the largest engine steps
     # Occupancy: gauge samples, and Little's law over the window's histograms
     running_mean: float | None
     running_peak: float | None
@@ -122,11 +120,5 @@ class Reading:
                 "waiting_mean", "waiting_peak", "running_while_waiting", "requests_per_step", "kv_cache_tokens",
                 "kv_cache_usage_max", "preemptions", "prefix_cache_hit_rate", "prefix_cache_queries", "gen_tok_s",
                 "bandwidth_util")},
-            prompt_tokens_largest=_bucket(report.get("prompt_tokens_largest")),
-            step_tokens_largest=_bucket(report.get("step_tokens_largest")),
             gauge_samples=report.get("gauge_samples") or 0,
             cache_config=CacheConfig.of(report.get("deployment")))
-
-
-def _bucket(bounds: Any) -> tuple[float, float] | None:
-    return (bounds[0], bounds[1]) if bounds else None
