@@ -111,6 +111,28 @@ def test_the_root_is_the_part_that_holds_the_figure(name):
     assert verdict.verify and all(command.startswith("task ") for command in verdict.verify)
 
 
+UNSTABLE_BEHIND_A_CAP = {
+    "root_cause": QUEUE_DIAGNOSIS["findings"][0],
+    "findings": [*QUEUE_DIAGNOSIS["findings"], {
+        "kind": "prefix_unstable", "evidence": "prefix-cache hit rate 0.0% with 600-token prompts",
+        "confidence": "medium", "caused_by": None, "setting": None, "current": None, "current_source": None}],
+    "plan": [{"setting": None, "current": None, "current_source": None, "proposed": None, "reason": "bursts",
+              "effect": "the peak", "text": "task metrics WINDOW=30 while the load peaks: bursts; expect the peak"},
+             {"setting": None, "current": None, "current_source": None, "proposed": None, "reason": "identical start",
+              "effect": "hits", "text": "make the prompts' start stable (client side): identical start; expect hits"}]}
+
+
+def test_a_finding_behind_another_root_takes_neither_its_lever_nor_the_engine_as_owner():
+    """Slow prefill with prompts whose start varies, while the diagnosis' root is the running cap:
+    the prefill part is the clients' prompts, and the cap's first lever is not its action."""
+    made = facts(symptom="first-token", eng=engine(ttft_mean=2500, ttft_p95=3000, queue_mean=10, prefill_mean=2490),
+                 probed=probe([stream(ttft=2600)] * 6), diagnosis=UNSTABLE_BEHIND_A_CAP)
+    root = examine.decide(options("first-token"), made).root
+    assert (root.segment, root.cause, root.owner.component) == (
+        "prefill", "prefix_unstable", "the clients' prompts (what comes before their shared part varies)")
+    assert root.action == "" and root.proposed is None
+
+
 def test_nothing_over_its_target_is_no_root_cause():
     verdict = examine.decide(options(), facts())
     assert verdict.root is None and examine.first_line(verdict).startswith("Root cause: none for ")

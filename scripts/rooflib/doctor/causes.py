@@ -143,20 +143,28 @@ def other(f: Facts, seg: Segment) -> Finding:
 # ---------------------------------------------------------------------------------------------
 # The engine
 
+# The engine diagnosis' findings whose change is not the engine's.
+OWNER_OF_KIND = {"prefix_unstable": "the clients' prompts (what comes before their shared part varies)"}
+
+
 def _from_diagnosis(f: Facts, seg: Segment, kinds: tuple[str, ...]) -> Finding | None:
     """The engine diagnosis' finding of one of `kinds` (first in its order) with its plan's lever."""
     found = next((x for x in f.diagnosis.get("findings", []) if x["kind"] in kinds), None)
     if found is None:
         return None
-    lever = next((lv for lv in f.diagnosis.get("plan", []) if found["setting"] and lv["setting"] == found["setting"]),
-                 None) or next((lv for lv in f.diagnosis.get("plan", [])), None)
+    plan, root = f.diagnosis.get("plan", []), f.diagnosis.get("root_cause") or {}
+    # A finding with no setting owns the plan's first lever only as the diagnosis' root: behind
+    # another root the first lever is that root's, not its.
+    lever = next((lv for lv in plan if lv["setting"] == found["setting"]), None) if found["setting"] else \
+        plan[0] if plan and root.get("kind") == found["kind"] else None
     owner_setting = None
     if found["setting"]:
         name = SETTING_OF_FLAG.get(found["setting"], "")
         known = f.settings.get(name)
         owner_setting = Setting(found["setting"], found["current"], found["current_source"] or "unknown",
                                 known.how if known else "", bool(known and known.at_least))
-    return Finding(seg.name, found["kind"], found["evidence"], Owner(ENGINE, owner_setting),
+    owner = Owner(OWNER_OF_KIND.get(found["kind"], ENGINE), owner_setting)
+    return Finding(seg.name, found["kind"], found["evidence"], owner,
                    lever["proposed"] if lever else None,
                    "" if lever is None or lever["setting"] else lever["text"].split(": ")[0],
                    lever["reason"] if lever else "", lever["effect"] if lever else "", found["confidence"])
