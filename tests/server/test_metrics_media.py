@@ -91,6 +91,10 @@ def test_pooling_only_traffic_has_no_token_rows_and_no_decode_finding():
 def test_slow_pooling_requests_are_a_prefill_finding_not_a_decode_one():
     r, _ = report(text("vllm-0.32-pooling.txt"), ttft_p95_ms=10.0, tpot_p95_ms=1.0, itl_p95_ms=1.0)
     assert [f["kind"] for f in r["diagnosis"]["findings"]] == ["prefill"]
+    # The proof benches the API the traffic used (most of it embeddings), with no output length.
+    assert r["endpoint"] == "embeddings"
+    before, after, _ = r["diagnosis"]["verify"]
+    assert "--endpoint embeddings" in before and "--endpoint embeddings" in after and "BENCH_OUT" not in before
 
 
 def test_a_window_counts_the_pooling_requests_and_cache_lookups_in_it():

@@ -684,14 +684,14 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
     result.update(_lengths(snap, result["requests"]))
     result["tokens_per_request"] = result["prompt_tokens_mean"] + (result["output_tokens_mean"] or 0) \
         if result["prompt_tokens_mean"] is not None else None
-    result["prompt_tokens_largest"] = _largest_bucket(snap["histograms"].get("prompt_len"))
-    result["step_tokens_largest"] = _largest_bucket(snap["histograms"].get("step_tokens"))
     result["requests_per_step"] = _requests_per_step(snap)
     endpoints = {name: count(f"{name}_requests") or 0 for name in ("chat", "completion")}
     result["endpoint"] = max(endpoints, key=endpoints.get).replace("completion", "completions") \
         if any(endpoints.values()) else None
     pooling, mm_cache = pooling_traffic(counters), multimodal_cache(counters)
     result["pooling"] = asdict(pooling) if pooling else None
+    if pooling and pooling.only:  # the API bench loads them with (its --endpoint)
+        result["endpoint"] = BENCH_ENDPOINT.get(max(pooling.requests, key=pooling.requests.get))
     result["multimodal_cache"] = asdict(mm_cache) if mm_cache else None
     # Little's law over the requests that finished: time spent running (prefill + decode) or
     # queued, divided by the interval, is the mean number running or waiting.
@@ -746,6 +746,10 @@ POOLING_MEANING = ("pooling requests answer once and generate no token: vLLM rec
                    "requests/s (task bench --endpoint embeddings or score)")
 MIXED_MEANING = ("pooling requests beside generating ones: TTFT, TPOT, decode and e2e mix both (a pooling request's "
                  "TTFT is its whole time, its TPOT and decode time 0), so bench each API apart for its own figures")
+
+
+# bench's --endpoint for the pooling APIs it loads (rooflib/load/apis.py): /rerank is /score's call.
+BENCH_ENDPOINT = {"embeddings": "embeddings", "score": "score", "rerank": "score"}
 
 
 def pooling_traffic(counters: Mapping[str, Mapping[str, Any]]) -> PoolingTraffic | None:
@@ -824,18 +828,6 @@ def _requests_per_step(snap: dict[str, Any]) -> float | None:
         return None
     accepted = snap["counters"].get("spec_accepted", {}).get("value", 0.0)
     return (generated["value"] - accepted) / steps["count"]
-
-
-def _largest_bucket(hist: dict[str, Any] | None) -> list[float] | None:
-    """(lower, upper] bounds of the highest bucket that holds an observation; None when none do
-    or the highest is the +Inf one."""
-    if not hist or not hist.get("counts") or not hist["counts"][-1]:
-        return None
-    bounds, counts = hist["le"], hist["counts"]
-    top = next(i for i in range(len(counts)) if counts[i] >= counts[-1])
-    if math.isinf(bounds[top]):
-        return None
-    return [bounds[top - 1] if top else 0.0, bounds[top]]
 
 
 def deployment_config(info: Mapping[str, str], tokens_per_request: float | None) -> dict[str, Any]:

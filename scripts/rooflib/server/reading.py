@@ -72,7 +72,7 @@ class Reading:
     mode: str
     seconds: float | None                # the window's length
     slo: Slo
-    endpoint: str | None                 # the one most requests used: "chat" or "completions"
+    endpoint: str | None                 # bench's --endpoint for most requests: chat, completions, embeddings, score
     requests: int                        # finished in the window
     # Latencies of the finished requests
     queue_ms: Latency
