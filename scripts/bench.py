@@ -27,7 +27,10 @@ messages too, so chat prompts count the template), its usage (cached tokens with
 
 Real traffic (rooflib/load/workloads.py has the formats): --prompts JSONL, --sharegpt conversations
 (every turn), --input-dist/--output-dist length distributions, --trace (Mooncake/BurstGPT JSONL
-replayed on its own absolute schedule, --speed; the schedule lag is reported). Requests are made
+replayed on its own absolute schedule, --speed; the schedule lag is reported), agent sessions
+(--sessions JSONL of turns, or --agent-turns synthetic ones that grow by a tool result each turn:
+each turn resends the session's history; prefix reuse by turn against a perfect cache, with
+--shuffle-history as the control; rooflib/load/sessions.py has the format). Requests are made
 when sent, from words the tokenizer counts as one token each (a sample is checked first), so a
 100,000-request run starts at once. Reasoning models: TTFT of the first answer token and the
 reasoning/answer split of tokens and TPOT. /metrics is scraped every --timeline-interval seconds
@@ -53,6 +56,9 @@ Examples:
   INFER_URL=http://gpu-box:8000 INFER_API_KEY=... bench.py -n 256 -c 64 --workers 2
   bench.py --endpoint chat --sharegpt scripts/data/sharegpt-sample.json -c 4 --probe /health
   bench.py --trace scripts/data/trace-sample.jsonl --speed 2 --json > run.json
+  bench.py --endpoint chat --agent-turns 10 --input-tokens 1024 --tool-tokens uniform:200,2000 -n 8 -c 4
+  bench.py --endpoint chat --sessions scripts/data/sessions-sample.jsonl --speed 4 -c 2 --json-out agents.json
+  bench.py --endpoint chat --agent-turns 10 -n 8 -c 4 --shuffle-history     # the control: no history to reuse
   bench.py -n 1000 -c 64 --json-out run.json     # the table on stdout, the JSON document in run.json
   bench.py --input-dist lognormal:400,2000 --output-dist uniform:64,512 -n 200 -c 16
   bench.py -n 256 -c 32 --prometheus http://prometheus:9090 --json-out run.json

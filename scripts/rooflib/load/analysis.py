@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_SERVER
 from rooflib.core.stats import summarize
+from rooflib.load import sessions
 from rooflib.load.apis import APIS
 from rooflib.load.request_outcome import ERROR_KINDS, Outcome
 from rooflib.server.engine_metrics import Targets
@@ -188,6 +189,7 @@ def analyse(outcomes: Sequence[Outcome], config: dict[str, Any], lag_ms: Sequenc
         "interrupted": interrupted,
         "definitions": DEFINITIONS,
         "samples": samples(done, streamed),
+        "sessions": sessions.reuse(measured) if has_sessions(config) else None,
     }
 
 
@@ -307,6 +309,11 @@ def cached_total(done: Sequence[Outcome]) -> int | None:
     return sum(reported) if reported else None
 
 
+def has_sessions(config: dict[str, Any]) -> bool:
+    """Whether the run sent sessions of turns, each with its history (agent sessions, --multi-turn)."""
+    return config.get("workload") == "sessions" or bool(config.get("agent_turns")) or (config.get("multi_turn") or 1) > 1
+
+
 def is_synthetic(config: dict[str, Any]) -> bool:
     """Whether the run's prompts were built to chosen lengths (not a dataset's or a trace's)."""
     return config.get("workload", "synthetic") == "synthetic"
@@ -385,7 +392,7 @@ def request_warnings(done: Sequence[Outcome], config: dict[str, Any]) -> list[st
         warnings.append(f"{len(mismatched)} prompts were not the length they were built to by the server's usage "
                         f"(off by {min(mismatched)}..{max(mismatched)} tokens)")
     cached = cached_counts(done)
-    if cached and not config.get("shared_prefix") and is_synthetic(config):
+    if cached and not config.get("shared_prefix") and is_synthetic(config) and not has_sessions(config):
         warnings.append(f"{len(cached)} requests hit the prefix cache although prompts were unique "
                         f"(up to {max(cached)} cached tokens)")
     return warnings

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 from rooflib.core import cli, conf, http_client, printing, signals
 from rooflib.core.errors import EXIT_USAGE, ServerError, UsageError
-from rooflib.load import shards, workloads
+from rooflib.load import sessions, shards, workloads
 from rooflib.load.analysis import analyse
 from rooflib.load.apis import APIS
 from rooflib.load.asyncclient import Target
@@ -119,6 +119,15 @@ class BenchOptions:
     records: str | None = None         # --records: the per-request lines go to this file
     slo_latency_p95_ms: float | None = None  # request latency (e2e) p95 target: the pooling APIs' SLO
     documents: int = 0                 # score: documents paired with each request's text (--documents)
+    agent_turns: int = 0               # synthetic agent sessions of this many turns (--agent-turns; 0: none)
+    tool_tokens: str | None = None     # their tool results' lengths, a distribution (--tool-tokens; default 256)
+    turn_gap_s: float = 0.0            # their wait before each later turn (--turn-gap)
+    shuffle_history: bool = False      # the shuffled control of sessions (--shuffle-history)
+
+    @property
+    def sessions(self) -> bool:
+        """Whether the run sends sessions of turns, each with its history (agent sessions, --multi-turn)."""
+        return self.workload == "sessions" or bool(self.agent_turns) or self.multi_turn > 1
 
     def recorded(self) -> dict[str, Any]:
         """The settings as the result's `config` records them (saved results and compare.py read
@@ -135,7 +144,9 @@ class BenchOptions:
                 "input_dist": self.input_dist, "output_dist": self.output_dist, "log": self.log,
                 "over_limit": self.over_limit, "prometheus": self.prometheus,
                 "shard": None if self.shard is None else str(self.shard),
-                "start_at": None if self.start_at is None else shards.iso(self.start_at), "records": self.records}
+                "start_at": None if self.start_at is None else shards.iso(self.start_at), "records": self.records,
+                "agent_turns": self.agent_turns or None, "tool_tokens": self.tool_tokens,
+                "turn_gap_s": self.turn_gap_s or None, "shuffle_history": self.shuffle_history}
 
     def at_concurrency(self, concurrency: int, num_requests: int) -> "BenchOptions":
         """The same run at another concurrency (a sweep's point), checked: the warm-up follows
@@ -162,9 +173,12 @@ def as_flags(options: BenchOptions) -> list[str]:
              ("--timeline-interval", options.timeline_interval_s), ("--probe", options.probe),
              ("--endpoint", options.endpoint), dataset, ("--input-dist", options.input_dist),
              ("--output-dist", options.output_dist),
-             ("--extra-body", json.dumps(options.extra_body) if options.extra_body else None)]
+             ("--extra-body", json.dumps(options.extra_body) if options.extra_body else None),
+             ("--agent-turns", options.agent_turns or None), ("--tool-tokens", options.tool_tokens),
+             ("--turn-gap", options.turn_gap_s or None)]
     flags = [part for flag, value in pairs if value is not None for part in (flag, str(value))]
-    return flags + (["--over-limit"] if options.over_limit else [])
+    return flags + (["--over-limit"] if options.over_limit else []) + (
+        ["--shuffle-history"] if options.shuffle_history else [])
 
 
 def make_options(args: Any, settings: conf.Settings) -> BenchOptions:
@@ -177,7 +191,7 @@ def read_options(args: Any, settings: conf.Settings) -> BenchOptions:
     n_given = settings.get("BENCH_N", args.num_requests)
     n = cli.number("-n/--num-requests (BENCH_N)", n_given, int, 1, LIMITS["num_requests"], default=32)
     rate = cli.number("--rate (requests/s)", args.rate, float, 1e-6, 1e6)
-    sources = [name for name in ("prompts", "sharegpt", "trace") if getattr(args, name)]
+    sources = [name for name in ("prompts", "sharegpt", "trace", "sessions") if getattr(args, name)]
     if len(sources) > 1:
         raise UsageError(f"--{sources[0]} and --{sources[1]} both give the requests: choose one")
     c_default = None if rate or args.trace else 8
@@ -220,7 +234,11 @@ def read_options(args: Any, settings: conf.Settings) -> BenchOptions:
         slo_latency_p95_ms=cli.number("--slo-latency-p95-ms (SLO_LATENCY_P95_MS)",
                                       settings.get("SLO_LATENCY_P95_MS", args.slo_latency_p95_ms), float, 1e-3, None),
         documents=cli.number("--documents", args.documents, int, 1, 10_000,
-                             default=1 if args.endpoint == "score" else 0))
+                             default=1 if args.endpoint == "score" else 0),
+        agent_turns=cli.number("--agent-turns", args.agent_turns, int, 1, 1000, default=0),
+        tool_tokens=args.tool_tokens or None,
+        turn_gap_s=cli.number("--turn-gap (s)", args.turn_gap, float, 0, 86400, default=0.0),
+        shuffle_history=args.shuffle_history)
 
 
 def parse_extra_body(text: str) -> dict[str, Any]:
@@ -241,9 +259,10 @@ def check_options(options: BenchOptions) -> BenchOptions:
     if options.shared_prefix > options.input_tokens:
         raise UsageError(f"--shared-prefix {options.shared_prefix} is longer than --input-tokens {options.input_tokens}")
     dists = options.input_dist or options.output_dist
-    if options.workload != "synthetic" and (dists or options.shared_prefix or options.multi_turn > 1):
+    if options.workload != "synthetic" and (dists or options.shared_prefix or options.multi_turn > 1
+                                            or options.agent_turns):
         raise UsageError(f"--{options.workload} gives the prompts and lengths: drop --input-dist, --output-dist, "
-                         "--shared-prefix and --multi-turn")
+                         "--shared-prefix, --multi-turn and --agent-turns")
     if options.workload == "trace" and options.rate:
         raise UsageError("--trace sends at the trace's own times: use --speed, not --rate")
     for dist, what in ((options.input_dist, "--input-dist"), (options.output_dist, "--output-dist")):
@@ -253,7 +272,25 @@ def check_options(options: BenchOptions) -> BenchOptions:
         raise UsageError("--multi-turn sends --input-tokens per turn: drop --input-dist/--output-dist")
     if options.multi_turn > 1 and options.endpoint != "chat":
         raise UsageError("--multi-turn needs --endpoint chat: a conversation is a list of chat messages")
-    return check_parts(check_pooling(options))
+    return check_parts(check_pooling(check_sessions(options)))
+
+
+def check_sessions(options: BenchOptions) -> BenchOptions:
+    """The options, when they fit agent sessions: chat, no other way of making prompts, the
+    generator's settings only with the generator, the shuffled control only with sessions."""
+    if options.agent_turns and (options.multi_turn > 1 or options.input_dist or options.shared_prefix):
+        raise UsageError("--agent-turns makes the sessions: a first message of --input-tokens, then tool results of "
+                         "--tool-tokens; drop --multi-turn, --input-dist and --shared-prefix")
+    if (options.tool_tokens or options.turn_gap_s) and not options.agent_turns:
+        raise UsageError("--tool-tokens and --turn-gap shape the synthetic sessions of --agent-turns: add it, or drop them")
+    if options.tool_tokens:
+        workloads.parse_distribution(options.tool_tokens, "--tool-tokens")
+    if options.shuffle_history and not options.sessions:
+        raise UsageError("--shuffle-history is the control of a sessions run: add --sessions, --agent-turns or --multi-turn")
+    if options.sessions and options.endpoint != "chat":
+        raise UsageError(f"--{'multi-turn' if options.multi_turn > 1 else 'sessions and --agent-turns'} need "
+                         "--endpoint chat: a session is a list of chat messages")
+    return options
 
 
 def check_pooling(options: BenchOptions) -> BenchOptions:
@@ -303,7 +340,11 @@ def describe_load(options: BenchOptions, n: int) -> str:
                 + (f", at most {c} in flight" if c else ""))
     else:
         load = f"closed loop, {c} in flight"
-    unit = f"conversations of {options.multi_turn} turns" if options.multi_turn > 1 else "requests"
+    unit = f"conversations of {options.multi_turn} turns" if options.multi_turn > 1 else \
+        f"agent sessions of {options.agent_turns} turns" if options.agent_turns else \
+        "sessions" if options.workload == "sessions" else "requests"
+    if options.shuffle_history:
+        unit += " (history shuffled: the control)"
     return load + (f", {n} {unit}" + (f" or {options.duration_s:g} s" if options.duration_s else "")
                    + (f", {options.warmup} warm-up" if options.warmup else ""))
 
@@ -324,7 +365,9 @@ def build_parser(sharded: bool = False):
     p.add_argument("--prompts", default="", help='JSONL of {"prompt": ...} or {"messages": [...]}, optional "output_tokens"')
     p.add_argument("--sharegpt", default="", help="ShareGPT conversations (JSON array or JSONL): every human turn, with its history")
     p.add_argument("--trace", default="", help="replay a Mooncake/BurstGPT JSONL trace at its own times (see --speed)")
-    p.add_argument("--speed", default="", help="trace replay speed: 2 = twice as fast (default 1)")
+    add_session_args(p)
+    p.add_argument("--speed", default="", help="trace replay speed, and what recorded session gaps are divided by: "
+                   "2 = twice as fast (default 1)")
     p.add_argument("--trace-block-tokens", default="", help="tokens per trace hash id (default 512, Mooncake's)")
     p.add_argument("--slo-ttft-p95-ms", default="", help="SLO: TTFT p95 at most this (else $SLO_TTFT_P95_MS)")
     p.add_argument("--slo-tpot-p95-ms", default="", help="SLO: TPOT p95 at most this (else $SLO_TPOT_P95_MS)")
@@ -366,6 +409,18 @@ def build_parser(sharded: bool = False):
     return p
 
 
+def add_session_args(p) -> None:
+    """The agent sessions' flags (rooflib/load/sessions.py)."""
+    p.add_argument("--sessions", default="", help="replay recorded agent sessions (JSONL of turns, rooflib/load/sessions.py): "
+                   "each turn resends the session's history; -n counts sessions")
+    p.add_argument("--agent-turns", default="", help="synthetic agent sessions of this many turns: a first message of "
+                   "--input-tokens, then a tool result of --tool-tokens every turn; -n counts sessions")
+    p.add_argument("--tool-tokens", default="", help="--agent-turns: each tool result's length, as --input-dist (default 256)")
+    p.add_argument("--turn-gap", default="", help="--agent-turns: seconds a session waits before each later turn (default 0)")
+    p.add_argument("--shuffle-history", action="store_true", help="the control of a sessions run: each turn's "
+                   "messages first, its history after them shuffled, so no prompt starts as the last one did")
+
+
 VERIFY_SAMPLE = 16
 
 
@@ -395,8 +450,9 @@ def verify_sample(counter: TokenCounter, load: workloads.Workload) -> list[str]:
 
 
 def build_workload(target: Target, options: BenchOptions,
-                   run_id: str) -> tuple[workloads.Workload, str, list[list[str]] | None]:
-    """The run's workload, its prompt-length source (for the report), and multi-turn texts."""
+                   run_id: str) -> tuple[workloads.Workload, str, list[list[sessions.Turn]] | None]:
+    """The run's workload, its prompt-length source (for the report), and the turns of its
+    sessions (agent sessions, --multi-turn)."""
     chat = APIS[options.endpoint].chat_template
     kind, dataset = options.workload, options.dataset
     out = options.output_tokens
@@ -414,6 +470,9 @@ def build_workload(target: Target, options: BenchOptions,
         counter = server_counter(http, target.model, chat) or fallback_counter()
         if not counter.exact:
             printing.progress(f"bench: the server has no /tokenize; prompt lengths by {counter.name}")
+        if kind == "sessions" or options.agent_turns:
+            load, turns = session_workload(options, calibrate_maker(counter, options.seed, run_id))
+            return load, counter.name, turns
         if kind == "trace":
             rows = workloads.read_trace(dataset)
             count = min(options.num_requests, len(rows)) if options.num_requests_given else len(rows)
@@ -443,17 +502,47 @@ def build_workload(target: Target, options: BenchOptions,
                              "use --input-tokens alone, or --prompts with your own texts")
     turns = None
     if options.multi_turn > 1:  # the conversations' texts, made now: each turn waits for the last answer
-        texts = [load.spec(i).prompt for i in range(load.count)]
-        turns = [texts[i:i + options.multi_turn] for i in range(0, len(texts), options.multi_turn)]
+        steps = [sessions.Turn((sessions.Message("user", spec.prompt, spec.prompt_tokens),), spec.output_tokens)
+                 for spec in map(load.spec, range(load.count))]
+        turns = [steps[i:i + options.multi_turn] for i in range(0, len(steps), options.multi_turn)]
         load = workloads.Workload("prompts", len(turns), out, options.seed, entries=[
-            workloads.Entry(prompt=t[0], prompt_tokens=options.input_tokens) for t in turns])
+            workloads.Entry(prompt=t[0].messages[0].content, prompt_tokens=options.input_tokens) for t in turns])
     return load, counter.name, turns
+
+
+def session_workload(options: BenchOptions,
+                     maker: workloads.PromptMaker | None) -> tuple[workloads.Workload, list[list[sessions.Turn]]]:
+    """Agent sessions, recorded (--sessions) or synthetic (--agent-turns), with their texts written
+    (`maker`: the words that are one token each; None when the tokenizer has too few): the
+    workload (one request per session, its first turn) and every session's turns."""
+    if maker is None:
+        raise UsageError("session messages of a chosen length cannot be written with this tokenizer (too few "
+                         "one-token words): give --sessions with \"content\" texts")
+    if options.workload == "sessions":
+        found = sessions.read_sessions(options.dataset, options.output_tokens)
+        found = [replace(s, turns=tuple(replace(t, gap_s=t.gap_s / options.speed) for t in s.turns)) for s in found]
+        count = options.num_requests if options.num_requests_given else len(found)
+    else:
+        found = sessions.synthetic(
+            options.warmup + options.num_requests, options.agent_turns, options.input_tokens,
+            workloads.parse_distribution(options.tool_tokens or "256", "--tool-tokens"),
+            workloads.parse_distribution(options.output_dist or str(options.output_tokens), "--output-dist"),
+            options.turn_gap_s, options.seed)
+        count = options.num_requests
+    turns = sessions.written(found, options.warmup + count, maker)
+    load = workloads.Workload("sessions", len(turns), options.output_tokens, options.seed, entries=[
+        workloads.Entry(messages=[m.as_chat() for m in t[0].messages], output_tokens=t[0].output_tokens)
+        for t in turns])
+    return load, turns
 
 
 def workload_identity(options: BenchOptions, load: workloads.Workload) -> dict[str, Any]:
     """What two runs must share to be compared (compare.py): requests, lengths, load shape."""
     identity = {k: getattr(options, k) for k in ("workload", "endpoint", "concurrency", "rate", "burstiness", "duration_s",
                                     "warmup", "multi_turn", "shared_prefix", "speed")}
+    # Agent sessions' settings only when set: the results saved before them compare as they did.
+    identity.update({k: getattr(options, k) for k in ("agent_turns", "tool_tokens", "turn_gap_s", "shuffle_history")
+                     if getattr(options, k)})
     identity["requests"] = load.count - options.warmup
     if options.shard:  # a part of the run: compared only once merged (merge.py drops this key)
         identity["shard"] = str(options.shard)
@@ -483,7 +572,7 @@ def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, qui
     run_id = shards.run_id(options.seed, options.start_at, options.shard.count) if options.shard \
         else f"{random.Random().getrandbits(32):08x}"
     load, prompt_source, turns = build_workload(target, options, run_id)
-    fit_warnings = check_fits(target, options, load)
+    fit_warnings = check_fits(target, options, load, turns)
     indices, plan = own_part(make_plan(target, options, load, turns, run_id), options.shard)
     config = run_config(options, load, target, prompt_source, run_id)
     probed = watch.probe(target.base_url, target.api_key, options.probe) if options.probe else None
@@ -513,6 +602,8 @@ def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, qui
                                    mixed or note or note_after, all_tokens, served)
     if before is not None and after is not None and first_sent is not None and options.prometheus:
         result["server"]["gpu_telemetry"] = gpu_side(options, before, after, during, target.base_url)
+    if result["sessions"] is not None:  # beside the perfect cache: the server's own hit rate over the run
+        result["sessions"]["server_hit_rate"] = (result["server"]["metrics"] or {}).get("prefix_cache_hit_rate")
     result["timeline"] = timeline.result(after) if timeline else None
     # A shard's server also serves the other shards: that traffic is the run's, not another's.
     result["warnings"] = fit_warnings + result["warnings"] + ([mixed] if mixed else []) + (
@@ -561,11 +652,14 @@ def server_view(target: Target, options: BenchOptions, result: dict[str, Any], d
     return server
 
 
-def check_fits(target: Target, options: BenchOptions, load: workloads.Workload) -> list[str]:
+def check_fits(target: Target, options: BenchOptions, load: workloads.Workload,
+               turns: list[list[sessions.Turn]] | None = None) -> list[str]:
     """A UsageError when the longest request (prompt + output) is over the model's max_model_len;
     with --over-limit, instead, the warning that says how many measured requests are over it (the
-    server should reject them)."""
+    server should reject them). Sessions (`turns`) are judged by their last turn's context."""
     max_len = target.info.get("max_model_len")
+    if turns is not None and options.multi_turn == 1:
+        return check_session_fits(max_len, options, turns)
     generates = APIS[options.endpoint].generates  # a pooling request's length is its text's
     longest = 0
     if load.input_dist and load.output_dist:
@@ -589,8 +683,23 @@ def check_fits(target: Target, options: BenchOptions, load: workloads.Workload) 
             f"{max_len} (prompt + output tokens), so they are expected to be rejected (--over-limit)"] if over else []
 
 
+def check_session_fits(max_len: int | None, options: BenchOptions, turns: list[list[sessions.Turn]]) -> list[str]:
+    """check_fits for agent sessions: those whose messages and answers (their lengths known) come to
+    more than max_model_len, the template's tokens aside."""
+    sizes = [sessions.context_tokens(t) for t in turns[options.warmup:]]
+    over = sum(1 for size in sizes if max_len and size is not None and size > max_len)
+    if not over:
+        return []
+    what = f"{over} of the {len(sizes)} sessions outgrow the model's max_model_len {max_len} (messages and answers " \
+           f"up to {max(size or 0 for size in sizes)} tokens)"
+    if not options.over_limit:
+        raise UsageError(f"{what}: use fewer turns, shorter --tool-tokens or --output-tokens, or pass --over-limit "
+                         "to measure how many turns the server rejects")
+    return [f"{what}, so their last turns are expected to be rejected (--over-limit)"]
+
+
 def make_plan(target: Target, options: BenchOptions, load: workloads.Workload,
-              turns: list[list[str]] | None, run_id: str) -> Plan:
+              turns: list[list[sessions.Turn]] | None, run_id: str) -> Plan:
     """What the runner sends: the requests made from the workload, with the load's shape; an
     open loop's arrivals are drawn here, once for the whole run, so that the parts of a run
     (--workers, --shard) send on one schedule."""
@@ -603,7 +712,7 @@ def make_plan(target: Target, options: BenchOptions, load: workloads.Workload,
                                                            options.burstiness, options.seed)
     start_at_ns = None if options.start_at is None else round(options.start_at * 1e9)
     return Plan(source, options.warmup, options.concurrency, options.duration_s,
-                turns, offsets, start_at_ns)
+                turns, offsets, start_at_ns, options.seed if options.shuffle_history else None)
 
 
 def run_load(plan: Plan, options: BenchOptions, hold: signals.SignalHold, timeline: watch.Timeline | None,

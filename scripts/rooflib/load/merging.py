@@ -95,7 +95,8 @@ def outcome_of(record: dict[str, Any], wall_minus_monotonic_ns: int) -> Recorded
         usage_reported=bool(record.get("usage_reported", True)), finish_reason=record.get("finish_reason"),
         cached_tokens=record.get("cached_tokens"), settled=True, requested_tokens=record.get("requested_tokens"),
         prompt_target=record.get("prompt_target"), reasoning_seen="reasoning_tokens" in record,
-        answer_at=record.get("answer_at"), items=record.get("items"), figures={**figures, "chunk_ms": chunk_ms})
+        answer_at=record.get("answer_at"), items=record.get("items"), perfect_tokens=record.get("perfect_tokens"),
+        figures={**figures, "chunk_ms": chunk_ms})
 
 
 def read_result(path: str) -> ShardResult:

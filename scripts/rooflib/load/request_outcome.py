@@ -44,6 +44,7 @@ class Outcome:
     reasoning_seen: bool = False
     answer_at: int | None = None  # index in token_times of the first answer (not reasoning) chunk
     items: int | None = None  # a pooling answer's embeddings or scores (score: the pairs)
+    perfect_tokens: int | None = None  # a session's turn: what a perfect prefix cache serves (sessions.py)
 
     @property
     def ok(self) -> bool:
@@ -115,7 +116,7 @@ class Outcome:
                round((self.sent_ns - self.scheduled_ns) / 1e6, 3),
                # What the analysis reads besides the times: a merge rebuilds the outcome from them.
                "requested_tokens": self.requested_tokens, "prompt_target": self.prompt_target,
-               "usage_reported": self.usage_reported, "items": self.items}
+               "usage_reported": self.usage_reported, "items": self.items, "perfect_tokens": self.perfect_tokens}
         if self.token_times:
             rec.update(ttft_ms=round(self.ttft_ms, 3), e2e_ms=round(self.e2e_ms, 3),
                        tpot_ms=None if self.tpot_ms is None else round(self.tpot_ms, 4),

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 from rooflib.core import printing, signals
 from rooflib.core.errors import ServerError
-from rooflib.load import apis, workloads
+from rooflib.load import apis, sessions, workloads
 from rooflib.load.analysis import EPOLL_ROUNDING_MS
 from rooflib.load.asyncclient import Client, Target, request_bytes
 from rooflib.load.request_outcome import Outcome, settle
@@ -68,20 +68,24 @@ class Plan:
     warmup: int
     concurrency: int | None
     duration_s: float | None = None
-    # Multi-turn chat: the user message of every turn of conversation i (requests[i] is its
-    # first turn); later turns carry the history, with the answers the server gave.
-    turns: list[list[str]] | None = None
+    # Sessions (--multi-turn, agent sessions): the turns of session i, each sent with the history
+    # (the earlier turns' messages and the answers the server gave); requests[i] stands for the session.
+    turns: list[list[sessions.Turn]] | None = None
     offsets_s: list[float] | None = None
     # The wall-clock time (ns since the epoch) the measured phase starts at (--start-at): after
     # the warm-up every part of the run waits for it, on whatever machine it runs.
     start_at_ns: int | None = None
+    # The shuffled control of sessions: each turn's messages first, the history after them in an
+    # order drawn from this seed (sessions.arranged); None: in order.
+    shuffle_seed: int | None = None
 
     def part(self, indices: list[int], concurrency: int | None) -> "Plan":
         """The requests (conversations) `indices` of this plan, sent with `concurrency` in flight."""
         return Plan(self.requests.subset(indices), sum(i < self.warmup for i in indices), concurrency,
                     self.duration_s,
                     None if self.turns is None else [self.turns[i] for i in indices],
-                    None if self.offsets_s is None else [self.offsets_s[i] for i in indices], self.start_at_ns)
+                    None if self.offsets_s is None else [self.offsets_s[i] for i in indices], self.start_at_ns,
+                    self.shuffle_seed)
 
 
 def share(plan: Plan, number: int, parts: int) -> tuple[list[int], Plan]:
@@ -163,25 +167,33 @@ class _Sending:
         self._done(outcome)
 
     async def conversation(self, index: int, scheduled_ns: int | None) -> None:
-        """The turns of one conversation, one after the other. Each answer is parsed at once
-        (it is part of the next prompt): a little loop time that single-turn runs do not spend."""
-        messages: list[dict[str, str]] = []
+        """The turns of one session, one after the other, each after its gap. Each answer is parsed
+        at once (it is part of the next prompt): a little loop time that single-turn runs do not spend."""
         source = self.plan.requests
-        first, spec = source.get(index)
-        for turn, text in enumerate(self.plan.turns[index]):
-            messages.append({"role": "user", "content": text})
-            request = first if turn == 0 else request_bytes(
-                source.target, source.path, {**apis.body(source.api, source.target.model, None, messages,
-                                                         spec.output_tokens), **source.extra},
-                f"bench-{source.run_id}-{source.index_of(index)}-{turn}")
+        session = source.index_of(index)
+        history: list[dict[str, str]] = []
+        before: list[dict[str, str]] | None = None  # the previous turn's messages and answer
+        before_tokens = None
+        for turn, step in enumerate(self.plan.turns[index]):
+            if turn and step.gap_s and not await self._until(time.perf_counter_ns() + int(step.gap_s * 1e9)):
+                return
+            added = [m.as_chat() for m in step.messages]
+            messages = sessions.arranged(history, added, self.plan.shuffle_seed, f"{session}/{turn}")
+            request = request_bytes(source.target, source.path, {**apis.body(
+                source.api, source.target.model, None, messages, step.output_tokens), **source.extra},
+                f"bench-{source.run_id}-{session}-{turn}")
             outcome = Outcome(index=index, turn=turn, warmup=index < self.plan.warmup,
-                              scheduled_ns=scheduled_ns if turn == 0 else None,
-                              requested_tokens=spec.output_tokens)
+                              scheduled_ns=scheduled_ns if turn == 0 else None, requested_tokens=step.output_tokens)
             settle(await self.client.send(outcome, request), source.api)
+            outcome.perfect_tokens = sessions.perfect_tokens(before, before_tokens, messages, outcome.prompt_tokens)
             self._done(outcome)
             if not outcome.ok or self.interrupt.is_set():
                 return
-            messages.append({"role": "assistant", "content": outcome.text})
+            answer = {"role": "assistant", "content": outcome.text}
+            history += [*added, answer]
+            before = [*messages, answer]
+            before_tokens = None if outcome.prompt_tokens is None or outcome.completion_tokens is None \
+                else outcome.prompt_tokens + outcome.completion_tokens
 
     async def closed_loop(self, indices: list[int], deadline_ns: int | None) -> None:
         queue = iter(indices)
@@ -353,7 +365,7 @@ class _Progress:
     """Prints how many requests are done, at most every 2 s and at the last one."""
 
     def __init__(self, plan: Plan):
-        self.total = len(plan.requests) * (len(plan.turns[0]) if plan.turns else 1)
+        self.total = sum(map(len, plan.turns)) if plan.turns else len(plan.requests)
         self.done = 0
         self.last = 0.0
 

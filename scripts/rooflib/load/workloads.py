@@ -241,6 +241,12 @@ class PromptMaker:
         salt_words = self.salt(salt)
         return self._join([self.head, *salt_words], tokens - self.overhead - len(salt_words))
 
+    def message(self, tokens: int, salt: int) -> str:
+        """`tokens` words, one token each after a space (a chat message's text): a unique salt
+        (`salt` in words), then filler."""
+        salt_words = self.salt(salt)[:tokens]
+        return self._join(salt_words, tokens - len(salt_words))
+
     def salt(self, index: int) -> list[str]:
         out = []
         while True:

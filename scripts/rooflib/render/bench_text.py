@@ -33,8 +33,32 @@ def human_text(result: dict[str, Any]) -> str:
                            ("answer_tokens", "answer tok")):
             lines.append(_row(label, reasoning[key]))
     lines.append(f"{'':-<72}")
+    if result.get("sessions"):
+        lines += session_lines(result["sessions"]) + [f"{'':-<72}"]
     lines += _client_lines(result) + _server_lines(result) + _verdict_lines(result)
     return "\n".join(lines)
+
+
+def session_lines(reuse: dict[str, Any]) -> list[str]:
+    """Prefix reuse by turn: the share of the prompt tokens a perfect prefix cache would serve
+    (all of the previous turn's prompt and answer) and the share the server said it served."""
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.1f}%"
+    lines = [f"Prefix reuse by turn, {reuse['sessions']} sessions (share of prompt tokens from the cache):",
+             f"{'turn':<6}{'n':>5}{'prompt mean':>12}{'perfect':>9}{'server':>9}{'of perfect':>11}{'TTFT p50/p95 ms':>18}"]
+    for row in [*reuse["by_turn"], reuse["total"]]:
+        ttft = row["ttft_ms"]
+        mean = None if row["prompt_tokens"] is None or not row["requests"] else row["prompt_tokens"] / row["requests"]
+        lines.append(f"{row['turn'] or 'all':<6}{row['requests']:>5}{printing.fmt_number(mean, 0):>12}"
+                     f"{share(row['perfect_share']):>9}{share(row['cached_share']):>9}{share(row['cached_of_perfect']):>11}"
+                     f"{printing.fmt_number(ttft['p50'], 1) + ' / ' + printing.fmt_number(ttft['p95'], 1):>18}")
+    if reuse["total"]["cached_tokens"] is None:
+        lines.append("server: no answer carried usage.prompt_tokens_details.cached_tokens (vLLM sends it with "
+                     "--enable-prompt-tokens-details)")
+    if reuse.get("server_hit_rate") is not None:
+        lines.append(f"{'Server prefix-cache hit rate:':<34}{share(reuse['server_hit_rate'])} over the run (/metrics), "
+                     f"perfect {share(reuse['total']['perfect_share'])}")
+    return lines
 
 
 def _summary_lines(result: dict[str, Any]) -> list[str]:
@@ -150,6 +174,10 @@ def workload_line(cfg: dict[str, Any]) -> str:
     documents = f", {cfg['documents']} documents per query" if cfg.get("documents") else ""
     if cfg["workload"] != "synthetic":
         return f"{cfg['workload']} {Path(cfg['dataset']).name}{documents}"
+    if cfg.get("agent_turns"):
+        return (f"first message {cfg['input_tokens']}, tool results {cfg['tool_tokens'] or 256} / output "
+                f"{cfg['output_dist'] or cfg['output_tokens']} tokens"
+                + (f", {cfg['turn_gap_s']:g} s between turns" if cfg["turn_gap_s"] else ""))
     if not analysis.generates(cfg):
         return f"texts of {cfg['input_dist'] or cfg['input_tokens']} tokens{documents}"
     return (f"prompt {cfg['input_dist'] or cfg['input_tokens']} / output {cfg['output_dist'] or cfg['output_tokens']} tokens"
