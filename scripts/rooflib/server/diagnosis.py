@@ -32,6 +32,7 @@ from dataclasses import asdict
 from typing import Any, Mapping, Sequence
 
 from rooflib.core import taskcall
+from rooflib.load.apis import APIS
 from rooflib.server.deployment import EXPORTED, INFERRED, UNKNOWN, Known, Served
 from rooflib.server.reading import Latency, Reading
 
@@ -46,7 +47,6 @@ LARGE_BATCH = 64            # running requests from which a smaller batch is a d
 KV_HEADROOM = 0.95          # the largest --gpu-memory-utilization a lever proposes
 KV_STEP = 0.03              # how far one lever raises it
 LIGHT_C, LIGHT_N = 2, 16    # a verify bench on a live server: light beside the users' traffic
-POOLING_ENDPOINTS = ("embeddings", "score")  # bench's APIs that answer once (rooflib/load/apis.py)
 
 # vLLM's own defaults for --max-num-seqs, smallest first (vllm/engine/arg_utils.py,
 # _set_default_max_num_seqs_and_batched_tokens_args: 128 per GPU on CPU-class platforms, 256 or
@@ -725,7 +725,7 @@ def verify(r: Reading, url: str | None, root: Mapping[str, Any] | None) -> list[
     server's flag, so both benches share it (the same workload, one the cache can serve); with
     unstable prompts the change is the client's, so only the second does, and compare names
     shared_prefix as the variable under test."""
-    pooling = r.endpoint in POOLING_ENDPOINTS  # one answer a request: no output length, no TTFT/TPOT target
+    pooling = r.endpoint in APIS and not APIS[r.endpoint].generates  # one answer: no output length, TTFT or TPOT
     variables: list[tuple[str, Any]] = [("INFER_URL", url)] if url else []
     if r.prompt_tokens_mean:
         variables.append(("BENCH_IN", max(1, round(r.prompt_tokens_mean))))
@@ -734,7 +734,7 @@ def verify(r: Reading, url: str | None, root: Mapping[str, Any] | None) -> list[
     variables += [("BENCH_C", LIGHT_C), ("BENCH_N", LIGHT_N)]
     if r.slo.given and not pooling:
         variables += [("SLO_TTFT_P95_MS", f"{r.slo.ttft_p95_ms:g}"), ("SLO_TPOT_P95_MS", f"{r.slo.tpot_p95_ms:g}")]
-    before = ["--endpoint", r.endpoint] if r.endpoint in ("chat", *POOLING_ENDPOINTS) else []
+    before = ["--endpoint", r.endpoint] if r.endpoint and r.endpoint != "completions" else []  # bench's default
     after, compare_flags = list(before), []
     shared = ["--shared-prefix", str(int(r.prompt_tokens_mean // 2))] if r.prompt_tokens_mean else []
     if shared and root and root["kind"] == "prefix_cache_off":
