@@ -193,3 +193,18 @@ def test_the_probes_own_loop_lag_is_said_beside_the_root_never_as_it():
     assert sizes["client"] > sizes["prefill"] == 140, sizes
     assert verdict.root is not None and verdict.root.segment == "prefill", examine.first_line(verdict)
     assert "client" in [found.segment for found in verdict.also]
+
+
+def test_the_engine_parts_never_outgrow_the_probe_request_they_divide():
+    """A 1 s delay in front; the window's engine TTFT mean (3.3 s: the users' requests stalled on a
+    busy machine) is longer than all the probe's own 1.72 s TTFT: queue and prefill share what the
+    probe's TTFT leaves after its head (about 710 ms) in the window's ratio, and the front holds most."""
+    made = facts("first-token", probed=probe([stream(head=1010.0, ttft=1720.0)] * 6, missing_ms=1000.0),
+                 targets=replace(TARGETS, ttft_p95_ms=800),
+                 eng=engine(ttft_mean=3300.0, ttft_p95=4000.0, queue_mean=330.0, prefill_mean=2970.0))
+    verdict = examine.decide(options("first-token"), made)
+    budget = verdict.budgets[0]
+    sizes = {s.name: s.size for s in budget.segments}
+    assert sum(sizes.values()) == pytest.approx(budget.value, abs=1.0), sizes
+    assert sizes["queue"] == pytest.approx(71.0, abs=1.0) and sizes["prefill"] == pytest.approx(639.0, abs=1.0)
+    assert verdict.root is not None and verdict.root.segment == "front", examine.first_line(verdict)

@@ -158,9 +158,10 @@ def test_a_healthy_server_has_no_root_cause(vllm_server):
 
 @pytest.mark.real_vllm
 def test_a_queue_behind_the_running_cap_names_the_cap(shaped):
-    """Six users of 450-word (about 790-token) prompts on a cap of 2: most of their first-token time
-    is the queue."""
-    with traffic(shaped.url, shaped.model, concurrency=6, prompt_words=450, output_tokens=16, think_s=0.05):
+    """Ten users of 450-word (about 790-token) prompts on a cap of 2: eight wait while two run, so
+    the queue is about four requests' service time against one prefill. (With six, one run in thirty
+    beside two busy loops measured a prefill larger than the queue.)"""
+    with traffic(shaped.url, shaped.model, concurrency=10, prompt_words=450, output_tokens=16, think_s=0.05):
         code, result = doctor(shaped.url, "--symptom", "first-token", "--slo-ttft-p95-ms", "500", "--window", WINDOW)
     segment, cause, owner, current, proposed = root_of(result)
     assert (code, segment, cause, owner) == (1, "queue", "running_limit", "--max-num-seqs"), result["first_line"]

@@ -120,6 +120,24 @@ def setup_ms(probe: Probe) -> float | None:
                    if r.new_ms is not None and r.reused_ms is not None])
 
 
+def engine_parts(e: Engine, room_ms: float) -> tuple[float | None, float | None, str]:
+    """The engine's queue and prefill within a probe request's TTFT: the window's means, or where
+    their sum is more than what the probe's own TTFT leaves after its head (the users' requests
+    took longer than the probe's, as a busy machine's stalls make them), that room split in the
+    window's ratio, so that the parts never outgrow the figure they divide."""
+    if e.ttft_mean is None:
+        return e.queue_mean, None, ""
+    queue = min(e.queue_mean or 0.0, e.ttft_mean) if e.queue_mean is not None else None
+    prefill = e.ttft_mean - (queue or 0.0)
+    room = max(0.0, room_ms)
+    if e.ttft_mean <= room:
+        return queue, prefill, ""
+    scale = room / e.ttft_mean if e.ttft_mean else 0.0
+    return (None if queue is None else queue * scale, prefill * scale,
+            f"; scaled to the probe's own {room:.0f} ms after its head (the window's engine TTFT mean, "
+            f"{e.ttft_mean:.0f} ms, is longer)")
+
+
 def first_token(f: Facts) -> Budget:
     streams = ok_streams(f.probe)
     e = f.engine
@@ -131,10 +149,9 @@ def first_token(f: Facts) -> Budget:
     front, front_how = front_ms(f.probe)
     streamed = [s for s in streams if not buffered(s)]
     head = median([s.head_ms for s in streamed])
-    queue = e.queue_mean
-    prefill = None if e.ttft_mean is None else max(0.0, e.ttft_mean - (queue or 0.0))
     setup = setup_ms(f.probe)
     route = None if head is None or front is None else head - front - (setup or 0.0)
+    queue, prefill, engine_how = engine_parts(e, ttft - (head if head is not None else (front or 0.0) + (setup or 0.0)))
     held = median([held_ms(s, head if head is not None else front, e.ttft_mean) for s in streams])
     client = None if held is None else min(max(held, 0.0), f.probe.loop_lag_p95_ms or 0.0)
     held = None if held is None else held - (client or 0.0)
@@ -145,8 +162,8 @@ def first_token(f: Facts) -> Budget:
              ("front", front, front_how),
              ("route", route, f"the inference route's head took {head or 0:.1f} ms, {route or 0:.1f} ms more than "
                               "what a missing route pays"),
-             ("queue", queue, "the engine's queue time over the window (its histogram's mean)"),
-             ("prefill", prefill, "the engine's TTFT less its queue time over the window"),
+             ("queue", queue, "the engine's queue time over the window (its histogram's mean)" + engine_how),
+             ("prefill", prefill, "the engine's TTFT less its queue time over the window" + engine_how),
              ("first_delivery", held, f"the first text came {ttft:.1f} ms after sending; the head and the engine's "
                                       f"mean TTFT ({e.ttft_mean or 0:.1f} ms) explain the rest"
                                       + (f"; {len(streams) - len(streamed)} of {len(streams)} streams came whole in "
