@@ -221,6 +221,7 @@ def assert_agrees(from_prometheus: dict, m: Measured, name: str) -> None:
                 from_prometheus["gen_tok_s"] * from_prometheus["seconds"])]
     for what, expected, got in counted:
         assert expected * (1 - 1e-9) <= got <= expected * stretch * (1 + 1e-9), (what, expected, got, stretch)
+    assert from_prometheus["endpoint"] == direct["endpoint"]  # the API server's requests by route
     for row in ("e2e_ms", "queue_ms", "ttft_ms"):
         if direct[row]["n"]:
             mean = direct[row]["mean"]
@@ -379,6 +380,10 @@ def fake_sglang_prometheus(labels: dict[str, str], asked: list[str], up: dict[st
             result = [{"metric": {"__name__": n}, "value": [0, "1"]} for n in SGLANG_NAMES]
         elif query.startswith("count by (job, instance"):
             result = rows(lambda f: 1)
+        elif query.startswith("sum by (endpoint, instance)"):  # requests by route: r1 chats, r2 embeds
+            result = [{"metric": {**labels, "endpoint": route, "instance": name}, "value": [0, str(n)]}
+                      for name, route, n in (("r1:30000", "/v1/chat/completions", 40),
+                                             ("r2:30000", "/v1/embeddings", 12), ("r2:30000", "/health", 7))]
         elif query.startswith("up{"):
             result = [{"metric": {"job": "sglang", "instance": n}, "value": [0, str(v)]} for n, v in up.items()]
         elif "by (instance)" in query or "le, instance" in query:
@@ -490,3 +495,19 @@ def test_russian_skill_links_the_same_prometheus_files():
     russian = (SKILLS / "roofline-perf-ru" / "references" / "prometheus.md").read_text(encoding="utf-8")
     for path in SHIPPED.iterdir():
         assert f"(../../roofline-perf/references/prometheus/{path.name})" in russian
+
+
+def test_requests_by_route_come_through_prometheus_per_replica():
+    """The API server's route counter (no model label) read by route and instance: the fleet's
+    endpoint is chat, a replica that served only embeddings is said to be pooling traffic."""
+    asked: list[str] = []
+    transport = httpx.MockTransport(fake_sglang_prometheus({"job": "sglang", "model_name": "qwen"}, asked))
+    snap = engine_metrics.prometheus_snapshot("http://prom:9090", 60, match='job="sglang"', transport=transport)
+    assert any(q.startswith('sum by (endpoint, instance) (increase(sglang:http_requests_total{job="sglang", endpoint=~"')
+               for q in asked), asked
+    assert (snap["counters"]["chat_requests"]["value"], snap["counters"]["embeddings_requests"]["value"]) == (40, 12)
+    assert "health_requests" not in snap["counters"]
+    by_replica = {r["fleet"]["instance"]: r["counters"] for r in snap["replicas"]}
+    assert by_replica["r1:30000"]["chat_requests"]["value"] == 40 and "embeddings_requests" not in by_replica["r1:30000"]
+    assert engine_metrics.report(snap)["endpoint"] == "chat"
+    assert engine_metrics.pooling_traffic(by_replica["r2:30000"]).requests == {"embeddings": 12}

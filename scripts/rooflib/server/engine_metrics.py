@@ -1030,16 +1030,41 @@ def prometheus_snapshot(base_url: str, seconds: float, match: str = "",
         each = fleet.each_value(prom, fleet.queries(chosen, kinds, QUANTILES, seconds, scope, per_instance=True))
         members = fleet.replicas(prom, _presence_metric(chosen), scope, seconds)
         configs = fleet.configs(prom, engine, names, scope, seconds)
+        routes = _route_counts(prom, engine, match, seconds)
     models = sorted({m.model for m in members if m.model})
     snap = _prometheus_figures(engine, prom.url, seconds, chosen, total, models)
+    _add_route_counts(snap, engine, {concept: sum(by.values()) for concept, by in routes.items()})
     snap["replicas"] = []
     for member in members:
         replica = _prometheus_figures(engine, member.instance, seconds, chosen, each.get(member.instance, {}),
                                       [member.model] if member.model else [])
+        _add_route_counts(replica, engine, {concept: by[member.instance] for concept, by in routes.items()
+                                            if member.instance in by})
         replica["fleet"] = {"instance": member.instance, "job": member.job, "model": member.model,
                             "state": member.state, "config": configs.get(member.instance, {})}
         snap["replicas"].append(replica)
     return snap
+
+
+def _route_counts(prom: fleet.Prometheus, engine: str, match: str, seconds: float) -> dict[str, dict[str, float]]:
+    """{concept: {instance: requests}} of the API server's requests by route over the range (the
+    ENDPOINTS this tool reads: chat, completions, the pooling APIs). The route counter carries the
+    scrape's labels (job, instance) but no engine or model label, so a --match on those finds none."""
+    metric, label = ENDPOINT_COUNTERS[engine]
+    sel = fleet.selector(match, **{label: "|".join(ENDPOINTS)})
+    counts: dict[str, dict[str, float]] = {}
+    for row in prom.query(f"sum by ({label}, instance) (increase({metric}{sel}[{fleet.range_of(seconds)}]))"):
+        concept, value = ENDPOINTS.get(row["metric"].get(label, "")), float(row["value"][1])
+        if concept and math.isfinite(value):
+            by = counts.setdefault(concept, {})
+            instance = row["metric"].get("instance", "")
+            by[instance] = by.get(instance, 0.0) + value
+    return counts
+
+
+def _add_route_counts(snap: dict[str, Any], engine: str, counts: Mapping[str, float]) -> None:
+    for concept, value in counts.items():
+        snap["counters"][concept] = {"metric": ENDPOINT_COUNTERS[engine][0], "value": value, "series": 1}
 
 
 def _presence_metric(chosen: dict[str, dict[str, str]]) -> str:
