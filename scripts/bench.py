@@ -57,7 +57,7 @@ Examples:
   bench.py --endpoint chat --sharegpt scripts/data/sharegpt-sample.json -c 4 --probe /health
   bench.py --trace scripts/data/trace-sample.jsonl --speed 2 --json > run.json
   bench.py --endpoint chat --agent-turns 10 --input-tokens 1024 --tool-tokens uniform:200,2000 -n 8 -c 4
-  bench.py --endpoint chat --sessions scripts/data/sessions-sample.jsonl --speed 4 -c 2 --json-out agents.json
+  bench.py --endpoint messages --sessions scripts/data/sessions-sample.jsonl --speed 4 -c 2 --json-out agents.json
   bench.py --endpoint chat --agent-turns 10 -n 8 -c 4 --shuffle-history     # the control: no history to reuse
   bench.py -n 1000 -c 64 --json-out run.json     # the table on stdout, the JSON document in run.json
   bench.py --input-dist lognormal:400,2000 --output-dist uniform:64,512 -n 200 -c 16

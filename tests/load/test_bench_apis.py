@@ -55,6 +55,13 @@ def _json(body: bytes, status: int = 200, complete: bool = True) -> http1.Respon
     ("embeddings", None, {"input": "hi", "encoding_format": "float"}),
     ("score", None, {"text_1": "hi", "text_2": ["d1", "d2"]}),
     ("chat", None, {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "max_tokens": 5}),
+    # A session's tool result: its own role in chat, a user message where the API's tool items need a tool call.
+    ("chat", [{"role": "tool", "content": "out"}], {"messages": [{"role": "tool", "content": "out"}]}),
+    ("responses", [{"role": "tool", "content": "out"}], {"input": [{"role": "user", "content": "out"}]}),
+    ("messages", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                  {"role": "tool", "content": "out"}],
+     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"},
+                   {"role": "user", "content": "out"}]}),
     ("completions", [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], {"prompt": "a\n\nb"}),
 ])
 def test_each_api_gets_its_own_body(api, messages, expected):
@@ -241,7 +248,7 @@ def test_a_server_without_the_api_says_so_in_the_first_error(capsys):
      "not --trace"),
     (["--endpoint", "score", "--documents", "0"], "--documents"),
     (["--endpoint", "embeddings", "--slo-latency-p95-ms", "-1"], "--slo-latency-p95-ms"),
-    (["--endpoint", "messages", "--multi-turn", "2"], "--multi-turn needs --endpoint chat"),
+    (["--endpoint", "embeddings", "--multi-turn", "2"], "need --endpoint chat, responses or messages"),
 ])
 def test_options_that_do_not_fit_the_api_are_one_line_usage_errors(argv, message, capsys):
     with fault_server(_recorded_api) as url:

@@ -334,3 +334,18 @@ def test_real_vllm_prefix_reuse_grows_with_the_turns_and_falls_when_shuffled(cac
     assert control["sessions"]["total"]["cached_share"] < 0.5 * in_order["sessions"]["total"]["cached_share"]
     # The server's own counters over the run say the same.
     assert control["sessions"]["server_hit_rate"] < in_order["sessions"]["server_hit_rate"]
+
+
+@pytest.mark.real_vllm
+@pytest.mark.parametrize("endpoint", ["responses", "messages"])
+def test_real_vllm_sessions_on_the_agents_apis_meet_the_cache(cached_vllm, capsys, endpoint):
+    """The same sessions on the APIs coding agents speak (Responses; Anthropic Messages, whose
+    usage says cache_read_input_tokens): each turn resends the history, tool results as user
+    messages, and later turns find more of it cached."""
+    code, result = _bench(capsys, "--url", cached_vllm.url, "--endpoint", endpoint, "--agent-turns", "4", "-n", "2",
+                          "-c", "2", "--input-tokens", "256", "--tool-tokens", "256", "--output-tokens", "16",
+                          "--seed", "8")
+    assert result["requests"]["completed"] == 8, result["requests"]["first_errors"]
+    cached = _shares(result, "cached_share")
+    assert cached[0] < 0.5 < cached[3] and cached[1] < cached[3], cached
+    assert all(row["cached_tokens"] <= row["perfect_tokens"] for row in result["sessions"]["by_turn"][1:])

@@ -60,6 +60,8 @@ def body(api: str, model: str, prompt: str | None, messages: list[dict[str, str]
         return {"model": model, "input": text, "encoding_format": "float"}
     if api == "score":
         return {"model": model, "text_1": text, "text_2": list(documents)}
+    if api in ("responses", "messages"):
+        chat = [as_user_if_tool(m) for m in chat]
     if api == "responses":
         return {"model": model, "input": chat if messages is not None else text, "max_output_tokens": output_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True, "store": False}
@@ -71,3 +73,10 @@ def body(api: str, model: str, prompt: str | None, messages: list[dict[str, str]
     generation = {"model": model, "max_tokens": output_tokens, "temperature": 0, "ignore_eos": True,
                   "stream": True, "stream_options": STREAM_OPTIONS}
     return {**generation, "messages": chat} if api == "chat" else {**generation, "prompt": text}
+
+
+def as_user_if_tool(message: dict[str, str]) -> dict[str, str]:
+    """A session's tool result as these APIs take plain text: a user message. Their own tool-result
+    items (Messages: a tool_result block; Responses: function_call_output) answer a tool call the
+    model made, which bench's forced-length answers never contain."""
+    return {**message, "role": "user"} if message["role"] == "tool" else message

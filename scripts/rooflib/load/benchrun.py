@@ -270,8 +270,6 @@ def check_options(options: BenchOptions) -> BenchOptions:
             workloads.parse_distribution(dist, what)
     if dists and options.multi_turn > 1:
         raise UsageError("--multi-turn sends --input-tokens per turn: drop --input-dist/--output-dist")
-    if options.multi_turn > 1 and options.endpoint != "chat":
-        raise UsageError("--multi-turn needs --endpoint chat: a conversation is a list of chat messages")
     return check_parts(check_pooling(check_sessions(options)))
 
 
@@ -287,9 +285,9 @@ def check_sessions(options: BenchOptions) -> BenchOptions:
         workloads.parse_distribution(options.tool_tokens, "--tool-tokens")
     if options.shuffle_history and not options.sessions:
         raise UsageError("--shuffle-history is the control of a sessions run: add --sessions, --agent-turns or --multi-turn")
-    if options.sessions and options.endpoint != "chat":
+    if options.sessions and not APIS[options.endpoint].chat_template:
         raise UsageError(f"--{'multi-turn' if options.multi_turn > 1 else 'sessions and --agent-turns'} need "
-                         "--endpoint chat: a session is a list of chat messages")
+                         "--endpoint chat, responses or messages: a session is a list of messages")
     return options
 
 
