@@ -39,6 +39,13 @@ reasoning/answer split of tokens and TPOT. /metrics is scraped every --timeline-
 it as `metrics --prometheus` reads them ("server"."gpu_telemetry": each GPU's activity, memory,
 power and clock, and the GPU findings), or the report says why there are none.
 
+Images (--endpoint chat; rooflib/load/images.py): --images N per request, each a generated PNG of
+--image-size WxH (different per request, deterministic by --seed) or your files from --image-dir
+(PNG/JPEG), sent as base64 data URLs in OpenAI `image_url` content parts. An image's tokens are the
+server's usage.prompt_tokens minus the text's, per image ("images"); TTFT is split by the server's
+means (its TTFT, queue, prefill) into outside the server, rendering (preprocessing), queue and
+prefill; --images 0 with the same flags is the text-only control.
+
 Beyond one machine's streams (its cores, open files, source ports): run the same command on N
 machines with --shard I/N and one --start-at; each sends its part of the run (requests I, I+N,
 ..., its share of the concurrency, the run's own send times), starts its measured requests at
@@ -59,6 +66,8 @@ Examples:
   bench.py --endpoint chat --agent-turns 10 --input-tokens 1024 --tool-tokens uniform:200,2000 -n 8 -c 4
   bench.py --endpoint messages --sessions scripts/data/sessions-sample.jsonl --speed 4 -c 2 --json-out agents.json
   bench.py --endpoint chat --agent-turns 10 -n 8 -c 4 --shuffle-history     # the control: no history to reuse
+  bench.py --endpoint chat --images 2 --image-size 448x448 --input-tokens 256 -n 32 -c 4
+  bench.py --endpoint chat --image-dir ./photos --input-tokens 64 --output-tokens 32 -n 64 -c 8
   bench.py -n 1000 -c 64 --json-out run.json     # the table on stdout, the JSON document in run.json
   bench.py --input-dist lognormal:400,2000 --output-dist uniform:64,512 -n 200 -c 16
   bench.py -n 256 -c 32 --prometheus http://prometheus:9090 --json-out run.json

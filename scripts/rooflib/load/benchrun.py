@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 from rooflib.core import cli, conf, http_client, printing, signals
 from rooflib.core.errors import EXIT_USAGE, ServerError, UsageError
-from rooflib.load import sessions, shards, workloads
+from rooflib.load import images, sessions, shards, workloads
 from rooflib.load.analysis import analyse
 from rooflib.load.apis import APIS
 from rooflib.load.asyncclient import Target
@@ -62,7 +62,7 @@ def server_side(delta: dict[str, Any] | None, note: str, completed_tokens: int, 
     generated = delta["counters"].get("generation_tokens", {}).get("value")
     keep = ("engine", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms", "prefill_ms", "decode_ms",
             "preemptions", "prefix_cache_hit_rate", "prompt_tokens", "running_peak", "waiting_peak",
-            "kv_cache_usage_max", "diagnosis", "warnings")
+            "kv_cache_usage_max", "multimodal_cache", "diagnosis", "warnings")
     figures = {key: report.get(key) for key in keep}
     figures["generation_tokens"] = generated
 
@@ -123,6 +123,7 @@ class BenchOptions:
     tool_tokens: str | None = None     # their tool results' lengths, a distribution (--tool-tokens; default 256)
     turn_gap_s: float = 0.0            # their wait before each later turn (--turn-gap)
     shuffle_history: bool = False      # the shuffled control of sessions (--shuffle-history)
+    images: images.ImageOptions = images.ImageOptions()  # chat prompts with images (--images, rooflib/load/images.py)
 
     @property
     def sessions(self) -> bool:
@@ -143,7 +144,7 @@ class BenchOptions:
                 "probe": self.probe, "endpoint": self.endpoint, "workload": self.workload, "dataset": self.dataset,
                 "input_dist": self.input_dist, "output_dist": self.output_dist, "log": self.log,
                 "over_limit": self.over_limit, "prometheus": self.prometheus,
-                "shard": None if self.shard is None else str(self.shard),
+                "shard": None if self.shard is None else str(self.shard), "images": self.images.recorded(),
                 "start_at": None if self.start_at is None else shards.iso(self.start_at), "records": self.records,
                 "agent_turns": self.agent_turns or None, "tool_tokens": self.tool_tokens,
                 "turn_gap_s": self.turn_gap_s or None, "shuffle_history": self.shuffle_history}
@@ -178,7 +179,7 @@ def as_flags(options: BenchOptions) -> list[str]:
              ("--turn-gap", options.turn_gap_s or None)]
     flags = [part for flag, value in pairs if value is not None for part in (flag, str(value))]
     return flags + (["--over-limit"] if options.over_limit else []) + (
-        ["--shuffle-history"] if options.shuffle_history else [])
+        ["--shuffle-history"] if options.shuffle_history else []) + options.images.flags()
 
 
 def make_options(args: Any, settings: conf.Settings) -> BenchOptions:
@@ -238,7 +239,8 @@ def read_options(args: Any, settings: conf.Settings) -> BenchOptions:
         agent_turns=cli.number("--agent-turns", args.agent_turns, int, 1, 1000, default=0),
         tool_tokens=args.tool_tokens or None,
         turn_gap_s=cli.number("--turn-gap (s)", args.turn_gap, float, 0, 86400, default=0.0),
-        shuffle_history=args.shuffle_history)
+        shuffle_history=args.shuffle_history,
+        images=images.read_options(args.images, args.image_size, args.image_dir))
 
 
 def parse_extra_body(text: str) -> dict[str, Any]:
@@ -270,6 +272,7 @@ def check_options(options: BenchOptions) -> BenchOptions:
             workloads.parse_distribution(dist, what)
     if dists and options.multi_turn > 1:
         raise UsageError("--multi-turn sends --input-tokens per turn: drop --input-dist/--output-dist")
+    images.check(options.images, options.endpoint, options.sessions)
     return check_parts(check_pooling(check_sessions(options)))
 
 
@@ -364,6 +367,7 @@ def build_parser(sharded: bool = False):
     p.add_argument("--sharegpt", default="", help="ShareGPT conversations (JSON array or JSONL): every human turn, with its history")
     p.add_argument("--trace", default="", help="replay a Mooncake/BurstGPT JSONL trace at its own times (see --speed)")
     add_session_args(p)
+    images.add_args(p)
     p.add_argument("--speed", default="", help="trace replay speed, and what recorded session gaps are divided by: "
                    "2 = twice as fast (default 1)")
     p.add_argument("--trace-block-tokens", default="", help="tokens per trace hash id (default 512, Mooncake's)")
@@ -546,6 +550,7 @@ def workload_identity(options: BenchOptions, load: workloads.Workload) -> dict[s
         identity["shard"] = str(options.shard)
     identity["extra_body"] = options.extra_body or None
     identity["documents"] = options.documents or None
+    identity.update({"images": options.images.recorded()} if options.images.given else {})  # as agent_turns
     if options.workload == "synthetic":
         identity["input_tokens"] = options.input_dist or options.input_tokens
         identity["output_tokens"] = options.output_dist or options.output_tokens
@@ -603,6 +608,7 @@ def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, qui
     if result["sessions"] is not None:  # beside the perfect cache: the server's own hit rate over the run
         result["sessions"]["server_hit_rate"] = (result["server"]["metrics"] or {}).get("prefix_cache_hit_rate")
     result["timeline"] = timeline.result(after) if timeline else None
+    result["images"] = images.section(options.images, run.outcomes, result["ttft_ms"], result["server"]["metrics"])
     # A shard's server also serves the other shards: that traffic is the run's, not another's.
     result["warnings"] = fit_warnings + result["warnings"] + ([mixed] if mixed else []) + (
         [] if options.shard else other_traffic(result["server"]["metrics"], all_tokens))
@@ -701,7 +707,8 @@ def make_plan(target: Target, options: BenchOptions, load: workloads.Workload,
     """What the runner sends: the requests made from the workload, with the load's shape; an
     open loop's arrivals are drawn here, once for the whole run, so that the parts of a run
     (--workers, --shard) send on one schedule."""
-    source = RequestSource(load, target, options.endpoint, options.extra_body, run_id, options.documents)
+    source = RequestSource(load, target, options.endpoint, options.extra_body, run_id, options.documents,
+                           images=images.source(options.images, options.seed))
     offsets = load.offsets_s(options.speed)
     if offsets is not None and options.warmup < len(offsets):
         offsets = [o - offsets[options.warmup] for o in offsets]

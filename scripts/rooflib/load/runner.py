@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 from rooflib.core import printing, signals
 from rooflib.core.errors import ServerError
-from rooflib.load import apis, sessions, workloads
+from rooflib.load import apis, images, sessions, workloads
 from rooflib.load.analysis import EPOLL_ROUNDING_MS
 from rooflib.load.asyncclient import Client, Target, request_bytes
 from rooflib.load.request_outcome import Outcome, settle
@@ -34,6 +34,7 @@ class RequestSource:
     run_id: str
     documents: int = 0        # score: the documents paired with each request's text
     indices: list[int] | None = None  # a worker's share of the workload
+    images: images.ImageSource | None = None  # chat: the images each request carries (--images)
 
     def __len__(self) -> int:
         return self.workload.count if self.indices is None else len(self.indices)
@@ -51,11 +52,14 @@ class RequestSource:
         spec = self.workload.spec(index)
         documents = [self.workload.document(index, k, self.documents) for k in range(self.documents)]
         body = apis.body(self.api, self.target.model, spec.prompt, spec.messages, spec.output_tokens, documents)
+        if self.images is not None:
+            body = images.with_images(body, self.images.parts(index))
         return request_bytes(self.target, self.path, {**body, **self.extra}, f"bench-{self.run_id}-{index}"), spec
 
     def subset(self, indices: list[int]) -> "RequestSource":
         mine = indices if self.indices is None else [self.indices[i] for i in indices]
-        return RequestSource(self.workload, self.target, self.api, self.extra, self.run_id, self.documents, mine)
+        return RequestSource(self.workload, self.target, self.api, self.extra, self.run_id, self.documents, mine,
+                             self.images)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any
 
 from rooflib.core import fileio, printing
 from rooflib.core.errors import EXIT_OK
-from rooflib.load import analysis
+from rooflib.load import analysis, images
 from rooflib.load.benchrun import TEMPLATE
 from rooflib.server import diagnosis, gpu_telemetry
 
@@ -35,6 +35,8 @@ def human_text(result: dict[str, Any]) -> str:
     lines.append(f"{'':-<72}")
     if result.get("sessions"):
         lines += session_lines(result["sessions"]) + [f"{'':-<72}"]
+    if result.get("images"):
+        lines += images.summary(result["images"]) + [f"{'':-<72}"]
     lines += _client_lines(result) + _server_lines(result) + _verdict_lines(result)
     return "\n".join(lines)
 
