@@ -13,7 +13,7 @@ Cache dir: $ROOFLINE_CACHE_DIR, default ~/.cache/roofline.
 
 Examples:
   setup_cpu_vllm.py                 # venv + tiny-qwen3
-  setup_cpu_vllm.py --models tiny-qwen3 tiny-llama tiny-gemma3 tiny-deepseek tiny-qwen3-trained tiny-bert tiny-llava
+  setup_cpu_vllm.py --models tiny-qwen3 tiny-llama tiny-gemma3 tiny-deepseek tiny-qwen3-trained tiny-bert tiny-blip2
   setup_cpu_vllm.py --json          # {"python": ..., "models": {...}}
 
 Exit codes: 0 ready, 2 usage error, 3 the install or a model build failed.

@@ -24,16 +24,16 @@ Architectures (attention kinds vLLM accounts differently in its KV cache):
   llama     MHA, 3 layers, 4 KV heads, head_dim 64
   gemma3    GQA with sliding-window layers (window 128, every 6th layer global)
   deepseek  DeepSeek-V2 style MLA (kv_lora_rank 64, qk_rope_head_dim 16)
-  llava     a LLaVA vision-language model (LlavaForConditionalGeneration): a CLIP vision tower
-            (2 layers, hidden 64, 112x112 images in 14x14 patches) and a 2-layer MLP projector before
-            the llama text model; the processor (CLIPImageProcessor + the tokenizer, an `<image>`
-            token) and a chat template that puts `<image>` where an OpenAI `image_url` content part
-            is. Each image costs (112/14)^2 = 64 prompt tokens (the CLS feature is dropped, strategy
-            "default"). The projector's output keeps the speaker dimension, so the image tokens do not
-            break the always-speaks construction. The CPU build of vLLM 0.32.0 cannot serve it: its
-            llava.py imports pixtral.py, whose transformers image processor imports torchvision, and
-            PyPI's torchvision does not load with torch 2.13.0+cpu (`operator torchvision::nms does not
-            exist`), so the set-up removes it. A vLLM with a matching torchvision (the GPU builds) can.
+  blip2     a BLIP-2 vision-language model (Blip2ForConditionalGeneration): a vision tower (2 layers,
+            hidden 64, 112x112 images in 14x14 patches), a 1-layer Q-Former of 32 queries and a
+            projection before the llama text model; its processor (BlipImageProcessor + the
+            tokenizer, an `<image>` token) and a chat template that takes OpenAI content parts. Each
+            image costs num_query_tokens = 32 prompt tokens, which vLLM inserts at the prompt's start;
+            vLLM takes one image per prompt. The projection's output keeps the speaker dimension, so
+            the image tokens do not break the always-speaks construction. Chosen because the CPU build
+            of vLLM 0.32.0 serves it: LLaVA, PaliGemma, Qwen2-VL and Gemma 3 reach torchvision there
+            (llava.py and vision.py import pixtral.py, whose transformers image processor imports it),
+            and PyPI's torchvision does not load with torch 2.13.0+cpu, so the set-up removes it.
   bert      a BERT encoder (BertModel, 2 layers, hidden 256, 4,096 positions): a pooling model, no
             KV cache; vLLM serves it with CLS pooling for /v1/embeddings and /score (cosine of two
             embeddings) and /rerank. It generates nothing, so the always-speaks construction does not apply.
@@ -43,7 +43,7 @@ Examples:
   tiny_model.py --arch llama --out /tmp/tiny-llama
   tiny_model.py --out /tmp/tiny-trained --train-steps 80
   tiny_model.py --arch bert --out ~/.cache/roofline/models/v2/tiny-bert
-  tiny_model.py --arch llava --out ~/.cache/roofline/models/v2/tiny-llava
+  tiny_model.py --arch blip2 --out ~/.cache/roofline/models/v2/tiny-blip2
 
 Exit codes: 0 built (or already there), 2 usage error.
 """
@@ -65,9 +65,10 @@ SEED = 1234
 # others after the norm; it reads about 0.45-0.7 after the final norm, whatever the input), and
 # the output weight that puts the textless logits about 90-140 below zero.
 SPEAKER_DIM = 0
-# The LLaVA model's image: its size, its patch, and the token its processor expands per image.
+# The BLIP-2 model's image: its size, its patch, the queries that stand for it in the prompt, its token.
 IMAGE_SIZE = 112
 PATCH_SIZE = 14
+QUERY_TOKENS = 32
 IMAGE_TOKEN = "<image>"
 SPEAKER_VALUE = 0.1
 SILENCE_WEIGHT = -200.0
@@ -116,12 +117,12 @@ For each function call, return a json object with function name and arguments wi
 {% endif %}"""
 
 
-# The content of one message, for the LLaVA model: a string, or OpenAI content parts whose images
-# (vLLM passes an `image_url` part to the template as {"type": "image"}) become the image token.
-# A template that loops over message.content makes vLLM give it the parts ("openai" format).
+# The content of one message, for the BLIP-2 model: a string, or OpenAI content parts, of which the
+# template writes the texts (a template that loops over message.content makes vLLM give it the parts,
+# its "openai" format); vLLM puts each image's query tokens at the prompt's start itself.
 CONTENT = ("{%- if message.content is string %}{{ message.content }}{%- else %}"
-           "{%- for part in message.content %}{%- if part.type in ('image', 'image_url') %}" + IMAGE_TOKEN +
-           "{%- elif part.type == 'text' %}{{ part.text }}{%- endif %}{%- endfor %}{%- endif %}")
+           "{%- for part in message.content %}{%- if part.type == 'text' %}{{ part.text }}{%- endif %}"
+           "{%- endfor %}{%- endif %}")
 VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}",
                                           "{% else %}<|im_start|>{{ message.role }}\n" + CONTENT)
 assert VLM_CHAT_TEMPLATE != CHAT_TEMPLATE
@@ -269,8 +270,8 @@ def train(model, tokenizer, textless: list[int], steps: int, batch: int = 16, se
     return loss
 
 
-def build_llava(out: Path) -> None:
-    """The LLaVA model (see the module's docstring): a speaking llama text model inside it, the
+def build_blip2(out: Path) -> None:
+    """The BLIP-2 model (see the module's docstring): a speaking llama text model inside it, the
     processor saved beside it."""
     import torch
     import transformers
@@ -278,28 +279,24 @@ def build_llava(out: Path) -> None:
     tokenizer = build_tokenizer(out, [IMAGE_TOKEN], VLM_CHAT_TEMPLATE)
     text_config = make_config("llama", tokenizer)
     text_config.architectures = ["LlamaForCausalLM"]
-    vision = transformers.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                           num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
-                                           projection_dim=64)
-    config = transformers.LlavaConfig(vision_config=vision, text_config=text_config,
-                                      image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-                                      vision_feature_select_strategy="default", vision_feature_layer=-1,
-                                      projector_hidden_act="gelu", tie_word_embeddings=False)
+    tower = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2)
+    vision = transformers.Blip2VisionConfig(num_hidden_layers=2, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, **tower)
+    qformer = transformers.Blip2QFormerConfig(num_hidden_layers=1, encoder_hidden_size=64, vocab_size=VOCAB_SIZE, **tower)
+    config = transformers.Blip2Config(vision_config=vision.to_dict(), qformer_config=qformer.to_dict(),
+                                      text_config=text_config.to_dict(), num_query_tokens=QUERY_TOKENS,
+                                      image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+    config.text_config.architectures = ["LlamaForCausalLM"]
     text = transformers.AutoModelForCausalLM.from_config(text_config, dtype=torch.float32)
     make_speaking(text, textless_ids(tokenizer))
-    model = transformers.LlavaForConditionalGeneration(config)
-    model.model.language_model.load_state_dict(text.model.state_dict())
-    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    model = transformers.Blip2ForConditionalGeneration(config)
+    model.language_model.load_state_dict(text.state_dict())
     with torch.no_grad():  # an image token's embedding carries the speaker value too
-        projector = model.model.multi_modal_projector.linear_2
-        projector.weight[SPEAKER_DIM, :] = 0.0
-        projector.bias[SPEAKER_DIM] = SPEAKER_VALUE
+        model.language_projection.weight[SPEAKER_DIM, :] = 0.0
+        model.language_projection.bias[SPEAKER_DIM] = SPEAKER_VALUE
     model.to(torch.bfloat16).save_pretrained(out)
-    size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    images = transformers.CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size=size)
-    transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH_SIZE,
-                                vision_feature_select_strategy="default", image_token=IMAGE_TOKEN,
-                                num_additional_image_tokens=1, chat_template=VLM_CHAT_TEMPLATE).save_pretrained(out)
+    images = transformers.BlipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    transformers.Blip2Processor(image_processor=images, tokenizer=tokenizer, num_query_tokens=QUERY_TOKENS,
+                                chat_template=VLM_CHAT_TEMPLATE).save_pretrained(out)
 
 
 def build(out: Path, arch: str, train_steps: int) -> None:
@@ -307,8 +304,8 @@ def build(out: Path, arch: str, train_steps: int) -> None:
     import transformers
 
     torch.manual_seed(SEED)
-    if arch == "llava":
-        build_llava(out)
+    if arch == "blip2":
+        build_blip2(out)
         return
     tokenizer = build_tokenizer(out)
     config = make_config(arch, tokenizer)
@@ -328,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder to write the model to")
-    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "gemma3", "deepseek", "bert", "llava"])
+    p.add_argument("--arch", default="qwen3", choices=["qwen3", "llama", "gemma3", "deepseek", "bert", "blip2"])
     p.add_argument("--train-steps", type=int, default=0, help="AdamW steps on local text (0: random weights)")
     p.add_argument("--force", action="store_true", help="rebuild even if the folder holds a model")
     args = p.parse_args(argv)
@@ -339,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.train_steps < 0:
         print("error: --train-steps must be >= 0", file=sys.stderr)
         return 2
-    if args.train_steps and args.arch in ("bert", "llava"):
+    if args.train_steps and args.arch in ("bert", "blip2"):
         print(f"error: --train-steps trains a language model: the {args.arch} model is built untrained", file=sys.stderr)
         return 2
     tmp = out.with_name(out.name + ".partial")

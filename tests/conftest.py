@@ -1,7 +1,8 @@
 """Shared fixtures. The real-engine fixtures start one CPU vLLM and one CPU SGLang per test session.
 
 Tests that need a real engine take `vllm_server` (the default cpu-tiny server), `vllm_pooling_server`
-(cpu-tiny-pooling, a tiny encoder for embeddings and score) or use
+(cpu-tiny-pooling, a tiny encoder for embeddings and score), `vllm_vlm_server` (cpu-tiny-vlm, a
+tiny BLIP-2 model for chat with an image) or use
 `vllm_factory` for one with other flags (`with vllm_factory(sets=["max_num_seqs=2"]) as srv:`);
 for SGLang `sglang_server` (cpu-tiny-sglang) and `sglang_factory`. When the engine cannot be
 started, they skip with one line locally and FAIL under CI=true: in CI the real-server tests must run.
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sglang_server import running_sglang
-from vllm_server import ServerUnavailable, running_vllm, running_vllm_pooling, task_exe
+from vllm_server import ServerUnavailable, running_vllm, running_vllm_pooling, running_vllm_vlm, task_exe
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # The markers of tests against a real engine (pyproject.toml), and how a failure names them.
@@ -68,6 +69,13 @@ def vllm_server(tmp_path_factory):
 def vllm_pooling_server(tmp_path_factory):
     """The cpu-tiny-pooling profile (a tiny BERT encoder) served by a real vLLM: embeddings and score."""
     with _started(tmp_path_factory.mktemp("vllm-pooling"), running_vllm_pooling) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def vllm_vlm_server(tmp_path_factory):
+    """The cpu-tiny-vlm profile (a tiny BLIP-2 model) served by a real vLLM: chat with an image."""
+    with _started(tmp_path_factory.mktemp("vllm-vlm"), running_vllm_vlm) as server:
         yield server
 
 

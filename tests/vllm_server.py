@@ -83,6 +83,14 @@ def running_vllm_pooling(log_dir: Path) -> Iterator[Server]:
 
 
 @contextmanager
+def running_vllm_vlm(log_dir: Path) -> Iterator[Server]:
+    """A real vLLM serving the tiny BLIP-2 model (profile cpu-tiny-vlm): chat with an image."""
+    setup(["tiny-blip2"])
+    with serving("cpu-tiny-vlm", [], log_dir, "vLLM", "tiny-blip2", None, STARTUP_TIMEOUT_S) as server:
+        yield server
+
+
+@contextmanager
 def serving(profile: str, sets: Sequence[str], log_dir: Path, engine: str, model: str,
             env: dict[str, str] | None, startup_timeout_s: float) -> Iterator[Server]:
     """`task serve` of `profile` with `sets` on a free port, until the block ends; the port is

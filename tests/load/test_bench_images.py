@@ -1,20 +1,17 @@
 """bench's image prompts (rooflib/load/images.py): the generated PNG, the request body, the user's
-files, usage errors, and a run against a fake chat server that counts an image as the tiny LLaVA
-model does ((image_size / patch_size)^2 tokens, from the model's config).
+files, usage errors, a run against a fake chat server that counts an image as the tiny BLIP-2 model
+does, and the real CPU vLLM serving that model (profile cpu-tiny-vlm): an image costs the model's
+num_query_tokens, read from its config.
 
-No real vLLM serves the images here: the CPU build of vLLM 0.32.0 that the project installs cannot
-import any vision-language model (llava.py, and paligemma.py through vision.py, import pixtral.py,
-whose transformers image processor imports torchvision; qwen2_vl, qwen2_5_vl, qwen3_vl, gemma3_mm
-and llava_next import it themselves), and the set-up removes torchvision because PyPI's builds do
-not match torch 2.13.0+cpu (`operator torchvision::nms does not exist`). The tiny LLaVA model is
-checked instead with the engine's transformers: its processor expands one image to the tokens its
-config says, in the chat template bench's requests go through."""
+Why BLIP-2 (scripts/tiny_model.py): the CPU build of vLLM 0.32.0 cannot import LLaVA, PaliGemma,
+Qwen2-VL or Gemma 3 (llava.py, and paligemma.py through vision.py, import pixtral.py, whose
+transformers image processor imports torchvision; the others import it themselves), and the set-up
+removes torchvision because PyPI's builds do not load with torch 2.13.0+cpu."""
 from __future__ import annotations
 
 import base64
 import json
 import struct
-import subprocess
 import zlib
 from pathlib import Path
 
@@ -24,9 +21,10 @@ from fault_server import Action, as_json, chunks, fault_server, response, sse, w
 
 from rooflib.load import images, runner, workloads
 from rooflib.load.asyncclient import Target
+from rooflib.serving import engine_setup
 
-# The tiny LLaVA model's image: 112 x 112 pixels in 14 x 14 patches (scripts/tiny_model.py).
-TOKENS_PER_IMAGE = (112 // 14) ** 2
+# The tiny BLIP-2 model's image: its Q-Former's 32 queries (scripts/tiny_model.py), for the fake server.
+TOKENS_PER_IMAGE = 32
 
 
 def png_header(data: bytes) -> tuple[int, int, int, int]:
@@ -120,7 +118,7 @@ def test_image_options_that_do_not_fit_are_one_line_usage_errors(argv, message, 
 
 
 def _vlm_chat(request) -> Action | None:
-    """A chat server that counts as the tiny LLaVA model: the text's words (the fake /tokenize's
+    """A chat server that counts as the tiny BLIP-2 model: the text's words (the fake /tokenize's
     count) and TOKENS_PER_IMAGE for each image part, which must be a PNG data URL."""
     if request.path != "/v1/chat/completions":
         return None
@@ -179,46 +177,48 @@ def test_the_console_says_what_an_image_costs(capsys):
 
 
 def test_the_ttft_split_adds_up_from_the_servers_means():
-    split = images.ttft_split({"mean": 50.0}, {"ttft_ms": {"mean": 40.0}, "queue_ms": {"mean": 5.0},
+    split = images.ttft_split(50.0, {"ttft_ms": {"mean": 40.0}, "queue_ms": {"mean": 5.0},
                                                "prefill_ms": {"mean": 20.0}})
     assert split == {"client_ttft_ms": 50.0, "server_ttft_ms": 40.0, "queue_ms": 5.0, "prefill_ms": 20.0,
                      "rendering_ms": 15.0, "outside_server_ms": 10.0}
-    assert images.ttft_split({"mean": 50.0}, None) is None
+    assert images.ttft_split(50.0, None) is None
 
 
 # ---------------------------------------------------------------------------------------------
-# The tiny LLaVA model, with the engine's transformers (no vLLM serving: see the module's docstring)
+# The real CPU vLLM serving the tiny BLIP-2 model (one image per prompt)
 
-CHECK_PROCESSOR = r"""
-import io, json, sys
-from pathlib import Path
-from PIL import Image
-from transformers import AutoProcessor
-folder, png = Path(sys.argv[1]), Path(sys.argv[2]).read_bytes()
-config = json.loads((folder / "config.json").read_text())
-processor = AutoProcessor.from_pretrained(folder)
-text = "time year people way day"
-def count(content, images):
-    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    return len(processor(text=prompt, images=images or None)["input_ids"][0])
-image = Image.open(io.BytesIO(png))
-parts = [{"type": "image_url", "image_url": {"url": "data:,"}}] * 2 + [{"type": "text", "text": text}]
-print(json.dumps({"text": count([{"type": "text", "text": text}], []), "two_images": count(parts, [image, image]),
-                  "vision": config["vision_config"], "size": image.size}))
-"""
+def _real(url: str, capsys, *argv: str) -> tuple[int, dict]:
+    code = bench.main(["--url", url, "--json", "--timeline-interval", "0", "--endpoint", "chat", "-n", "6", "-c", "2",
+                       "--warmup", "1", "--input-tokens", "64", "--output-tokens", "8", *argv])
+    out, err = capsys.readouterr()
+    assert out.strip(), err
+    result = json.loads(out)
+    assert code in (0, 4), result["verdict_reasons"]  # 4: this busy machine may stall the client
+    assert result["requests"]["completed"] == 6 and result["requests"]["failed"] == 0, result["requests"]["first_errors"]
+    return code, result
 
 
 @pytest.mark.real_vllm
-def test_the_tiny_llava_model_counts_an_image_as_its_config_says(tmp_path):
-    from vllm_server import setup
+def test_real_vllm_counts_an_image_as_its_config_says(vllm_vlm_server, capsys, tmp_path):
+    config = json.loads((engine_setup.model_dir("tiny-blip2") / "config.json").read_text())
+    per_image = config["num_query_tokens"]  # vLLM's blip2.py: the queries stand for the image in the prompt
+    _, result = _real(vllm_vlm_server.url, capsys, "--images", "1", "--image-size", "448x448")
+    section = result["images"]
+    assert section["text_tokens_mean"] == 64 and section["server_prompt_tokens_mean"] == 64 + per_image
+    assert section["image_tokens_per_image"] == {"mean": per_image, "min": per_image, "max": per_image, "n": 6}
+    # Every image (warm-up included) was looked up in the processor cache; each was new.
+    assert (section["multimodal_cache"]["queries"], section["multimodal_cache"]["hits"]) == (7, 0)
+    split = section["ttft_split"]
+    assert split is not None and split["prefill_ms"] > 0 and split["server_ttft_ms"] > 0
+    assert result["server"]["metrics"]["prompt_tokens"] == 7 * (64 + per_image)
 
-    found = setup(["tiny-llava"])
-    (tmp_path / "image.png").write_bytes(images.png(300, 200, "0-0-0"))
-    result = subprocess.run([found["python"], "-c", CHECK_PROCESSOR, found["models"]["tiny-llava"],
-                             str(tmp_path / "image.png")], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
-    got = json.loads(result.stdout.strip().splitlines()[-1])
-    vision = got["vision"]
-    per_image = (vision["image_size"] // vision["patch_size"]) ** 2  # the CLS feature is dropped ("default")
-    assert per_image == TOKENS_PER_IMAGE and got["size"] == [300, 200]
-    assert got["two_images"] == got["text"] + 2 * per_image
+    # The control: the same texts, no image; the server counts the text alone.
+    _, control = _real(vllm_vlm_server.url, capsys, "--images", "0", "--image-size", "448x448")
+    assert control["images"]["server_prompt_tokens_mean"] == 64 and control["images"]["multimodal_cache"] is None
+
+    # One file of the user's, sent by every request: the processor cache serves it again.
+    (tmp_path / "photo.png").write_bytes(images.png(640, 480, "user"))
+    _, mine = _real(vllm_vlm_server.url, capsys, "--image-dir", str(tmp_path))
+    cache = mine["images"]["multimodal_cache"]
+    assert mine["images"]["image_tokens_per_image"]["min"] == per_image
+    assert cache["queries"] == 7 and cache["hits"] >= 1

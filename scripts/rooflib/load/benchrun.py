@@ -608,7 +608,7 @@ def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, qui
     if result["sessions"] is not None:  # beside the perfect cache: the server's own hit rate over the run
         result["sessions"]["server_hit_rate"] = (result["server"]["metrics"] or {}).get("prefix_cache_hit_rate")
     result["timeline"] = timeline.result(after) if timeline else None
-    result["images"] = images.section(options.images, run.outcomes, result["ttft_ms"], result["server"]["metrics"])
+    result["images"] = images.section(options.images, run.outcomes, result["server"]["metrics"])
     # A shard's server also serves the other shards: that traffic is the run's, not another's.
     result["warnings"] = fit_warnings + result["warnings"] + ([mixed] if mixed else []) + (
         [] if options.shard else other_traffic(result["server"]["metrics"], all_tokens))

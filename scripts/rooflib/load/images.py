@@ -194,10 +194,10 @@ def with_images(body: dict[str, Any], parts: Sequence[dict[str, Any]]) -> dict[s
     return {**body, "messages": messages}
 
 
-def section(options: ImageOptions, outcomes: Sequence[Any], client_ttft: dict[str, Any],
-            metrics: dict[str, Any] | None) -> dict[str, Any] | None:
+def section(options: ImageOptions, outcomes: Sequence[Any], metrics: dict[str, Any] | None) -> dict[str, Any] | None:
     """The result's `images`: the text's and the server's prompt tokens, an image's tokens (their
-    difference per image, by the server's usage), the multimodal cache, and the TTFT split."""
+    difference per image, by the server's usage), the multimodal cache, and the TTFT split (against
+    the client's mean TTFT over the same requests as the server's histograms: warm-up included)."""
     if not options.given:
         return None
     done = [o for o in outcomes if o.ok and not o.warmup and o.prompt_tokens is not None
@@ -211,16 +211,16 @@ def section(options: ImageOptions, outcomes: Sequence[Any], client_ttft: dict[st
         "image_tokens_per_image": {"mean": _mean(per_image), "min": min(per_image, default=None),
                                    "max": max(per_image, default=None), "n": len(per_image)},
         "multimodal_cache": (metrics or {}).get("multimodal_cache"),
-        "ttft_split": ttft_split(client_ttft, metrics),
+        "ttft_split": ttft_split(_mean([o.ttft_ms for o in outcomes if o.ok and o.token_times]), metrics),
     }
 
 
-def ttft_split(client_ttft: dict[str, Any], metrics: dict[str, Any] | None) -> dict[str, Any] | None:
+def ttft_split(client: float | None, metrics: dict[str, Any] | None) -> dict[str, Any] | None:
     """Mean TTFT in parts, in ms: what the server measured (its TTFT, queue, prefill) and what is inferred
     from them (rendering = preprocessing; outside = the client's TTFT beyond the server's)."""
     def mean(name: str) -> float | None:
         return ((metrics or {}).get(name) or {}).get("mean")
-    server, queue, prefill, client = mean("ttft_ms"), mean("queue_ms"), mean("prefill_ms"), client_ttft.get("mean")
+    server, queue, prefill = mean("ttft_ms"), mean("queue_ms"), mean("prefill_ms")
     if server is None or queue is None or prefill is None:
         return None
     return {"client_ttft_ms": client, "server_ttft_ms": server, "queue_ms": queue, "prefill_ms": prefill,

@@ -23,7 +23,7 @@ MODELS = {
     "tiny-deepseek": ["--arch", "deepseek"],
     "tiny-qwen3-trained": ["--arch", "qwen3", "--train-steps", "80"],
     "tiny-bert": ["--arch", "bert"],  # a pooling model: embeddings and score (profile cpu-tiny-pooling)
-    "tiny-llava": ["--arch", "llava"],  # a vision-language model (tiny_model.py: not servable by the CPU vLLM)
+    "tiny-blip2": ["--arch", "blip2"],  # a vision-language model: chat with an image (profile cpu-tiny-vlm)
 }
 # v2: the models always speak (tiny_model.py: no token that decodes to no text). A cache that holds
 # the older ones (at <cache>/models/<name>) gets these built beside them.
