@@ -456,7 +456,7 @@ def assert_no_engine_left(port: int, out: Path) -> None:
     assert not leaders & process_groups(), "a process of an engine tune started outlived it"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cpu_vllm() -> None:
     """The CPU vLLM and its tiny model, built: tune starts and stops the engines itself. Where it
     cannot be set up the test skips, which CI counts as a failure (conftest)."""
@@ -480,17 +480,24 @@ def tuned(case: tune_vs_grid.Case, tmp_path: Path, *extra: str) -> tuple[int, di
     return done.returncode, json.loads(done.stdout)
 
 
+def in_a_test(case: tune_vs_grid.Case) -> tune_vs_grid.Case:
+    """The benchmark's case on a budget of 3 runs: what a test reads is the first change kept (the
+    baseline, the fix, one more try if a busy machine blurs it); a machine too busy for the SLO even
+    with the fix would spend the rest of the benchmark's 6 on later levers no assertion reads."""
+    return dataclasses.replace(case, runs=min(case.runs, 3))
+
+
 def kept(doc: dict) -> dict:
     return {c["setting"]: (c["from"], c["to"]) for c in doc["changes"]}
 
 
 def assert_fixed(code: int, doc: dict, case: tune_vs_grid.Case) -> tuple:
-    """The setting made wrong is the first change tune kept, within 6 runs; the exit code says
+    """The setting made wrong is the first change tune kept, within the budget; the exit code says
     whether the SLO holds (on a busier machine the fixed setting may still miss it: the issue asks
     for the fix, the SLO is the machine's). Another setting is kept only where the SLO was still
     missed with the fix in place (tune then rightly goes on to the next lever), never once it held.
     The (start, kept) values of the setting made wrong."""
-    assert code == (0 if doc["slo_holds"] else 1) and doc["runs"] <= 6 and not doc["interrupted"]
+    assert code == (0 if doc["slo_holds"] else 1) and doc["runs"] <= case.runs and not doc["interrupted"]
     assert doc["trials"][0]["figures"]["ttft_p95_ms"]["met"] is False
     told = [(row["setting"], row["to"], row["decision"], row["why"]) for row in doc["trials"]]
     kept_rows = [row for row in doc["trials"] if row["decision"] == trials.KEPT]
@@ -504,7 +511,7 @@ def assert_fixed(code: int, doc: dict, case: tune_vs_grid.Case) -> tuple:
 
 @pytest.mark.real_vllm
 def test_a_running_limit_far_too_low_is_raised_and_kept(cpu_vllm, tmp_path):
-    case = tune_vs_grid.CASES["running_limit"]
+    case = in_a_test(tune_vs_grid.CASES["running_limit"])
     code, doc = tuned(case, tmp_path)
     start, end = assert_fixed(code, doc, case)
     # Raised to what the traffic keeps in flight by Little's law (16 offered; fewer where a busy
@@ -520,7 +527,7 @@ def test_a_running_limit_far_too_low_is_raised_and_kept(cpu_vllm, tmp_path):
 
 @pytest.mark.real_vllm
 def test_a_kv_cache_far_too_small_is_grown_and_kept(cpu_vllm, tmp_path):
-    case = tune_vs_grid.CASES["kv_cache"]
+    case = in_a_test(tune_vs_grid.CASES["kv_cache"])
     code, doc = tuned(case, tmp_path)
     start, end = assert_fixed(code, doc, case)
     assert start == 4 * MIB and end >= 8 * MIB
@@ -528,7 +535,7 @@ def test_a_kv_cache_far_too_small_is_grown_and_kept(cpu_vllm, tmp_path):
 
 @pytest.mark.real_vllm
 def test_prefix_caching_off_under_a_shared_prefix_is_turned_on_and_kept(cpu_vllm, tmp_path):
-    case = tune_vs_grid.CASES["prefix_cache_off"]
+    case = in_a_test(tune_vs_grid.CASES["prefix_cache_off"])
     code, doc = tuned(case, tmp_path)
     assert assert_fixed(code, doc, case) == (False, True)
 
