@@ -181,8 +181,8 @@ def source(options: ImageOptions, seed: int) -> ImageSource | None:
         return None
     files: tuple[str, ...] = ()
     if options.directory:
-        files = tuple(data_url(mime_type(p.read_bytes(), p.name), p.read_bytes())
-                      for p in image_files(options.directory))
+        contents = [(p.name, p.read_bytes()) for p in image_files(options.directory)]
+        files = tuple(data_url(mime_type(data, name), data) for name, data in contents)
     return ImageSource(options.per_request, options.size, seed, files)
 
 
