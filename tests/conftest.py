@@ -10,6 +10,7 @@ started, they skip with one line locally and FAIL under CI=true: in CI the real-
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +32,15 @@ REAL_ENGINE_MARKERS = {"real_vllm": "real-vLLM", "real_sglang": "real-SGLang"}
 # Under `task test` the toolbox's own plumbing variable is already set (empty): go-task does not
 # override a variable the environment has, so the tasks the tests run would not see theirs.
 os.environ.pop("ROOFLINE_TASK_API_KEY", None)
+
+
+def pytest_configure(config):
+    """Ctrl-C reaches the scripts the tests start and signal: a suite a shell started in the
+    background without job control (`cmd &`, nohup) inherits SIGINT ignored, every process it
+    starts would too (an ignored signal stays ignored across exec), and Python then installs no
+    KeyboardInterrupt. A handler, unlike SIG_IGN, is reset to the default in the children."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _unavailable(reason: str, engine: str = "vLLM"):

@@ -298,7 +298,7 @@ def test_like_reads_the_shape_of_the_traffic_a_live_vllm_serves(vllm_server):
     load = subprocess.Popen([sys.executable, str(REPO / "scripts" / "bench.py"), "--url", vllm_server.url, "--json",
                              "-c", "3", "-n", "1000", "--warmup", "0", "--input-tokens", "300",
                              "--output-tokens", "40", "--seed", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=foreground_signals)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         under_way(load)
         shape = tuning.live_traffic_shape(vllm_server.url, None, 15, 30)
@@ -550,12 +550,6 @@ def test_with_nothing_wrong_nothing_is_kept_and_it_says_the_slo_holds(cpu_vllm, 
     assert [row["decision"] for row in doc["trials"]] == ["baseline"]
 
 
-def foreground_signals() -> None:
-    """Ctrl-C as a foreground job gets it: a job a shell started in the background (`cmd &`, as a
-    test run under flock may be) ignores SIGINT, and its children inherit that."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def started_trial(proc: subprocess.Popen, name: str) -> list[str]:
     """Read tune's progress until the run of trial `name` begins: the lines so far."""
     lines = []
@@ -579,7 +573,7 @@ INTERRUPTED = tune_vs_grid.Case(("max_num_seqs=1", "enable_prefix_caching=false"
 def test_ctrl_c_mid_trial_keeps_the_finished_trials_and_stops_the_engine(cpu_vllm, tmp_path):
     port, out = profiles.free_port(), tmp_path / "out"
     proc = subprocess.Popen(tune_command(INTERRUPTED, out, port), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=foreground_signals)
+                            stderr=subprocess.PIPE, text=True)
     started_trial(proc, "trial-1")
     proc.send_signal(signal.SIGINT)
     stdout, _ = proc.communicate(timeout=600)
