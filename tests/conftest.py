@@ -117,32 +117,19 @@ def pytest_collection_modifyitems(items):
     """A test that opens pages in Chromium needs a program the test set-up installs.
 
     Under `pytest -n N --dist loadgroup` (what `task test` runs) each group runs in one worker:
-    every test of a session server (vLLM's, SGLang's, the pooling and vision ones) shares one
-    worker, so the server starts once and no other test loads it while a test reads its counters;
-    a test of a module- or class-scoped fixture goes with its file, so a file's servers (a fleet,
-    the trained model) start once too; any other test is a group of its own, free to run beside
-    the rest (tune's tests start their engines themselves: one file of them in one worker was the
-    suite's longest chain)."""
+    every test of a session server (vLLM's, SGLang's) shares one worker, so the server starts once
+    and no other test loads it while a test reads its counters; the other tests go by file, so a
+    file's module-scoped servers (a fleet, the trained model) start once too. (A group per test
+    for the tests that share no fixture spread tune's tests over the workers: the suite then took
+    54 min instead of 44 on the loaded 2-core machine, and a tune test beside two others chose
+    another lever.)"""
     for item in items:
         names = getattr(item, "fixturenames", ())
         if "browser" in names:
             item.add_marker(pytest.mark.external)
-        item.add_marker(pytest.mark.xdist_group(_group(item, names)))
-
-
-def _group(item, names) -> str:
-    if "vllm_server" in names:
-        return "vllm-session-server"
-    if "sglang_server" in names:
-        return "sglang-session-server"
-    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    scopes = {name: fixturedefs[-1].scope for name, fixturedefs in defs.items() if fixturedefs}
-    shared = sorted(name for name, scope in scopes.items() if scope == "session" and name.endswith("_server"))
-    if shared:
-        return shared[0]
-    if any(scope in ("module", "class", "package") for scope in scopes.values()):
-        return item.nodeid.split("::")[0]
-    return item.nodeid
+        group = ("vllm-session-server" if "vllm_server" in names else
+                 "sglang-session-server" if "sglang_server" in names else item.nodeid.split("::")[0])
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(hookwrapper=True)
