@@ -65,13 +65,13 @@ SEED = 1234
 # others after the norm; it reads about 0.45-0.7 after the final norm, whatever the input), and
 # the output weight that puts the textless logits about 90-140 below zero.
 SPEAKER_DIM = 0
+SPEAKER_VALUE = 0.1
+SILENCE_WEIGHT = -200.0
 # The BLIP-2 model's image: its size, its patch, the queries that stand for it in the prompt, its token.
 IMAGE_SIZE = 112
 PATCH_SIZE = 14
 QUERY_TOKENS = 32
 IMAGE_TOKEN = "<image>"
-SPEAKER_VALUE = 0.1
-SILENCE_WEIGHT = -200.0
 
 # Hermes/Qwen2.5-style template: the tools section and the <tool_call> JSON convention are what
 # vLLM's hermes parser expects.

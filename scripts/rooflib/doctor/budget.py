@@ -132,7 +132,7 @@ def engine_parts(e: Engine, room_ms: float) -> tuple[float | None, float | None,
     room = max(0.0, room_ms)
     if e.ttft_mean <= room:
         return queue, prefill, ""
-    scale = room / e.ttft_mean if e.ttft_mean else 0.0
+    scale = room / e.ttft_mean  # > room >= 0 here
     return (None if queue is None else queue * scale, prefill * scale,
             f"; scaled to the probe's own {room:.0f} ms after its head (the window's engine TTFT mean, "
             f"{e.ttft_mean:.0f} ms, is longer)")

@@ -284,8 +284,11 @@ def short_outputs(done: Sequence[Outcome], out_tokens: int) -> list[Outcome]:
     return [o for o in done if (o.completion_tokens or 0) < (o.requested_tokens or out_tokens)]
 
 
-def prompt_mismatches(done: Sequence[Outcome]) -> list[int]:
-    """Tokens off, by the server's usage, for each prompt not the length it was built to."""
+def prompt_mismatches(done: Sequence[Outcome], config: dict[str, Any]) -> list[int]:
+    """Tokens off, by the server's usage, for each prompt not the length it was built to; none with
+    images, whose tokens the server's count holds beside the text's (rooflib/load/images.py reports them)."""
+    if (config.get("images") or {}).get("per_request"):
+        return []
     return [o.prompt_tokens - o.prompt_target for o in done
             if o.prompt_target is not None and o.prompt_tokens is not None and o.prompt_tokens != o.prompt_target]
 
@@ -334,8 +337,7 @@ def requests_section(outcomes: Sequence[Outcome], measured: Sequence[Outcome], d
                           "total": sum(o.completion_tokens or 0 for o in done), "short": len(short),
                           "ignore_eos_honoured": not short},
         "prompt_tokens": {"target": target_in, **{k: v for k, v in prompt_lens.items() if k in ("mean", "min", "max", "n")},
-                          "mismatched": 0 if (config.get("images") or {}).get("per_request")
-                          else len(prompt_mismatches(done))},
+                          "mismatched": len(prompt_mismatches(done, config))},
         "cached_prompt_tokens": cached_total(done),
         "cached_prompt_tokens_note": NO_CACHED_COUNT if done and cached_total(done) is None else None,
         "one_read": len(in_one_read(done)),
@@ -388,8 +390,7 @@ def request_warnings(done: Sequence[Outcome], config: dict[str, Any]) -> list[st
     if any(not o.usage_reported for o in done):
         warnings.append("the server sent no usage: output tokens counted as content chunks "
                         "(an undercount when a chunk carries several tokens)")
-    # With images, the server's count is the text's and the images' (rooflib/load/images.py reports it).
-    mismatched = [] if (config.get("images") or {}).get("per_request") else prompt_mismatches(done)
+    mismatched = prompt_mismatches(done, config)
     if mismatched and config.get("prompt_tokenizer", "").startswith("server"):
         warnings.append(f"{len(mismatched)} prompts were not the length they were built to by the server's usage "
                         f"(off by {min(mismatched)}..{max(mismatched)} tokens)")

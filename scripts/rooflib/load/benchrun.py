@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 from rooflib.core import cli, conf, http_client, printing, signals
 from rooflib.core.errors import EXIT_USAGE, ServerError, UsageError
 from rooflib.load import images, sessions, shards, workloads
-from rooflib.load.analysis import analyse
+from rooflib.load.analysis import analyse, has_sessions
 from rooflib.load.apis import APIS
 from rooflib.load.asyncclient import Target
 from rooflib.load.promptgen import WORDS, TokenCounter, build_prompts, fallback_counter, server_counter
@@ -128,7 +128,7 @@ class BenchOptions:
     @property
     def sessions(self) -> bool:
         """Whether the run sends sessions of turns, each with its history (agent sessions, --multi-turn)."""
-        return self.workload == "sessions" or bool(self.agent_turns) or self.multi_turn > 1
+        return has_sessions(self.recorded())
 
     def recorded(self) -> dict[str, Any]:
         """The settings as the result's `config` records them (saved results and compare.py read
