@@ -346,6 +346,14 @@ def test_a_late_first_token_alone_is_not_a_fixed_latency():
     assert list(found) == ["unsplit"] and found["unsplit"]["size_ms"] == pytest.approx(100.0)
 
 
+def test_first_and_last_token_apart_by_less_than_the_clients_loop_lag_are_one_fixed_latency():
+    # e2e 200 ms over, TTFT 100 ms: apart by more than FIXED_AGREEMENT of it, but the client read
+    # each clock up to 120 ms late (its loop lag, itself below the gap, so not the cause).
+    found = _by_cause(watch.cross_check(ENGINE, _client(LATE_TTFT, 1000.0), 120.0, None))
+    assert list(found) == ["fixed_latency"] and found["fixed_latency"]["size_ms"] == pytest.approx(200.0)
+    assert list(_by_cause(watch.cross_check(ENGINE, _client(LATE_TTFT, 1000.0), 0.1, None))) == ["unsplit"]
+
+
 def test_streams_in_one_read_are_buffering_and_only_e2e_sizes_the_rest():
     # Every first token came with the last: TTFT is the engine's e2e, e2e 5 ms over it.
     buffered = {"p50": 780.0, "p95": 1400.0, "p99": 1800.0, "mean": 805.0, "n": 100}

@@ -372,6 +372,13 @@ def causes(result: dict) -> dict[str, dict]:
     return found
 
 
+def told(result: dict) -> str:
+    """What the fixed-latency gate read, for a failure's message."""
+    return (f"TTFT {excess_ms(result, 'ttft_ms'):.1f} ms and e2e {excess_ms(result, 'e2e_ms'):.1f} ms over the engine, "
+            f"client loop lag p99 {result['client']['loop_lag_ms']['p99']} ms, {result['requests']['one_read']} "
+            f"streams in one read, percentiles {result['server']['cross_check']['percentiles']}")
+
+
 def excess_ms(result: dict, key: str) -> float:
     """The client's mean TTFT or e2e less the engine's exact mean (its histogram's sum / count)."""
     return result[key]["mean"] - result["server"]["metrics"][key]["mean"]
@@ -395,7 +402,7 @@ def test_a_proxy_delaying_every_request_is_a_fixed_latency_of_the_network(known_
     result = bench_through(known_engine.url, Behaviour(delay_s=KNOWN_DELAY_S, delayed_prefix=READ_PATHS), capsys)
     assert result["server"]["probe"]["min_ms"] >= KNOWN_DELAY_S * 1e3  # /health is delayed too
     found = causes(result)
-    assert set(found) == {"fixed_latency", "network"}, found
+    assert set(found) == {"fixed_latency", "network"}, (found, told(result))
     assert_about_the_delay(found["fixed_latency"]["size_ms"])
     assert_about_the_delay(found["network"]["size_ms"])  # the trivial request pays all of it
     assert_outside_engine_is_the_root_cause(result, "fixed_latency")
@@ -405,7 +412,7 @@ def test_a_gateway_delaying_inference_routes_is_named_apart_from_the_network(kno
     result = bench_through(known_engine.url, Behaviour(delay_s=KNOWN_DELAY_S, delayed_prefix="/v1/"), capsys)
     probe_ms = result["server"]["probe"]["p50_ms"]
     found = causes(result)
-    assert set(found) == {"fixed_latency", "gateway"}, (found, probe_ms)
+    assert set(found) == {"fixed_latency", "gateway"}, (found, probe_ms, told(result))
     assert_about_the_delay(found["fixed_latency"]["size_ms"])
     assert_about_the_delay(found["gateway"]["size_ms"], less_ms=probe_ms)  # the trivial round trip is not its
     assert_outside_engine_is_the_root_cause(result, "fixed_latency")

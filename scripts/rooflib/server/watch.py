@@ -150,7 +150,8 @@ def timeline_samples(snapshots: Sequence[tuple[float, dict[str, Any]]]) -> list[
 
 # A part of the time outside the engine smaller than this share of it is not named: noise.
 MATERIAL_SHARE = 0.2
-# A TTFT excess this close to the e2e one (relative) makes the two one fixed added latency.
+# A TTFT excess this close to the e2e one (relative) makes the two one fixed added latency
+# (or closer than the client's loop lag, when that is larger).
 FIXED_AGREEMENT = 0.25
 
 
@@ -238,12 +239,13 @@ def outside_engine(delta: dict[str, Any], client: dict[str, Any], checks: dict[s
     if lag is not None:
         return found + [lag]
     probed = probe is not None and probe.get("p50_ms") is not None
-    # A fixed latency delays the first token (late at every percentile) as much as the last. Streams
-    # that came in one read make first tokens later still, never the last: with some, only the
-    # lower bound holds.
+    # A fixed latency delays the first token (late at every percentile) as much as the last, within
+    # FIXED_AGREEMENT of it or the client's own loop lag, whichever is more: the client reads each
+    # clock up to that late. Streams that came in one read make first tokens later still, never the
+    # last: with some, only the lower bound holds.
+    agreement = max(FIXED_AGREEMENT * (e2e_excess or 0.0), loop_lag_p99 or 0.0)
     if ("ttft_ms" in gated and ttft_excess is not None and e2e_excess is not None and e2e_excess > 0
-            and ttft_excess >= (1 - FIXED_AGREEMENT) * e2e_excess
-            and (buffered or ttft_excess <= (1 + FIXED_AGREEMENT) * e2e_excess)):
+            and ttft_excess >= e2e_excess - agreement and (buffered or ttft_excess <= e2e_excess + agreement)):
         size = e2e_excess
         found.append(_finding("fixed_latency", size, (
             f"every request is about {size:.0f} ms later at the client than in the engine: its last token "
