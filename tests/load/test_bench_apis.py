@@ -335,7 +335,13 @@ def test_real_vllm_streams_the_responses_and_messages_apis(api, vllm_server, cap
     # model never stops early, and the Messages API has no ignore_eos to ask it).
     assert result["requests"]["prompt_tokens"]["min"] == result["requests"]["prompt_tokens"]["max"] == 120
     assert result["requests"]["output_tokens"]["total"] == 72 and result["requests"]["output_tokens"]["short"] == 0
-    assert result["ttft_ms"]["n"] == result["tpot_ms"]["n"] == 6 and result["ttft_ms"]["p50"] < result["e2e_ms"]["p50"]
+    assert result["ttft_ms"]["n"] == result["tpot_ms"]["n"] == 6
+    # TTFT is the first text delta's arrival and e2e the stream's end, in every stream. Not TTFT
+    # below e2e: a busy machine's API server sends a stream of 12 tokens in one write now and then
+    # (a loaded run had all six in one read), which bench counts apart.
+    assert all(r["ttft_ms"] == r["chunk_ms"][0] and r["e2e_ms"] >= r["chunk_ms"][-1] for r in records), records
+    in_one_read = [r for r in records if not r["warmup"] and len(set(r["chunk_ms"])) == 1]
+    assert result["requests"]["one_read"] == len(in_one_read)
     # The server generated what the usage in the streams said, warm-up included: nothing lost.
     assert result["server"]["metrics"]["generation_tokens"] == sum(r["completion_tokens"] for r in records) == 84
     assert {r["finish_reason"] for r in records} == {"max_output_tokens" if api == "responses" else "max_tokens"}
