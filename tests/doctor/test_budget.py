@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from rooflib.core.taskcall import TaskCall
-from rooflib.doctor import examine, tradeoff
+from rooflib.doctor import budget, examine, tradeoff
 from rooflib.doctor.budget import Facts
 from rooflib.doctor.evidence import Engine, Failures, Fit, Probe, Route, Setting, StatusCount, Stream, Targets
 
@@ -208,3 +208,12 @@ def test_the_engine_parts_never_outgrow_the_probe_request_they_divide():
     assert sum(sizes.values()) == pytest.approx(budget.value, abs=1.0), sizes
     assert sizes["queue"] == pytest.approx(71.0, abs=1.0) and sizes["prefill"] == pytest.approx(639.0, abs=1.0)
     assert verdict.root is not None and verdict.root.segment == "front", examine.first_line(verdict)
+
+
+@pytest.mark.parametrize("new_ms, setup", [
+    ((1.0, 3700.4, 3740.4), 0.1),        # two connections stalled on a busy machine: not a cost every one pays
+    ((300.9, 301.2, 300.8), 300.0),      # a proxy's 300 ms per new connection: every route pays it
+])
+def test_connection_setup_is_what_every_new_connection_paid(new_ms, setup):
+    routes = tuple(Route(path, 200, 0.5, new, 0.4) for path, new in zip(("/health", "/missing", "/v1/models"), new_ms))
+    assert budget.setup_ms(replace(probe([stream(head=20.0, ttft=60.0)] * 6), routes=routes)) == pytest.approx(setup, abs=0.2)
