@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from rooflib.core.taskcall import TaskCall
-from rooflib.doctor import budget, examine, tradeoff
-from rooflib.doctor.budget import Facts
+from rooflib.doctor import examine, tradeoff
+from rooflib.doctor.budget import Facts, setup_ms
 from rooflib.doctor.evidence import Engine, Failures, Fit, Probe, Route, Setting, StatusCount, Stream, Targets
 
 TARGETS = Targets(ttft_p95_ms=2000, tpot_p95_ms=50, gap_p95_ms=100, error_share=0.01)
@@ -216,4 +216,4 @@ def test_the_engine_parts_never_outgrow_the_probe_request_they_divide():
 ])
 def test_connection_setup_is_what_every_new_connection_paid(new_ms, setup):
     routes = tuple(Route(path, 200, 0.5, new, 0.4) for path, new in zip(("/health", "/missing", "/v1/models"), new_ms))
-    assert budget.setup_ms(replace(probe([stream(head=20.0, ttft=60.0)] * 6), routes=routes)) == pytest.approx(setup, abs=0.2)
+    assert setup_ms(replace(probe([stream(head=20.0, ttft=60.0)] * 6), routes=routes)) == pytest.approx(setup, abs=0.2)

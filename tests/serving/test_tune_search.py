@@ -173,9 +173,9 @@ def test_a_running_cap_the_diagnosis_does_not_name_is_lowered_and_its_cost_to_th
     running requests, which one server cannot serve the offered load at: said in the row and the
     answer, the change kept (the user gives queue wait, the default).
     The target leaves the model a cap on a busy machine: on an idle one the baseline measured TPOT
-    p95 39 ms, mean 37 ms with 48 running (0.77 ms a running request), so 10 ms gives a cap of 12;
-    one at least 1 as long as the mean per running request times p95/mean stays under 10 ms, 5 times
-    the idle figures' 0.8 ms. A target of 5 ms left no cap on a machine running three tune tests
+    p95 39 ms, mean 37 ms with 48 running (0.77 ms a running request), so 10 ms gives a cap of 12,
+    and a cap of at least 1 while the mean per running request times p95/mean stays under 10 ms,
+    12 times the idle 0.8 ms. A target of 5 ms left no cap on a machine running three tune tests
     beside two busy loops, and tune rightly went on to the prefill chunks."""
     case = tune_vs_grid.Case(("max_num_seqs=256",), ("-n", "96", "-c", "48", "--input-tokens", "300",
                                                      "--output-tokens", "150", "--slo-tpot-p95-ms", "10"),

@@ -117,8 +117,8 @@ def setup_ms(probe: Probe) -> float | None:
     """What a new connection pays after its TCP connect before its first answer, beyond a kept-alive
     one (a TLS handshake, an accept queue, a proxy's per-connection work): the least of the trivial
     routes'. Every new connection pays that cost, so the least still shows it, while a busy
-    machine's stall lands on one connection only (one route's 3.7 s stall once made a 1.9 s
-    median, larger than the probe's whole TTFT)."""
+    machine's stalls land on some connections only (their median once came to 1.87 s, more than
+    the probe request's whole TTFT of 1.30 s)."""
     paid = [max(0.0, r.new_ms - (r.connect_ms or 0.0) - r.reused_ms) for r in probe.routes
             if r.new_ms is not None and r.reused_ms is not None]
     return min(paid) if paid else None
