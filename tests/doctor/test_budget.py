@@ -217,3 +217,33 @@ def test_the_engine_parts_never_outgrow_the_probe_request_they_divide():
 def test_connection_setup_is_what_every_new_connection_paid(new_ms, setup):
     routes = tuple(Route(path, 200, 0.5, new, 0.4) for path, new in zip(("/health", "/missing", "/v1/models"), new_ms))
     assert setup_ms(replace(probe([stream(head=20.0, ttft=60.0)] * 6), routes=routes)) == pytest.approx(setup, abs=0.2)
+
+
+@pytest.mark.parametrize("ttft, root", [
+    # A busy machine stalled the probe's own prefill: 549 ms against the window's 150 ms mean, within
+    # its 500 ms p95 (the run that named "[first_delivery] slow_delivery (400.9 ms of TTFT 549 ms)").
+    (549.0, "prefill"),
+    # A layer that holds the first text a second: beyond what the engine's spread explains.
+    (1550.0, "first_delivery"),
+])
+def test_first_delivery_is_only_what_the_engines_own_spread_leaves(ttft, root):
+    """What is left after the 8 ms head, the engine's p95 of 500 ms and the probe's 20 ms loop lag."""
+    made = facts("first-token", probed=replace(probe([stream(head=8.0, ttft=ttft)] * 6), loop_lag_p95_ms=20.0),
+                 targets=replace(TARGETS, ttft_p95_ms=20),
+                 eng=engine(ttft_mean=150.0, ttft_p95=500.0, queue_mean=3.0, prefill_mean=147.0))
+    verdict = examine.decide(options("first-token"), made)
+    budget = verdict.budgets[0]
+    sizes = {s.name: s.size for s in budget.segments}
+    assert sum(sizes.values()) == pytest.approx(budget.value, abs=1.0), sizes
+    assert sizes["first_delivery"] == pytest.approx(ttft - 8.0 - 500.0 - 20.0, abs=1.0), sizes
+    assert verdict.root is not None and verdict.root.segment == root, examine.first_line(verdict)
+
+
+def test_a_stream_interval_is_named_even_when_the_machines_decode_misses_its_target():
+    """A loaded machine's TPOT p95 of 370 ms misses the 50 ms target, but 31 of every 32 tokens'
+    time between text arrivals is the stream interval: decode alone would hide it."""
+    slow = engine(tpot_mean=300.0, tpot_p95=370.0, itl_mean=300.0, itl_p95=370.0, itl_p99=400.0)
+    made = facts("streaming", probed=probe([stream(tokens=(1, 32, 32, 31), gap=32 * 370.0)] * 6), eng=slow,
+                 settings={"stream_interval": Setting("stream_interval", 32, "exported", "/server_info")})
+    root = examine.decide(options("streaming"), made).root
+    assert root is not None and (root.segment, root.proposed) == ("stream_interval", 1), root

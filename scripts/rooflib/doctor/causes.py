@@ -95,11 +95,11 @@ def first_delivery(f: Facts, seg: Segment) -> Finding:
     if first_read and median(first_read) and median(first_read) > 1:
         return delivery(f, seg)
     return _outside(seg, "api_server_output", (
-        f"the first text reached the client {seg.size:.0f} ms after the engine's mean TTFT, in its own read: the API "
-        "server's output path (detokenizing, its event loop) or a slow client held it"),
+        f"the first text reached the client {seg.size:.0f} ms beyond the engine's TTFT (up to its p95), in its own "
+        "read: the API server's output path (detokenizing, its event loop) or a slow client held it"),
         "the engine's API server (its output path)", "check the API server's CPU (a saturated event loop), or run "
         "more API server processes (vLLM: --api-server-count)", "the engine made the token; it left late",
-        f"up to {seg.size:.0f} ms less TTFT", "medium: the engine's mean against the probe's median")
+        f"up to {seg.size:.0f} ms less TTFT", "medium: the engine's TTFT p95 against the probe's median")
 
 
 def delivery(f: Facts, seg: Segment) -> Finding:
