@@ -195,6 +195,15 @@ def test_the_probes_own_loop_lag_is_said_beside_the_root_never_as_it():
     assert "client" in [found.segment for found in verdict.also]
 
 
+def first_token_parts(made: Facts) -> tuple[examine.Verdict, dict[str, float]]:
+    """The verdict and its first-token parts by name, which add up to the figure they divide."""
+    verdict = examine.decide(options("first-token"), made)
+    budget = verdict.budgets[0]
+    sizes = {s.name: s.size for s in budget.segments}
+    assert sum(sizes.values()) == pytest.approx(budget.value, abs=1.0), sizes
+    return verdict, sizes
+
+
 def test_the_engine_parts_never_outgrow_the_probe_request_they_divide():
     """A 1 s delay in front; the window's engine TTFT mean (3.3 s: the users' requests stalled on a
     busy machine) is longer than all the probe's own 1.72 s TTFT: queue and prefill share what the
@@ -202,10 +211,7 @@ def test_the_engine_parts_never_outgrow_the_probe_request_they_divide():
     made = facts("first-token", probed=probe([stream(head=1010.0, ttft=1720.0)] * 6, missing_ms=1000.0),
                  targets=replace(TARGETS, ttft_p95_ms=800),
                  eng=engine(ttft_mean=3300.0, ttft_p95=4000.0, queue_mean=330.0, prefill_mean=2970.0))
-    verdict = examine.decide(options("first-token"), made)
-    budget = verdict.budgets[0]
-    sizes = {s.name: s.size for s in budget.segments}
-    assert sum(sizes.values()) == pytest.approx(budget.value, abs=1.0), sizes
+    verdict, sizes = first_token_parts(made)
     assert sizes["queue"] == pytest.approx(71.0, abs=1.0) and sizes["prefill"] == pytest.approx(639.0, abs=1.0)
     assert verdict.root is not None and verdict.root.segment == "front", examine.first_line(verdict)
 
@@ -231,10 +237,7 @@ def test_first_delivery_is_only_what_the_engines_own_spread_leaves(ttft, root):
     made = facts("first-token", probed=replace(probe([stream(head=8.0, ttft=ttft)] * 6), loop_lag_p95_ms=20.0),
                  targets=replace(TARGETS, ttft_p95_ms=20),
                  eng=engine(ttft_mean=150.0, ttft_p95=500.0, queue_mean=3.0, prefill_mean=147.0))
-    verdict = examine.decide(options("first-token"), made)
-    budget = verdict.budgets[0]
-    sizes = {s.name: s.size for s in budget.segments}
-    assert sum(sizes.values()) == pytest.approx(budget.value, abs=1.0), sizes
+    verdict, sizes = first_token_parts(made)
     assert sizes["first_delivery"] == pytest.approx(ttft - 8.0 - 500.0 - 20.0, abs=1.0), sizes
     assert verdict.root is not None and verdict.root.segment == root, examine.first_line(verdict)
 
