@@ -60,7 +60,7 @@ def run_shards(url: str, folder: Path, load: list[str], count: int, extra: dict[
 
 ATTEMPTS = 3  # a busy machine can stall a client (its run says INVALID) or the server: sent again
 TTFT_MS, ITL_MS = 100.0, 20.0  # long enough that a busy machine's few ms of lag stay within the clients' limits
-SCHEDULE_SLACK = 0.05  # the server kept its schedule when its own TTFT p95 is within 5% of it
+SCHEDULE_SLACK = 0.05  # the server kept its schedule when its own TTFT and e2e p95 are within 5% of it
 
 
 def send_both(url: str, folder: Path) -> dict:
@@ -79,13 +79,16 @@ def send_both(url: str, folder: Path) -> dict:
 
 
 def server_kept_its_schedule(url: str, sent: dict) -> bool:
-    """Whether the calibration server's own TTFT (first write - arrival, its truth) stayed on
-    schedule for both runs: the premise of comparing them (a stalled server changes the truth)."""
+    """Whether the calibration server's own TTFT and e2e (first and last write - arrival, its
+    truth) stayed on schedule for both runs: the premise of comparing them (a stalled server
+    changes the truth). Both, because a stall during decode leaves every TTFT on time: a CI run
+    compared a merged e2e p95 of 1,444 ms with a single one of 242 ms while only TTFT was checked."""
     truth = httpx.get(url + "/calibration/truth", timeout=60).json()
     single = [json.loads(line) for line in (sent["folder"] / "single.jsonl").read_text().splitlines()]
     runs = ((sent["single"]["config"]["run_id"], single), (sent["merged"]["config"]["run_id"], records_of(sent["files"])))
-    return all(stats.summarize(bench_accuracy.truth_of(truth, run_id, records)["ttft_ms"])["p95"]
-               <= TTFT_MS * (1 + SCHEDULE_SLACK) for run_id, records in runs)
+    schedule = {"ttft_ms": TTFT_MS, "e2e_ms": TTFT_MS + ITL_MS * (OUTPUT_TOKENS - 1)}
+    return all(stats.summarize(bench_accuracy.truth_of(truth, run_id, records)[figure])["p95"]
+               <= planned * (1 + SCHEDULE_SLACK) for run_id, records in runs for figure, planned in schedule.items())
 
 
 @pytest.fixture(scope="module")
