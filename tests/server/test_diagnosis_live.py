@@ -402,9 +402,16 @@ def test_a_proxy_delaying_every_request_is_a_fixed_latency_of_the_network(known_
     result = bench_through(known_engine.url, Behaviour(delay_s=KNOWN_DELAY_S, delayed_prefix=READ_PATHS), capsys)
     assert result["server"]["probe"]["min_ms"] >= KNOWN_DELAY_S * 1e3  # /health is delayed too
     found = causes(result)
-    assert set(found) == {"fixed_latency", "network"}, (found, told(result))
+    # Real requests also pay the path's own time that the trivial probe does not (the stream's
+    # chunks, this process's thread wake-ups): 334 ms of a 1,334 ms excess in a fresh-clone run
+    # beside two busy loops, over the 20% from which a part is named. The diagnosis then says real
+    # requests lose that much more than a trivial one, which is true there; the proxy's delay
+    # itself must still be the network's, never the gateway's.
+    assert set(found) - {"gateway"} == {"fixed_latency", "network"}, (found, told(result))
     assert_about_the_delay(found["fixed_latency"]["size_ms"])
     assert_about_the_delay(found["network"]["size_ms"])  # the trivial request pays all of it
+    if "gateway" in found:
+        assert found["gateway"]["size_ms"] <= KNOWN_MARGIN * KNOWN_DELAY_S * 1e3, (found, told(result))
     assert_outside_engine_is_the_root_cause(result, "fixed_latency")
 
 
