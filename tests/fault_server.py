@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,6 +236,7 @@ class FaultServer:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.connections: list[socket.socket] = []
+        self.last_request = time.monotonic()  # when a request last arrived: a client's progress
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -267,6 +269,7 @@ class FaultServer:
                     buffer += data
                 raw, buffer = buffer[:length], buffer[length:]
                 request = Request(method, path.split("?")[0], headers, json.loads(raw) if raw else None)
+                self.last_request = time.monotonic()
                 action = (self.fault(request) if self.fault else None) or healthy(request)
                 if action.then == "drip":
                     for byte in action.data:

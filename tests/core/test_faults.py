@@ -2,8 +2,9 @@
 
 Per (script, fault): the documented exit code, at most one `error:` line and no traceback on
 stderr, valid JSON on stdout when a result is printed, results and files kept, the API key
-nowhere (stdout, stderr, written files), and no hang: a run past its bound fails the test
-(SIGALRM raises through whatever the script is doing, a busy loop included).
+nowhere (stdout, stderr, written files), and no hang: a run that sends the server no request for
+far longer than its --timeout allows fails the test (SIGALRM raises through whatever the script is
+doing, a busy loop included).
 
 vram is not in the table: the only server it asks is the Hugging Face Hub (a config.json),
 which tests/core/test_properties.py covers as a parser.
@@ -16,7 +17,10 @@ import resource
 import signal
 import subprocess
 import sys
+import time
+import traceback
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -26,9 +30,15 @@ import metrics
 import ppl
 import smoke_toolcall
 import sweep
-from fault_server import FAULTS, KEY, fault_server, paced, refused_url
+from fault_server import FAULTS, KEY, FaultServer, fault_server, paced, refused_url
 
-RUN_BOUND_S = 40  # far above any run here (a hanging fault times out in 1 s); only a hang reaches it
+# A hang is a run that stops making progress, not a slow one: bench and sweep send about 110
+# requests here (most of them /tokenize, sizing the prompts), 3 s idle but over 40 s on a loaded CI
+# machine. So the bound is on silence: no new request for the row's --timeout (the longest a script
+# may wait for one answer) plus QUIET_MARGIN_S for its own work between two requests, and the whole
+# run capped at RUN_CAP_S for a script that keeps asking forever.
+QUIET_MARGIN_S = 30
+RUN_CAP_S = 600
 TEXT = " ".join(f"w{i % 7} word{i % 5} text" for i in range(16))
 
 
@@ -100,11 +110,19 @@ def expected(script: str, fault: str) -> set[int]:
     return table.get(group, HEALTHY[script])
 
 
-def run_guarded(main, argv: list[str]) -> int:
+def run_guarded(main, argv: list[str], timeout_s: float, last_request: Callable[[], float]) -> int:
+    """main(argv), raising Hang (with where it was) once the server has heard nothing from it for
+    timeout_s + QUIET_MARGIN_S, or it has run RUN_CAP_S."""
+    started = time.monotonic()
+
     def alarm(signum, frame):
-        raise Hang(f"still running after {RUN_BOUND_S} s")
+        now = time.monotonic()
+        quiet = now - max(started, last_request())
+        if quiet > timeout_s + QUIET_MARGIN_S or now - started > RUN_CAP_S:
+            raise Hang(f"still running after {now - started:.0f} s, the last {quiet:.0f} s without a request "
+                       f"(--timeout {timeout_s:g}), at:\n" + "".join(traceback.format_stack(frame)[-4:]))
     previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, RUN_BOUND_S)
+    signal.setitimer(signal.ITIMER_REAL, 1, 1)
     try:
         return main(argv)
     finally:
@@ -155,10 +173,14 @@ def test_every_fault(script, tmp_path, monkeypatch, capsys):
         tmp.mkdir()
         timeout_s = 1 if fault in HANGS and expected(script, fault) != HEALTHY[script] else 30
         if fault == "refused":
-            code = run_guarded(MAINS[script], argv_of(script, refused_url(), tmp, timeout_s))
+            code = run_guarded(MAINS[script], argv_of(script, refused_url(), tmp, timeout_s), timeout_s, lambda: 0.0)
         else:
-            with fault_server(FAULTS.get(fault)) as url:
-                code = run_guarded(MAINS[script], argv_of(script, url, tmp, timeout_s))
+            server = FaultServer(FAULTS.get(fault))
+            try:
+                code = run_guarded(MAINS[script], argv_of(script, server.url, tmp, timeout_s), timeout_s,
+                                   lambda: server.last_request)
+            finally:
+                server.close()
         out, err = capsys.readouterr()
         try:
             check_run(script, fault, code, out, err, tmp)
