@@ -406,12 +406,12 @@ def test_a_proxy_delaying_every_request_is_a_fixed_latency_of_the_network(known_
     # chunks, this process's thread wake-ups): 334 ms of a 1,334 ms excess in a fresh-clone run
     # beside two busy loops, over the 20% from which a part is named. The diagnosis then says real
     # requests lose that much more than a trivial one, which is true there; the proxy's delay
-    # itself must still be the network's, never the gateway's.
+    # itself must still be the network's, never the gateway's. A gateway part is the excess less
+    # the probe's p50, so the asserts below (probe >= the delay, excess <= the delay + margin) keep
+    # it within the margin: a probe that missed the delay would leave all of it to the gateway.
     assert set(found) - {"gateway"} == {"fixed_latency", "network"}, (found, told(result))
     assert_about_the_delay(found["fixed_latency"]["size_ms"])
     assert_about_the_delay(found["network"]["size_ms"])  # the trivial request pays all of it
-    if "gateway" in found:
-        assert found["gateway"]["size_ms"] <= KNOWN_MARGIN * KNOWN_DELAY_S * 1e3, (found, told(result))
     assert_outside_engine_is_the_root_cause(result, "fixed_latency")
 
 
