@@ -17,6 +17,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -112,21 +113,30 @@ def expected(script: str, fault: str) -> set[int]:
 
 def run_guarded(main, argv: list[str], timeout_s: float, last_request: Callable[[], float]) -> int:
     """main(argv), raising Hang (with where it was) once the server has heard nothing from it for
-    timeout_s + QUIET_MARGIN_S, or it has run RUN_CAP_S."""
-    started = time.monotonic()
+    timeout_s + QUIET_MARGIN_S, or it has run RUN_CAP_S. A watchdog thread sends the one SIGALRM
+    (Python runs the handler in the main thread), so a run that makes progress sees no signal."""
+    started, done = time.monotonic(), threading.Event()
+    quiet_bound_s = timeout_s + QUIET_MARGIN_S
+
+    def watch() -> None:
+        while not done.wait(1.0):
+            now = time.monotonic()
+            if now - max(started, last_request()) > quiet_bound_s or now - started > RUN_CAP_S:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGALRM)
+                return
 
     def alarm(signum, frame):
         now = time.monotonic()
-        quiet = now - max(started, last_request())
-        if quiet > timeout_s + QUIET_MARGIN_S or now - started > RUN_CAP_S:
-            raise Hang(f"still running after {now - started:.0f} s, the last {quiet:.0f} s without a request "
-                       f"(--timeout {timeout_s:g}), at:\n" + "".join(traceback.format_stack(frame)[-4:]))
+        raise Hang(f"still running after {now - started:.0f} s, the last {now - max(started, last_request()):.0f} s "
+                   f"without a request (--timeout {timeout_s:g}), at:\n" + "".join(traceback.format_stack(frame)[-4:]))
     previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, 1, 1)
+    watchdog = threading.Thread(target=watch, daemon=True)
+    watchdog.start()
     try:
         return main(argv)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        done.set()
+        watchdog.join()
         signal.signal(signal.SIGALRM, previous)
 
 
