@@ -165,7 +165,7 @@ def test_a_queue_behind_the_running_cap_names_the_cap(shaped):
         code, result = doctor(shaped.url, "--symptom", "first-token", "--slo-ttft-p95-ms", "500", "--window", WINDOW)
     segment, cause, owner, current, proposed = root_of(result)
     assert (code, segment, cause, owner) == (1, "queue", "running_limit", "--max-num-seqs"), result["first_line"]
-    assert current == 2 and proposed > 2
+    assert current == 2 and proposed > 2, result["root"]["owner"]["setting"]  # with how it was read
 
 
 @pytest.mark.real_vllm
