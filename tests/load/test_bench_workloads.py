@@ -329,6 +329,14 @@ def test_a_fixed_latency_is_split_into_network_and_gateway_by_the_probe():
     assert "real requests lose 80 ms more than a trivial one" in found["gateway"]["evidence"]
 
 
+def test_a_gateway_part_the_clients_loop_lag_covers_is_not_named():
+    # 80 ms more than the probe, but the client read its clocks up to 90 ms late (below the
+    # 105 ms excess, so the client is not the cause of the whole).
+    found = _by_cause(watch.cross_check(ENGINE, _client(LATE_TTFT, 905.0), 90.0,
+                                        {"path": "/health", "p50_ms": 25.0, "n": 20}))
+    assert list(found) == ["fixed_latency", "network"]
+
+
 def test_a_network_that_explains_it_all_names_no_gateway():
     found = _by_cause(watch.cross_check(ENGINE, _client(LATE_TTFT, 905.0), 0.1,
                                                {"path": "/health", "p50_ms": 97.0, "n": 20}))

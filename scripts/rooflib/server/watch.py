@@ -261,7 +261,7 @@ def outside_engine(delta: dict[str, Any], client: dict[str, Any], checks: dict[s
                 f"the client measured about {size:.0f} ms more than the engine at every percentile: time outside "
                 "the engine (network, proxy, gateway, or the API server's HTTP and tokenizing)"),
                 "high: every percentile", "rerun with --probe /health to split the network from the gateway"))
-    return found + (_network_and_gateway(size, probe) if probed else [])
+    return found + (_network_and_gateway(size, probe, loop_lag_p99) if probed else [])
 
 
 def _client_lag(excess: float, loop_lag_p99: float | None) -> dict[str, Any] | None:
@@ -302,9 +302,11 @@ def _buffering(buffered: int, streams: int, ttft_excess: float, e2e_excess: floa
         "X-Accel-Buffering: no)")
 
 
-def _network_and_gateway(size: float, probe: dict[str, Any]) -> list[dict[str, Any]]:
+def _network_and_gateway(size: float, probe: dict[str, Any], loop_lag_p99: float | None) -> list[dict[str, Any]]:
     """`size` ms outside the engine split by a trivial request's round trip: what every request
-    pays (network) and what only real ones do (gateway); a part under MATERIAL_SHARE is not named."""
+    pays (network) and what only real ones do (gateway); a part under MATERIAL_SHARE is not named,
+    nor a gateway the client's own loop lag covers (the client reads a real request's clocks up to
+    that late, and the probe's alone on its connection)."""
     trivial = probe["p50_ms"]
     network, rest = min(trivial, size), size - trivial
     found = []
@@ -313,7 +315,7 @@ def _network_and_gateway(size: float, probe: dict[str, Any]) -> list[dict[str, A
             f"a trivial request ({probe['path']}) takes {trivial:.1f} ms round trip, so the network and any proxy "
             f"in the path explain about {network:.0f} of the {size:.0f} ms"), "medium: a trivial request's round trip",
             "serve from nearer the clients, or find the proxy that delays every request (the trivial one too)"))
-    if rest >= MATERIAL_SHARE * size:
+    if rest >= MATERIAL_SHARE * size and rest > (loop_lag_p99 or 0.0):
         found.append(_finding("gateway", rest, (
             f"real requests lose {rest:.0f} ms more than a trivial one ({probe['path']} {trivial:.1f} ms): a gateway "
             "on the inference routes (auth, routing, rate limits) or the API server (HTTP, tokenizing) adds it"),
