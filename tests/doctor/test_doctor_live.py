@@ -85,10 +85,22 @@ def test_a_fixed_delay_in_front_is_named_before_routing_not_the_network(vllm_ser
                                                                                 " SYMPTOM=first-token")
 
 
+def engine_part_ms(result: dict) -> float:
+    """The engine's own part of the probe's first token (queue + prefill, as its histograms say)."""
+    budget = next(b for b in result["budgets"] if b["symptom"] == "first-token")
+    return sum(s["size"] or 0.0 for s in budget["segments"] if s["name"] in ("queue", "prefill"))
+
+
 @pytest.mark.real_vllm
 def test_a_delay_on_the_inference_routes_only_is_the_route_not_the_front(vllm_server):
-    with proxy(vllm_server.url, Behaviour(delay_s=1.0, delayed_prefix="/v1/completions")) as front:
-        code, result = doctor(front, "--symptom", "first-token", "--slo-ttft-p95-ms", "800", "--window", WINDOW)
+    """The premise is an engine faster than the proxy's 1 s: a fresh-clone run beside two busy loops
+    had the engine's own prefill at 2.31 s of a 5.61 s TTFT, and the diagnosis rightly named it.
+    Such an attempt is sent again (3 at most); the route must be the root of one that kept it."""
+    for _ in range(3):
+        with proxy(vllm_server.url, Behaviour(delay_s=1.0, delayed_prefix="/v1/completions")) as front:
+            code, result = doctor(front, "--symptom", "first-token", "--slo-ttft-p95-ms", "800", "--window", WINDOW)
+        if engine_part_ms(result) < 1000:
+            break
     segment, cause, owner, _, _ = root_of(result)
     assert (code, segment, cause) == (1, "route", "inference_route"), result["first_line"]
     assert "gateway" in owner
