@@ -67,12 +67,21 @@ def starved(vllm_factory):
 # --------------------------------------------------------------------------------------------
 # In front of the engine
 
+def engine_part_ms(result: dict) -> float:
+    """The engine's own part of the probe's first token (queue + prefill, as its histograms say)."""
+    budget = next(b for b in result["budgets"] if b["symptom"] == "first-token")
+    return sum(s["size"] or 0.0 for s in budget["segments"] if s["name"] in ("queue", "prefill"))
+
+
 @pytest.mark.real_vllm
 def test_a_fixed_delay_in_front_is_named_before_routing_not_the_network(vllm_server):
-    with proxy(vllm_server.url, Behaviour(delay_s=1.0)) as front, \
-            traffic(vllm_server.url, vllm_server.model, concurrency=1):
-        code, result = doctor(front, "--symptom", "first-token", "--slo-ttft-p95-ms", "800", "--window", WINDOW,
-                              through_task=True)
+    for _ in range(3):  # the engine's own part must stay under the delay (see the route test below)
+        with proxy(vllm_server.url, Behaviour(delay_s=1.0)) as front, \
+                traffic(vllm_server.url, vllm_server.model, concurrency=1):
+            code, result = doctor(front, "--symptom", "first-token", "--slo-ttft-p95-ms", "800", "--window", WINDOW,
+                                  through_task=True)
+        if engine_part_ms(result) < 1000:
+            break
     segment, cause, owner, _, proposed = root_of(result)
     assert (code, segment, cause) == (1, "front", "delay_before_routing"), result["first_line"]
     assert owner.startswith("a proxy, balancer or middleware in front of") and proposed is None
@@ -83,12 +92,6 @@ def test_a_fixed_delay_in_front_is_named_before_routing_not_the_network(vllm_ser
     assert result["verify"][0].startswith(f"task -t {TOOLBOX} bench ")
     assert "BENCH_C=2" in result["verify"][0] and result["verify"][-1].endswith("doctor INFER_URL=" + front +
                                                                                 " SYMPTOM=first-token")
-
-
-def engine_part_ms(result: dict) -> float:
-    """The engine's own part of the probe's first token (queue + prefill, as its histograms say)."""
-    budget = next(b for b in result["budgets"] if b["symptom"] == "first-token")
-    return sum(s["size"] or 0.0 for s in budget["segments"] if s["name"] in ("queue", "prefill"))
 
 
 @pytest.mark.real_vllm
