@@ -148,9 +148,15 @@ def test_bench_counts_with_sglangs_tokenizer_and_its_usage(sglang_server, capsys
     assert server["metrics"]["generation_tokens"] == 48
     hits = server["metrics"]["prefix_cache_hit_rate"] * server["metrics"]["prompt_tokens"]
     assert hits == pytest.approx(requests["cached_prompt_tokens"])  # the server's count is the client's
-    # The client's clock starts before the engine's: never a bucket below the server's.
-    sides = [row["side"] for figure in server["cross_check"]["percentiles"].values() for row in figure.values()]
-    assert sides and "below" not in sides
+    # The client's clock starts before the engine's: never a bucket below the server's, where the two
+    # estimators read the same request. The client interpolates at rank (n-1)q (0-based) and the
+    # histogram holds rank ceil(qn): with 6 requests p95 is 0.75 of the way from the 5th to the 6th,
+    # whose bucket may start above that (a fresh-clone run saw TTFT p95 below).
+    n = requests["completed"]
+    below = [p for figure in server["cross_check"]["percentiles"].values() for p, row in figure.items()
+             if row["side"] == "below"]
+    assert server["cross_check"]["percentiles"]
+    assert all((n - 1) * int(p[1:]) / 100 < math.ceil(int(p[1:]) / 100 * n) - 1 for p in below), below
 
 
 def test_bench_chat_counts_the_chat_template_through_sglangs_tokenize(sglang_server, capsys):
