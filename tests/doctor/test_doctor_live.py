@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -73,15 +74,26 @@ def engine_part_ms(result: dict) -> float:
     return sum(s["size"] or 0.0 for s in budget["segments"] if s["name"] in ("queue", "prefill"))
 
 
+def first_token_doctor_behind(server, behaviour: Behaviour, users: int = 0,
+                              through_task: bool = False) -> tuple[str, int, dict]:
+    """doctor's first-token diagnosis through a proxy that delays requests by `behaviour`
+    (with `users` of traffic to the engine beside it): (the proxy's URL, exit code, result).
+    The premise is an engine faster than the delay: a fresh-clone run beside two busy loops had
+    the engine's own prefill at 2.31 s of a 5.61 s TTFT behind a 1 s delay, and the diagnosis
+    rightly named it. Such an attempt is sent again (3 at most); a test asserts on the last."""
+    for _ in range(3):
+        with proxy(server.url, behaviour) as front, \
+                traffic(server.url, server.model, concurrency=users) if users else nullcontext():
+            code, result = doctor(front, "--symptom", "first-token", "--slo-ttft-p95-ms", "800", "--window", WINDOW,
+                                  through_task=through_task)
+        if engine_part_ms(result) < behaviour.delay_s * 1e3:
+            break
+    return front, code, result
+
+
 @pytest.mark.real_vllm
 def test_a_fixed_delay_in_front_is_named_before_routing_not_the_network(vllm_server):
-    for _ in range(3):  # the engine's own part must stay under the delay (see the route test below)
-        with proxy(vllm_server.url, Behaviour(delay_s=1.0)) as front, \
-                traffic(vllm_server.url, vllm_server.model, concurrency=1):
-            code, result = doctor(front, "--symptom", "first-token", "--slo-ttft-p95-ms", "800", "--window", WINDOW,
-                                  through_task=True)
-        if engine_part_ms(result) < 1000:
-            break
+    front, code, result = first_token_doctor_behind(vllm_server, Behaviour(delay_s=1.0), users=1, through_task=True)
     segment, cause, owner, _, proposed = root_of(result)
     assert (code, segment, cause) == (1, "front", "delay_before_routing"), result["first_line"]
     assert owner.startswith("a proxy, balancer or middleware in front of") and proposed is None
@@ -96,14 +108,7 @@ def test_a_fixed_delay_in_front_is_named_before_routing_not_the_network(vllm_ser
 
 @pytest.mark.real_vllm
 def test_a_delay_on_the_inference_routes_only_is_the_route_not_the_front(vllm_server):
-    """The premise is an engine faster than the proxy's 1 s: a fresh-clone run beside two busy loops
-    had the engine's own prefill at 2.31 s of a 5.61 s TTFT, and the diagnosis rightly named it.
-    Such an attempt is sent again (3 at most); the route must be the root of one that kept it."""
-    for _ in range(3):
-        with proxy(vllm_server.url, Behaviour(delay_s=1.0, delayed_prefix="/v1/completions")) as front:
-            code, result = doctor(front, "--symptom", "first-token", "--slo-ttft-p95-ms", "800", "--window", WINDOW)
-        if engine_part_ms(result) < 1000:
-            break
+    _, code, result = first_token_doctor_behind(vllm_server, Behaviour(delay_s=1.0, delayed_prefix="/v1/completions"))
     segment, cause, owner, _, _ = root_of(result)
     assert (code, segment, cause) == (1, "route", "inference_route"), result["first_line"]
     assert "gateway" in owner
