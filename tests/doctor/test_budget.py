@@ -7,9 +7,10 @@ from dataclasses import replace
 import pytest
 
 from rooflib.core.taskcall import TaskCall
-from rooflib.doctor import examine, tradeoff
+from rooflib.doctor import examine, failures, tradeoff
 from rooflib.doctor.budget import Facts, setup_ms
 from rooflib.doctor.evidence import Engine, Failures, Fit, Probe, Route, Setting, StatusCount, Stream, Targets
+from rooflib.server import engine_metrics
 
 TARGETS = Targets(ttft_p95_ms=2000, tpot_p95_ms=50, gap_p95_ms=100, error_share=0.01)
 
@@ -58,6 +59,12 @@ QUEUE_DIAGNOSIS = {"findings": [{"kind": "running_limit", "evidence": "--max-num
 CONTEXT_BODY = "HTTP 400: This model's maximum context length is 1024 tokens. However, you requested 1100 tokens"
 REJECTED = Failures((StatusCount("/v1/completions", "2xx", 80), StatusCount("/v1/completions", "4xx", 20)),
                     request_bytes=80 * 1300 + 20 * 7000, sized_requests=100)
+# 30 of 100 requests turned away with 503 by vLLM's own admission limit, by its counter.
+SHED = Failures((StatusCount("/v1/completions", "2xx", 70), StatusCount("/v1/completions", "5xx", 30)),
+                admission={"max_num_queued_reqs": 30.0})
+SHED_SETTINGS = {"max_num_seqs": Setting("max_num_seqs", 4, "exported", "/server_info"),
+                 "max_num_queued_reqs": Setting("max_num_queued_reqs", 6, "exported", "/server_info")}
+QUEUE_FULL = "HTTP 503: The request queue is full."
 FIT = Fit(intercept_ms=3.3, slope_ms=0.2, points=20, running_low=40, running_high=124, r2=0.9)
 
 CASES = {
@@ -93,6 +100,25 @@ CASES = {
         # The rejected fifth average 7,000 bytes: less 200 bytes of fields, 1,855 tokens at the
         # probe's 3.67 bytes a token; with 64 out, the next power of two is 2,048.
         "errors", ("rejected: 4xx on /v1/completions", "context_length", "--max-model-len", 2048)),
+    # The cap 4 plus 2 requests a second times (2 s TTFT target - 49 ms prefill): 7 > 6.
+    "vLLM's admission limit on requests below what the TTFT target allows": (
+        facts(failures=SHED, settings=SHED_SETTINGS),
+        "errors", ("rejected: 5xx on /v1/completions", "admission_limit", "--max-num-queued-reqs", 7)),
+    # At 20 the limit already lets in more than the target allows: capacity, no value to set.
+    "vLLM's admission limit shedding what one server cannot serve in time": (
+        facts(failures=SHED, settings={**SHED_SETTINGS, "max_num_queued_reqs": Setting("max_num_queued_reqs", 20,
+                                                                                       "exported", "/server_info")}),
+        "errors", ("rejected: 5xx on /v1/completions", "admission_limit", "--max-num-queued-reqs", None)),
+    # 2 s times 300 prompt tokens in 49 ms: 12,244 tokens.
+    "vLLM's admission limit on prompt tokens": (
+        facts(failures=replace(SHED, admission={"max_num_queued_tokens": 30.0})),
+        "errors", ("rejected: 5xx on /v1/completions", "admission_limit", "--max-num-queued-tokens", 12244)),
+    # SGLang counts no statuses: its answer names the limit, which counts the waiting requests
+    # only: 2/s x 1.951 s.
+    "SGLang's queue limit, by its answer": (
+        facts(eng=engine(engine="sglang"), probed=probe([stream(), stream(status=503, error="http_5xx",
+                                                                          detail=QUEUE_FULL)] * 3)),
+        "errors", ("probe: http_5xx", "admission_limit", "--max-queued-requests", 3)),
 }
 
 
@@ -250,3 +276,19 @@ def test_a_stream_interval_is_named_even_when_the_machines_decode_misses_its_tar
                  settings={"stream_interval": Setting("stream_interval", 32, "exported", "/server_info")})
     root = examine.decide(options("streaming"), made).root
     assert root is not None and (root.segment, root.proposed) == ("stream_interval", 1), root
+
+
+def test_the_windows_failures_are_the_counters_increase_admission_rejections_by_reason():
+    """vLLM 0.32's own counters over a window: statuses on the inference routes and the requests its
+    admission limits turned away (a counter that fell, a restarted server, counts from zero)."""
+    def scrape(ok: float, failed: float, shed: float) -> engine_metrics.Exposition:
+        return engine_metrics.parse_exposition(
+            f'http_requests_total{{handler="/v1/completions",method="POST",status="2xx"}} {ok}\n'
+            f'http_requests_total{{handler="/v1/completions",method="POST",status="5xx"}} {failed}\n'
+            f'http_requests_total{{handler="/metrics",method="GET",status="2xx"}} 9\n'
+            f'vllm:admission_rejections_total{{model_name="m",reason="max_num_queued_reqs"}} {shed}\n'
+            'vllm:admission_rejections_total{model_name="m",reason="max_num_queued_tokens"} 0\n')
+    got = failures.between(scrape(10, 2, 2), scrape(40, 12, 12))
+    assert got.statuses == (StatusCount("/v1/completions", "2xx", 30), StatusCount("/v1/completions", "5xx", 10))
+    assert got.admission == {"max_num_queued_reqs": 10}
+    assert failures.between(scrape(10, 2, 20), scrape(40, 12, 5)).admission == {"max_num_queued_reqs": 5}

@@ -49,10 +49,18 @@ def root_of(result: dict) -> tuple[str, str, str | None, object, object]:
     return root["segment"], root["cause"], owner, setting and setting["current"], root["proposed"]
 
 
+# vLLM 0.32 turns a request away with 503 once this many are in flight (waiting or running): above
+# what the other tests on `shaped` keep in flight (10 users and the probe's 2), below the 24 users
+# of the admission test.
+QUEUED_LIMIT = 16
+
+
 @pytest.fixture(scope="module")
 def shaped(vllm_factory):
-    """A context limit of 1,024 tokens, an engine that streams every 32 tokens, at most 2 running."""
-    with vllm_factory(sets=["max_model_len=1024", "max_num_seqs=2", 'extra_args=["--stream-interval", "32"]']) as server:
+    """A context limit of 1,024 tokens, an engine that streams every 32 tokens, at most 2 running,
+    at most QUEUED_LIMIT in flight."""
+    extra = f'extra_args=["--stream-interval", "32", "--max-num-queued-reqs", "{QUEUED_LIMIT}"]'
+    with vllm_factory(sets=["max_model_len=1024", "max_num_seqs=2", extra]) as server:
         yield server
 
 
@@ -186,6 +194,20 @@ def test_a_queue_behind_the_running_cap_names_the_cap(shaped):
     segment, cause, owner, current, proposed = root_of(result)
     assert (code, segment, cause, owner) == (1, "queue", "running_limit", "--max-num-seqs"), result["first_line"]
     assert current == 2 and proposed > 2, result["root"]["owner"]["setting"]  # with how it was read
+
+
+@pytest.mark.real_vllm
+def test_requests_the_engines_own_queue_limit_turns_away_name_that_limit(shaped):
+    """Twenty-four users against at most QUEUED_LIMIT in flight: vLLM answers the rest 503 by design,
+    and counts them by reason. Its value is not exported without dev mode: a value is proposed."""
+    with traffic(shaped.url, shaped.model, concurrency=24, prompt_words=50, output_tokens=16, think_s=0.05) as counts:
+        code, result = doctor(shaped.url, "--symptom", "errors", "--window", WINDOW)
+    assert counts.by_status.get(503), counts.by_status  # the premise: the limit turned users away
+    segment, cause, owner, current, proposed = root_of(result)
+    assert (code, cause, owner, current) == (1, "admission_limit", "--max-num-queued-reqs", None), result["first_line"]
+    assert segment.startswith(("rejected: 5xx", "probe: http_5xx")) and isinstance(proposed, int) and proposed >= 2
+    # Named by the engine's own word: its counter's reason, or its answer to the probe.
+    assert "max_num_queued_reqs" in result["root"]["evidence"] or "currently busy" in result["root"]["evidence"]
 
 
 @pytest.mark.real_vllm

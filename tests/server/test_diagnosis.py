@@ -269,12 +269,29 @@ def test_exported_cap_with_room_in_the_kv_cache_is_the_running_limit():
                                                   "BENCH_C=2 BENCH_N=16 -- ")
 
 
+def test_an_admission_cap_below_max_num_seqs_is_the_running_limit_named_by_its_own_flag():
+    """vLLM 0.32's --max-num-active-seqs admits fewer into RUNNING than --max-num-seqs sizes the
+    runner for: raising --max-num-seqs would change nothing."""
+    served = deployment.server_settings("http://h:8000", "vllm", transport=server({
+        "/v1/models": {"data": [{"id": "m", "max_model_len": 4096}]}, "/server_info": {"vllm_config": {
+            **VLLM_SERVER_INFO["vllm_config"],
+            "scheduler_config": {"max_num_seqs": 256, "max_num_active_seqs": 4, "max_num_batched_tokens": 2048}}}}))
+    r = diagnosed(window(n=60, queue=6.0, prompt=200, running=(4, 4), waiting=(20, 24)), served=served)
+    root, lever = r["diagnosis"]["root_cause"], r["diagnosis"]["plan"][0]
+    assert (root["kind"], root["setting"], root["current"], root["current_source"]) == \
+        ("running_limit", "--max-num-active-seqs", 4, "exported")
+    assert (lever["setting"], lever["current"]) == ("--max-num-active-seqs", 4) and lever["proposed"] > 4
+    assert "at most max_num_seqs 256" in r["settings"]["max_num_seqs"]["how"]
+
+
 def test_requests_running_while_others_wait_put_a_floor_under_the_cap():
     r = diagnosed(window(queue=6.0, prompt=200, running=(2, 2), waiting=(9, 9), plateau=(2, 2, 2)))
     root = r["diagnosis"]["root_cause"]
     assert (root["kind"], root["current"], root["current_source"]) == ("running_limit", 2, "inferred")
     assert "--max-num-seqs is at least 2 (inferred: 2 running at the busiest of 30 gauge samples, KV usage at " \
            "most 10.0%" in root["evidence"]
+    # vLLM 0.32 can cap admission lower with its own flag: the evidence names it where not exported.
+    assert "(or --max-num-active-seqs, vLLM 0.32+, where set below it)" in root["evidence"]
     assert r["settings"]["max_num_seqs"]["at_least"] is True
 
 

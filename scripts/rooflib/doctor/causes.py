@@ -19,6 +19,13 @@ ENGINE = "the engine"
 STREAM_FLAG = {"vllm": "--stream-interval", "sglang": "--stream-interval"}
 MODEL_LEN_FLAG = {"vllm": "--max-model-len", "sglang": "--context-length"}
 SEQS_FLAG = {"vllm": "--max-num-seqs", "sglang": "--max-running-requests"}
+# The engines' admission limits, which answer 503 at the engine's door by design (a load balancer
+# then retries elsewhere): vLLM 0.32's --max-num-queued-reqs (requests waiting or running) and
+# --max-num-queued-tokens (prompt tokens still in prefill), AsyncLLM.check_admission in
+# vllm/v1/engine/async_llm.py; SGLang's --max-queued-requests (requests waiting),
+# Scheduler._abort_on_queued_limit. Keyed by vllm:admission_rejections_total's reason label.
+ADMISSION_FLAG = {"max_num_queued_reqs": {"vllm": "--max-num-queued-reqs", "sglang": "--max-queued-requests"},
+                  "max_num_queued_tokens": {"vllm": "--max-num-queued-tokens"}}
 # The settings the engine diagnosis names, by the flag it prints (diagnosis.FLAGS).
 SETTING_OF_FLAG = {"--max-num-seqs": "max_num_seqs", "--max-running-requests": "max_num_seqs",
                    "--max-num-batched-tokens": "max_num_batched_tokens", "--chunked-prefill-size": "max_num_batched_tokens",
@@ -295,7 +302,17 @@ def rejected(f: Facts, seg: Segment, given_prompt_tokens: int | None = None) -> 
         if length is not None or "not measurable" in how:
             return context_limit(f, seg, known, limit, length, how, detail)
         detail, cause = f"{how}, so the context limit is not why", None
+    counted = max(f.failures.admission.items(), key=lambda item: item[1], default=None)
+    if seg.name.startswith("rejected: 5") and counted and counted[0] in ADMISSION_FLAG:
+        return admission_limit(f, seg, counted[0], (
+            f"the engine counted {counted[1]:.0f} requests turned away by this limit in the window "
+            f"(vllm:admission_rejections_total{{reason=\"{counted[0]}\"}}, the probe's own included)"))
     if seg.name.startswith("probe"):
+        failed = [s for s in f.probe.streams if s.error]
+        said = failures.cause_of(failed[0].detail) if failed else None
+        if said in ADMISSION_FLAG and f.engine.engine in ADMISSION_FLAG[said]:
+            return admission_limit(f, seg, said,
+                                   f"the probe's requests got HTTP 503 saying \"{failed[0].detail[:160]}\"")
         return outside_failures(f, seg)
     if seg.name.startswith("rejected: 5"):
         return _outside(seg, "server_errors", f"{seg.size:.0%} of requests fail with HTTP 5xx", "the engine process",
@@ -306,6 +323,49 @@ def rejected(f: Facts, seg: Segment, given_prompt_tokens: int | None = None) -> 
                     "the clients' requests, or a gateway's limits", "read the error bodies the clients get (a model "
                     "name the server does not serve, bad parameters, auth)", "the server refuses them",
                     "no rejections once the requests are right", "medium")
+
+
+def admission_limit(f: Facts, seg: Segment, reason: str, evidence: str) -> Finding:
+    """The engine's own admission limit turns requests away with 503. The value that keeps the
+    TTFT target: a request admitted behind k others waits about k / (requests finished a second),
+    so the limit on requests is the running cap plus what the server finishes within the target
+    less a prefill; the limit on prompt tokens is the target times the prefill rate (vLLM's own
+    rule for --max-num-queued-tokens, vllm/config/scheduler.py). A limit already at that value is
+    the valve working: the users offer more than one server serves within the target."""
+    e, target_s = f.engine, f.targets.ttft_p95_ms / 1000
+    known = setting(f, reason, ADMISSION_FLAG[reason].get(e.engine, ADMISSION_FLAG[reason]["vllm"]))
+    prefill_s = (e.prefill_mean or 0) / 1000
+    if reason == "max_num_queued_reqs":
+        # vLLM's limit counts running requests too, SGLang's only the waiting ones.
+        seqs = setting(f, "max_num_seqs", SEQS_FLAG.get(e.engine, "--max-num-seqs"))
+        cap = (seqs.value or e.running_peak or 0) if e.engine == "vllm" else 0
+        named = "" if not cap else f"the running cap {cap:g} plus " if seqs.value else \
+            f"the {cap:g} requests running at the peak plus "
+        rate = e.requests / e.seconds if e.requests and e.seconds else None
+        proposed = max(1, int(cap + max(0.0, target_s - prefill_s) * rate)) if rate else None
+        how = (f"{named}the {rate:.2f} requests a second the server finished times the TTFT target less a prefill "
+               f"({target_s:g} - {prefill_s:.2f} s)") if rate else "not measurable here: the window finished no request"
+    else:
+        rate = e.prompt_tokens_mean / prefill_s if e.prompt_tokens_mean and prefill_s else None
+        proposed = int(target_s * rate) if rate else None
+        how = (f"the TTFT target {target_s:g} s times the prefill rate, {rate:,.0f} prompt tokens a second "
+               "(a prompt's mean tokens over its mean prefill)") if rate else \
+            "not measurable here: the window prefilled no prompt"
+    head = (f"{seg.size:.0%} of requests fail with HTTP 503 at the engine's door: {known.flag} "
+            f"{'is ' + str(known.value) if known.value is not None else '(its value is not exported)'} "
+            f"turns them away; {evidence}")
+    if proposed is not None and known.value is not None and proposed <= known.value:
+        return Finding(seg.name, "admission_limit", f"{head}; at {known.value} it already admits what meets the "
+                       f"TTFT target ({how}: {proposed})", Owner("the deployment's capacity", known), None,
+                       "add replicas behind the load balancer, or lower the offered load: the limit sheds what one "
+                       "server cannot serve within the target, as it is meant to",
+                       "raising the limit moves the rejected requests into the queue, past the TTFT target",
+                       "the rejected share served by the added replicas", "high: the engine's own counter or answer")
+    return Finding(seg.name, "admission_limit", f"{head}; the value that keeps the TTFT target: {how}",
+                   Owner(ENGINE, known), proposed, "" if proposed else f"raise {known.flag} or remove it",
+                   "the limit rejects requests the server could still serve within the TTFT target",
+                   "fewer rejections; the requests let in wait in the queue, within the TTFT target",
+                   "high: the engine's own counter or answer")
 
 
 def context_limit(f: Facts, seg: Segment, known: Setting, limit: int | None, length: int | None, how: str,

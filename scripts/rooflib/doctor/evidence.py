@@ -81,6 +81,7 @@ class Failures:
     engine_counts: bool = False   # the engine counts its finished requests (vllm:request_success_total)
     request_bytes: float = 0.0    # http_request_size_bytes over the inference routes: their sum
     sized_requests: float = 0.0   # and how many requests it counts
+    admission: dict[str, float] = field(default_factory=dict)  # vLLM admission limit -> requests it turned away
 
     @property
     def request_bytes_mean(self) -> float | None:

@@ -6,7 +6,9 @@ which groups status codes by default), rejected ones included: the engine's hist
 the requests it ran. vLLM counts finished requests by why they finished
 (vllm:request_success_total{finished_reason="stop"|"length"|"abort"|"error"|...}: `abort` is a
 client that went away, or a cancelled request). http_request_size_bytes (a summary per route)
-sizes every request the route received.
+sizes every request the route received. vLLM 0.32 counts the requests its own admission limits
+turned away with HTTP 503 (vllm:admission_rejections_total{reason="max_num_queued_reqs"|
+"max_num_queued_tokens"}, AsyncLLM.check_admission in vllm/v1/engine/async_llm.py).
 """
 from __future__ import annotations
 
@@ -35,6 +37,14 @@ def _finished(exposition: Exposition) -> dict[str, float]:
     return counts
 
 
+def _admission(exposition: Exposition) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for labels, value in exposition.samples.get("vllm:admission_rejections_total", []):
+        reason = labels.get("reason", "")
+        counts[reason] = counts.get(reason, 0.0) + value
+    return counts
+
+
 def _request_bytes(exposition: Exposition) -> tuple[float, float]:
     total = count = 0.0
     for suffix in ("_sum", "_count"):
@@ -56,10 +66,14 @@ def between(before: Exposition, after: Exposition) -> Failures:
     old_f, new_f = _finished(before), _finished(after)
     finished = {reason: (value - old_f.get(reason, 0.0)) if value >= old_f.get(reason, 0.0) else value
                 for reason, value in new_f.items()}
+    old_a, new_a = _admission(before), _admission(after)
+    admission = {reason: (value - old_a.get(reason, 0.0)) if value >= old_a.get(reason, 0.0) else value
+                 for reason, value in new_a.items()}
     (sum0, n0), (sum1, n1) = _request_bytes(before), _request_bytes(after)
     return Failures(statuses=tuple(s for s in statuses if INFERENCE_ROUTE.match(s.handler) and s.count > 0),
                     finished={k: v for k, v in finished.items() if v > 0}, engine_counts=bool(new_f),
-                    request_bytes=sum1 - sum0 if n1 >= n0 else sum1, sized_requests=n1 - n0 if n1 >= n0 else n1)
+                    request_bytes=sum1 - sum0 if n1 >= n0 else sum1, sized_requests=n1 - n0 if n1 >= n0 else n1,
+                    admission={k: v for k, v in admission.items() if v > 0})
 
 
 def without_probe(failures: Failures, probe: Probe, handler: str) -> Failures:
@@ -79,7 +93,7 @@ def without_probe(failures: Failures, probe: Probe, handler: str) -> Failures:
     if "length" in finished:
         finished["length"] = max(0.0, finished["length"] - own.get("2xx", 0.0))
     return Failures(statuses=tuple(s for s in statuses if s.count > 0), finished=finished,
-                    engine_counts=failures.engine_counts,
+                    engine_counts=failures.engine_counts, admission=failures.admission,
                     request_bytes=max(0.0, failures.request_bytes - sum(s.request_bytes for s in sent)),
                     sized_requests=max(0.0, failures.sized_requests - len(sent)))
 
@@ -111,8 +125,12 @@ def failed_share(failures: Failures) -> tuple[float, float, dict[str, float]]:
 
 # What an error body says, in the words vLLM and SGLang use (vllm/entrypoints/openai/serving_engine.py:
 # "This model's maximum context length is N tokens. However, you requested M tokens ...";
-# SGLang: "... is longer than the model's context length (N tokens)").
+# SGLang: "... is longer than the model's context length (N tokens)"). The engines' own admission
+# limits answer 503 with their own words: vLLM 0.32's QueueOverflowError and MaxQueuedTokensError
+# (vllm/exceptions.py), SGLang's "The request queue is full." (Scheduler._abort_on_queued_limit).
 CAUSES: Sequence[tuple[str, re.Pattern[str]]] = (
+    ("max_num_queued_reqs", re.compile(r"currently busy and cannot accept new requests|request queue is full", re.I)),
+    ("max_num_queued_tokens", re.compile(r"prefill token backlog limit", re.I)),
     ("context_length", re.compile(r"maximum context length|context length|max_model_len|too long", re.I)),
     ("rate_limited", re.compile(r"rate limit|too many requests", re.I)),
     ("auth", re.compile(r"api key|unauthori[sz]ed|forbidden", re.I)),

@@ -54,6 +54,9 @@ VLLM_FIELDS = {
     "max_model_len": ("model_config", "max_model_len"),
     "tensor_parallel_size": ("parallel_config", "tensor_parallel_size"),
     "stream_interval": ("scheduler_config", "stream_interval"),
+    "max_num_active_seqs": ("scheduler_config", "max_num_active_seqs"),
+    "max_num_queued_reqs": ("scheduler_config", "max_num_queued_reqs"),
+    "max_num_queued_tokens": ("scheduler_config", "max_num_queued_tokens"),
 }
 # setting -> SGLang ServerArgs field. The radix cache is SGLang's prefix cache: on unless
 # --disable-radix-cache; chunked_prefill_size plays max_num_batched_tokens' part (tokens
@@ -69,6 +72,7 @@ SGLANG_FIELDS = {
     "gpu_memory_utilization": "mem_fraction_static",
     "max_total_tokens": "max_total_tokens",
     "stream_interval": "stream_interval",
+    "max_num_queued_reqs": "max_queued_requests",
     "cache_dtype": "kv_cache_dtype",
     "attention_backend": "attention_backend",
     "engine_version": "version",
@@ -104,6 +108,10 @@ def from_vllm(info: Any) -> dict[str, Known]:
         value = _checked(setting, part.get(field) if isinstance(part, dict) else None)
         if value is not None:
             found[setting] = Known(value, EXPORTED, f"vLLM /server_info {section}.{field}")
+    if "max_num_active_seqs" in found and "max_num_seqs" in found:
+        found["max_num_active_seqs"] = Known(found["max_num_active_seqs"].value, EXPORTED, (
+            "vLLM /server_info scheduler_config.max_num_active_seqs: the requests admitted into RUNNING, at most "
+            f"max_num_seqs {found['max_num_seqs'].value}, which sizes the model runner (raise both beyond it)"))
     return found
 
 

@@ -175,11 +175,24 @@ def settings(r: Reading, served: Served | None = None) -> dict[str, Known]:
         found["kv_cache_tokens"] = Known(r.kv_cache_tokens, EXPORTED, "vllm:cache_config_info kv_cache_size_tokens"
                                          if r.engine == "vllm" else "sglang:max_total_num_tokens")
     found.update(served.settings if served else {})
+    active = found.get("max_num_active_seqs")
+    if active and "max_num_seqs" in found and active.value < found["max_num_seqs"].value:
+        # vLLM 0.32 admits at most this many into RUNNING; _flags then names its flag.
+        found["max_num_seqs"] = active
     for name, infer in (("max_num_seqs", _infer_max_num_seqs), ("max_num_batched_tokens", _infer_batched),
                         ("prefix_caching", _infer_prefix_caching)):
         if name not in found:
             found[name] = infer(r)
     return found
+
+
+def _flags(r: Reading, s: Mapping[str, Known]) -> Mapping[str, str]:
+    """The engine's FLAGS; the running cap's is --max-num-active-seqs where the server set that
+    below --max-num-seqs (vLLM 0.32: it gates admission into RUNNING, max_num_seqs only sizes the
+    model runner; vllm/config/scheduler.py)."""
+    active = s.get("max_num_active_seqs")
+    return {**FLAGS[r.engine], "seqs": "--max-num-active-seqs"} if active and s["max_num_seqs"] is active \
+        else FLAGS[r.engine]
 
 
 def _kv_room(r: Reading) -> bool:
@@ -348,7 +361,7 @@ def _kv_finding(r: Reading, s: Mapping[str, Known], evidence: str, confidence: s
 
 def findings(r: Reading, s: Mapping[str, Known]) -> list[dict[str, Any]]:
     """Every finding with its cause, unordered (see `ordered`)."""
-    flags, slo = FLAGS[r.engine], r.slo
+    flags, slo = _flags(r, s), r.slo
     queue, e2e, ttft = r.queue_ms, r.e2e_ms, r.ttft_ms
     share = queue.mean / e2e.mean if queue.mean is not None and e2e.mean else None
     queued = (share is not None and share >= QUEUE_SHARE) or (not e2e.n and (r.waiting_peak or 0) > 0)
@@ -363,8 +376,10 @@ def findings(r: Reading, s: Mapping[str, Known]) -> list[dict[str, Any]]:
                                              "KV blocks and were computed again", HIGH, "kv_cache"))
     if limit == "running_limit":
         seqs = s["max_num_seqs"]
-        cap = f"{flags['seqs']} is {said(seqs)}" if seqs.value \
-            else f"{flags['seqs']} (unknown: {seqs.how}) caps the running requests"
+        cap = (f"{flags['seqs']} is {said(seqs)}" if seqs.value
+               else f"{flags['seqs']} (unknown: {seqs.how}) caps the running requests") + (
+            " (or --max-num-active-seqs, vLLM 0.32+, where set below it)" if r.engine == "vllm" and
+            seqs.source != EXPORTED else "")
         found.append(_finding("running_limit", f"{cap}; requests wait while the KV cache has room: {evidence}",
                               confidence, setting=flags["seqs"], known=seqs))
     if queued:
@@ -540,7 +555,7 @@ def levers(finding: Mapping[str, Any], r: Reading, s: Mapping[str, Known]) -> li
             "prefill": _prefill_levers, "decode": _decode_levers}
     if finding["caused_by"] or finding["kind"] not in make:
         return []
-    return make[finding["kind"]](finding, r, s, FLAGS[r.engine])
+    return make[finding["kind"]](finding, r, s, _flags(r, s))
 
 
 def _outside_levers(f, r, s, flags) -> list[dict[str, Any]]:
