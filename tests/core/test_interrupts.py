@@ -32,6 +32,9 @@ import pytest
 from fault_server import Action, fault_server, paced
 from vllm_server import ServerUnavailable, task_exe
 
+from rooflib.core import signals
+from rooflib.load import benchrun
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 TOOLBOX = ROOT / "roofline-toolbox" / "Taskfile.yml"
@@ -297,6 +300,18 @@ def test_ctrl_c_as_bench_workers_start_keeps_the_result(server, tmp_path, delay_
     assert result["interrupted"], result
     lines = (tmp_path / "records.jsonl").read_text().splitlines()
     assert len(lines) == result["requests"]["sent"] + result["requests"]["warmup"]
+
+
+def test_a_ctrl_c_just_after_the_run_is_announced_is_an_interrupted_run(monkeypatch):
+    """The race behind a fresh-clone failure of the test above (delay 0, exit 130, no JSON): the
+    Ctrl-C landed between the " against " line and the run's own handler. The line is now said
+    inside it: a Ctrl-C raised as it is said gives the empty, interrupted result bench prints."""
+    def interrupted(message: str) -> None:
+        raise KeyboardInterrupt
+    monkeypatch.setattr(benchrun.printing, "progress", interrupted)
+    with signals.SignalHold("bench") as hold:
+        run = benchrun.run_load(None, None, hold, None, None, True, "bench: 4 requests against http://h:8000 (m)")
+    assert run.interrupted and run.outcomes == []
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

@@ -165,7 +165,9 @@ def facts_of(opts: Options, windows: Sequence[window.Window], measured: Probe, s
                  finished={k: sum(f.finished.get(k, 0) for f in fails) for f in fails for k in f.finished},
                  engine_counts=any(f.engine_counts for f in fails),
                  request_bytes=sum(f.request_bytes for f in fails),
-                 sized_requests=sum(f.sized_requests for f in fails)), measured, handler)
+                 sized_requests=sum(f.sized_requests for f in fails),
+                 admission={k: sum(f.admission.get(k, 0) for f in fails) for f in fails for k in f.admission}),
+        measured, handler)
     model, note = tradeoff.fit(windows[0].snaps) if len(windows) == 1 and not mixed else \
         (None, "several engines: no single fit")
     facts = budgets.Facts(symptom=opts.symptom, targets=opts.targets, engine=blind(report) if mixed else engine_of(report),

@@ -585,8 +585,8 @@ def execute(target: Target, options: BenchOptions, hold: signals.SignalHold, qui
     # A shard's clocks, read before the load: what puts its timestamps on the wall clock.
     reading = shards.clock() if options.shard else None
     part = f"; shard {options.shard}: {len(plan.requests) - plan.warmup} of the requests" if options.shard else ""
-    printing.progress(f"bench: {config['load']}{part} against {target.base_url} ({target.model})")
-    run = run_load(plan, options, hold, timeline, before, quiet)
+    run = run_load(plan, options, hold, timeline, before, quiet,
+                   f"bench: {config['load']}{part} against {target.base_url} ({target.model})")
     for outcome in run.outcomes if indices is not None else ():  # a shard's records name the run's requests
         outcome.index = indices[outcome.index]
     first_sent = min((o.sent_ns for o in run.outcomes if o.sent_ns), default=None)
@@ -721,9 +721,11 @@ def make_plan(target: Target, options: BenchOptions, load: workloads.Workload,
 
 
 def run_load(plan: Plan, options: BenchOptions, hold: signals.SignalHold, timeline: watch.Timeline | None,
-             before: dict[str, Any] | None, quiet: bool) -> RunResult:
-    """Send the plan (in worker processes with --workers), the server's timeline scraped meanwhile."""
-    try:  # a Ctrl-C as the timeline starts still stops it
+             before: dict[str, Any] | None, quiet: bool, announce: str) -> RunResult:
+    """Say `announce`, then send the plan (in worker processes with --workers), the server's
+    timeline scraped meanwhile."""
+    try:  # a Ctrl-C once the run is announced, or as the timeline starts, still gives a result
+        printing.progress(announce)
         if timeline:
             timeline.start(before)
         if options.workers > 1:  # both start `hold` as the run ends
