@@ -18,6 +18,9 @@ from typing import Sequence
 from rooflib.doctor.evidence import Failures, Probe, StatusCount
 from rooflib.server.engine_metrics import Exposition
 
+# (counter, label): finished requests by why, requests the admission limits turned away by which.
+FINISHED = ("vllm:request_success_total", "finished_reason")
+REJECTED = ("vllm:admission_rejections_total", "reason")
 INFERENCE_ROUTE = re.compile(r"^/v1/(chat/)?completions$|^/v1/(responses|messages|embeddings)$|^/generate$")
 
 
@@ -29,20 +32,19 @@ def _statuses(exposition: Exposition) -> dict[tuple[str, str], float]:
     return counts
 
 
-def _finished(exposition: Exposition) -> dict[str, float]:
+def _by_label(exposition: Exposition, metric: str, label: str) -> dict[str, float]:
+    """A counter's samples summed by one label's value."""
     counts: dict[str, float] = {}
-    for labels, value in exposition.samples.get("vllm:request_success_total", []):
-        reason = labels.get("finished_reason", "")
-        counts[reason] = counts.get(reason, 0.0) + value
+    for labels, value in exposition.samples.get(metric, []):
+        key = labels.get(label, "")
+        counts[key] = counts.get(key, 0.0) + value
     return counts
 
 
-def _admission(exposition: Exposition) -> dict[str, float]:
-    counts: dict[str, float] = {}
-    for labels, value in exposition.samples.get("vllm:admission_rejections_total", []):
-        reason = labels.get("reason", "")
-        counts[reason] = counts.get(reason, 0.0) + value
-    return counts
+def _increase(old: dict[str, float], new: dict[str, float]) -> dict[str, float]:
+    """Each key's increase over the window, those that rose (a counter that fell counts from zero)."""
+    rose = {key: (value - old.get(key, 0.0)) if value >= old.get(key, 0.0) else value for key, value in new.items()}
+    return {key: value for key, value in rose.items() if value > 0}
 
 
 def _request_bytes(exposition: Exposition) -> tuple[float, float]:
@@ -63,17 +65,12 @@ def between(before: Exposition, after: Exposition) -> Failures:
     statuses = tuple(StatusCount(handler, status, value - old.get((handler, status), 0.0)
                                  if value >= old.get((handler, status), 0.0) else value)
                      for (handler, status), value in sorted(new.items()))
-    old_f, new_f = _finished(before), _finished(after)
-    finished = {reason: (value - old_f.get(reason, 0.0)) if value >= old_f.get(reason, 0.0) else value
-                for reason, value in new_f.items()}
-    old_a, new_a = _admission(before), _admission(after)
-    admission = {reason: (value - old_a.get(reason, 0.0)) if value >= old_a.get(reason, 0.0) else value
-                 for reason, value in new_a.items()}
     (sum0, n0), (sum1, n1) = _request_bytes(before), _request_bytes(after)
     return Failures(statuses=tuple(s for s in statuses if INFERENCE_ROUTE.match(s.handler) and s.count > 0),
-                    finished={k: v for k, v in finished.items() if v > 0}, engine_counts=bool(new_f),
+                    finished=_increase(_by_label(before, *FINISHED), _by_label(after, *FINISHED)),
+                    engine_counts=bool(_by_label(after, *FINISHED)),
                     request_bytes=sum1 - sum0 if n1 >= n0 else sum1, sized_requests=n1 - n0 if n1 >= n0 else n1,
-                    admission={k: v for k, v in admission.items() if v > 0})
+                    admission=_increase(_by_label(before, *REJECTED), _by_label(after, *REJECTED)))
 
 
 def without_probe(failures: Failures, probe: Probe, handler: str) -> Failures:
