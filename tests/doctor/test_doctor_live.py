@@ -205,7 +205,9 @@ def test_requests_the_engines_own_queue_limit_turns_away_name_that_limit(shaped)
     assert counts.by_status.get(503), counts.by_status  # the premise: the limit turned users away
     segment, cause, owner, current, proposed = root_of(result)
     assert (code, cause, owner, current) == (1, "admission_limit", "--max-num-queued-reqs", None), result["first_line"]
-    assert segment.startswith(("rejected: 5xx", "probe: http_5xx")) and isinstance(proposed, int) and proposed >= 2
+    # The share the server counted, or the probe's own when it met more: a streamed probe request
+    # meets the 503 inside its stream (a fresh-clone run had `probe: stream_error`).
+    assert segment.startswith(("rejected: 5xx", "probe: ")) and isinstance(proposed, int) and proposed >= 2
     # Named by the engine's own word: its counter's reason, or its answer to the probe.
     assert "max_num_queued_reqs" in result["root"]["evidence"] or "currently busy" in result["root"]["evidence"]
 
