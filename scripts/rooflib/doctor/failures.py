@@ -13,7 +13,7 @@ turned away with HTTP 503 (vllm:admission_rejections_total{reason="max_num_queue
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 from rooflib.doctor.evidence import Failures, Probe, StatusCount
 from rooflib.server.engine_metrics import Exposition
@@ -21,6 +21,7 @@ from rooflib.server.engine_metrics import Exposition
 # (counter, label): finished requests by why, requests the admission limits turned away by which.
 FINISHED = ("vllm:request_success_total", "finished_reason")
 REJECTED = ("vllm:admission_rejections_total", "reason")
+K = TypeVar("K")
 INFERENCE_ROUTE = re.compile(r"^/v1/(chat/)?completions$|^/v1/(responses|messages|embeddings)$|^/generate$")
 
 
@@ -41,7 +42,7 @@ def _by_label(exposition: Exposition, metric: str, label: str) -> dict[str, floa
     return counts
 
 
-def _increase(old: dict[str, float], new: dict[str, float]) -> dict[str, float]:
+def _increase(old: dict[K, float], new: dict[K, float]) -> dict[K, float]:
     """Each key's increase over the window, those that rose (a counter that fell counts from zero)."""
     rose = {key: (value - old.get(key, 0.0)) if value >= old.get(key, 0.0) else value for key, value in new.items()}
     return {key: value for key, value in rose.items() if value > 0}
@@ -61,14 +62,12 @@ def _request_bytes(exposition: Exposition) -> tuple[float, float]:
 
 def between(before: Exposition, after: Exposition) -> Failures:
     """The window's failures: each counter's increase (a counter that fell counts from zero)."""
-    old, new = _statuses(before), _statuses(after)
-    statuses = tuple(StatusCount(handler, status, value - old.get((handler, status), 0.0)
-                                 if value >= old.get((handler, status), 0.0) else value)
-                     for (handler, status), value in sorted(new.items()))
+    statuses = _increase(_statuses(before), _statuses(after))
+    finished = _by_label(after, *FINISHED)
     (sum0, n0), (sum1, n1) = _request_bytes(before), _request_bytes(after)
-    return Failures(statuses=tuple(s for s in statuses if INFERENCE_ROUTE.match(s.handler) and s.count > 0),
-                    finished=_increase(_by_label(before, *FINISHED), _by_label(after, *FINISHED)),
-                    engine_counts=bool(_by_label(after, *FINISHED)),
+    return Failures(statuses=tuple(StatusCount(handler, status, count) for (handler, status), count
+                                   in sorted(statuses.items()) if INFERENCE_ROUTE.match(handler)),
+                    finished=_increase(_by_label(before, *FINISHED), finished), engine_counts=bool(finished),
                     request_bytes=sum1 - sum0 if n1 >= n0 else sum1, sized_requests=n1 - n0 if n1 >= n0 else n1,
                     admission=_increase(_by_label(before, *REJECTED), _by_label(after, *REJECTED)))
 
