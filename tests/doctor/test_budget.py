@@ -292,3 +292,16 @@ def test_the_windows_failures_are_the_counters_increase_admission_rejections_by_
     assert got.statuses == (StatusCount("/v1/completions", "2xx", 30), StatusCount("/v1/completions", "5xx", 10))
     assert got.admission == {"max_num_queued_reqs": 10}
     assert failures.between(scrape(10, 2, 20), scrape(40, 12, 5)).admission == {"max_num_queued_reqs": 5}
+
+
+def test_several_windows_failures_combine_field_by_field():
+    """Each replica's window is read alone, then summed: no field may be dropped on the way (the
+    admission counts once were)."""
+    one = Failures((StatusCount("/v1/completions", "5xx", 3),), finished={"stop": 2.0}, engine_counts=True,
+                   request_bytes=100.0, sized_requests=2.0, admission={"max_num_queued_reqs": 3.0})
+    two = Failures((StatusCount("/v1/completions", "2xx", 4),), finished={"stop": 4.0, "abort": 1.0},
+                   admission={"max_num_queued_tokens": 1.0})
+    assert failures.combined([one, two]) == Failures(
+        (StatusCount("/v1/completions", "5xx", 3), StatusCount("/v1/completions", "2xx", 4)),
+        finished={"stop": 6.0, "abort": 1.0}, engine_counts=True, request_bytes=100.0, sized_requests=2.0,
+        admission={"max_num_queued_reqs": 3.0, "max_num_queued_tokens": 1.0})

@@ -160,14 +160,7 @@ def facts_of(opts: Options, windows: Sequence[window.Window], measured: Probe, s
         merged["seconds"] = max(d["seconds"] or 0 for d in deltas)
     report = engine_metrics.report(merged, slo=slo, served=served if len(deltas) == 1 else None)
     fails = [failures.between(w.first.exposition, w.last.exposition) for w in windows if not w.mixed]
-    failed = failures.without_probe(
-        Failures(statuses=tuple(s for f in fails for s in f.statuses),
-                 finished={k: sum(f.finished.get(k, 0) for f in fails) for f in fails for k in f.finished},
-                 engine_counts=any(f.engine_counts for f in fails),
-                 request_bytes=sum(f.request_bytes for f in fails),
-                 sized_requests=sum(f.sized_requests for f in fails),
-                 admission={k: sum(f.admission.get(k, 0) for f in fails) for f in fails for k in f.admission}),
-        measured, handler)
+    failed = failures.without_probe(failures.combined(fails), measured, handler)
     model, note = tradeoff.fit(windows[0].snaps) if len(windows) == 1 and not mixed else \
         (None, "several engines: no single fit")
     facts = budgets.Facts(symptom=opts.symptom, targets=opts.targets, engine=blind(report) if mixed else engine_of(report),

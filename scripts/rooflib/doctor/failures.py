@@ -72,6 +72,16 @@ def between(before: Exposition, after: Exposition) -> Failures:
                     admission=_increase(_by_label(before, *REJECTED), _by_label(after, *REJECTED)))
 
 
+def combined(fails: Sequence[Failures]) -> Failures:
+    """The failures of several engines' windows as one (each field summed, so none is dropped)."""
+    def summed(by: Sequence[dict[str, float]]) -> dict[str, float]:
+        return {key: sum(counts.get(key, 0.0) for counts in by) for counts in by for key in counts}
+    return Failures(statuses=tuple(s for f in fails for s in f.statuses), finished=summed([f.finished for f in fails]),
+                    engine_counts=any(f.engine_counts for f in fails), request_bytes=sum(f.request_bytes for f in fails),
+                    sized_requests=sum(f.sized_requests for f in fails),
+                    admission=summed([f.admission for f in fails]))
+
+
 def without_probe(failures: Failures, probe: Probe, handler: str) -> Failures:
     """The window's failures less the probe's own requests (its request just over the limit
     fails on purpose): the users' traffic alone."""
