@@ -2,6 +2,7 @@
 part of the path, its cause, its owner and the value (the pure functions doctor runs)."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -265,6 +266,29 @@ def test_first_delivery_is_only_what_the_engines_own_spread_leaves(ttft, root):
                  eng=engine(ttft_mean=150.0, ttft_p95=500.0, queue_mean=3.0, prefill_mean=147.0))
     verdict, sizes = first_token_parts(made)
     assert sizes["first_delivery"] == pytest.approx(ttft - 8.0 - 500.0 - 20.0, abs=1.0), sizes
+    assert verdict.root is not None and verdict.root.segment == root, examine.first_line(verdict)
+
+
+# A window of 100 requests: 90 under 250 ms; the other 10 under 1 s (SLOW) or under 500 ms (FAST).
+SLOW = ((0.25, 90.0), (0.5, 97.0), (0.75, 97.0), (1.0, 100.0), (2.5, 100.0), (math.inf, 100.0))
+FAST = ((0.25, 90.0), (0.5, 100.0), (0.75, 100.0), (1.0, 100.0), (2.5, 100.0), (math.inf, 100.0))
+
+
+@pytest.mark.parametrize("ttft, buckets, root", [
+    # The probe's six requests doubled a light load: the window's 3rd slowest TTFT (the median
+    # probe request's at most) was under 1 s, so the 986 ms probe TTFT fits in the engine (the run
+    # that named "[first_delivery] slow_delivery (724.6 ms of TTFT 986.1 ms)").
+    (986.0, SLOW, "prefill"),
+    (986.0, (), "first_delivery"),        # no histogram: only the p95 of 450 ms bounds the engine
+    (1200.0, FAST, "first_delivery"),     # the window's 3rd slowest took under 500 ms
+    (2200.0, SLOW, "first_delivery"),     # a layer holds the first text over a second: more than the engine took
+])
+def test_the_window_slowest_requests_bound_the_engines_share_of_the_probes_ttft(ttft, buckets, root):
+    made = facts("first-token", probed=replace(probe([stream(head=8.0, ttft=ttft)] * 6), loop_lag_p95_ms=20.0),
+                 targets=replace(TARGETS, ttft_p95_ms=20),
+                 eng=engine(ttft_mean=260.0, ttft_p95=450.0, queue_mean=3.0, prefill_mean=257.0,
+                            ttft_buckets=buckets))
+    verdict, _ = first_token_parts(made)
     assert verdict.root is not None and verdict.root.segment == root, examine.first_line(verdict)
 
 

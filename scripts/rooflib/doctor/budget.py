@@ -17,12 +17,14 @@ same window), and the root is the part that holds most of the figure:
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from rooflib.doctor.evidence import Engine, Failures, Fit, Probe, Segment, Setting, Stream, Targets
 from rooflib.doctor.failures import failed_share, gave_up
+from rooflib.server import engine_metrics
 
 ABANDONED_FLOOR = 2   # requests at the window's edges can end in one counter before the other
 from rooflib.server.diagnosis import QUEUE_SHARE
@@ -142,13 +144,29 @@ def engine_parts(e: Engine, room_ms: float) -> tuple[float | None, float | None,
             f"{e.ttft_mean:.0f} ms, is longer)")
 
 
-def engine_spread(e: Engine, rest_ms: float | None) -> float:
+def engine_ceiling_ms(e: Engine, streams: int) -> float | None:
+    """The most the engine can have taken to the first token of the median of `streams` probe
+    requests: they are among the window's, so at least half of them are at or under the window's
+    (streams + 1) // 2-th slowest TTFT, and that one at or under its histogram bucket's upper bound
+    (None where that bucket is +Inf or no histogram was read)."""
+    total = e.ttft_buckets[-1][1] if e.ttft_buckets else 0.0
+    if streams < 1 or total < 1:
+        return None
+    rank = max(0.0, total - (streams + 1) // 2 + 1)
+    bucket = engine_metrics.quantile_bucket(rank / total, e.ttft_buckets)
+    return None if bucket is None or math.isinf(bucket[1]) else bucket[1] * 1000
+
+
+def engine_spread(e: Engine, rest_ms: float | None, streams: int) -> tuple[float, float]:
     """How much of what the probe's TTFT leaves after its head, the engine's mean TTFT and its own
-    loop lag is still the engine's: a probe request is one of the window's, as slow as its p95 (one
-    prefill stalled on a busy machine), so only what is beyond the window's spread was held outside."""
+    loop lag is still the engine's, and up to what engine TTFT: a probe request is one of the
+    window's, as slow as its p95 (one prefill stalled on a busy machine) or, where the probe's own
+    requests were the window's slowest (they add to a light load), as its slowest ones; only what is
+    beyond that was held outside."""
     if not rest_ms or rest_ms <= 0 or e.ttft_mean is None or e.ttft_p95 is None:
-        return 0.0
-    return min(rest_ms, max(0.0, e.ttft_p95 - e.ttft_mean))
+        return 0.0, e.ttft_p95 or 0.0
+    ceiling = max(e.ttft_p95, engine_ceiling_ms(e, streams) or 0.0)
+    return min(rest_ms, max(0.0, ceiling - e.ttft_mean)), ceiling
 
 
 def grown(queue: float | None, prefill: float | None, extra_ms: float) -> tuple[float | None, float | None]:
@@ -177,12 +195,13 @@ def first_token(f: Facts) -> Budget:
     held = median([held_ms(s, head if head is not None else front, e.ttft_mean) for s in streams])
     client = None if held is None else min(max(held, 0.0), f.probe.loop_lag_p95_ms or 0.0)
     held = None if held is None else held - (client or 0.0)
-    slower = engine_spread(e, held)
+    slower, ceiling = engine_spread(e, held, len(streams))
     if slower:
         queue, prefill = grown(queue, prefill, slower)
         held = (held or 0.0) - slower
         engine_how += (f"; with {slower:.0f} ms more, as the probe's own request was slower in the engine than the "
-                       f"window's mean (up to its p95, {e.ttft_p95 or 0:.0f} ms)")
+                       f"window's mean (up to {ceiling:.0f} ms: " + ("its p95)" if ceiling == e.ttft_p95 else
+                                                                  "the bucket of its slowest requests, the probe's)"))
     total = connect + ttft
     parts = [("connect", connect, "the probe's TCP connect, a new connection per request"),
              ("connection_setup", setup, "a trivial route's first answer on a new connection, beyond its connect and "

@@ -128,6 +128,8 @@ class Engine:
     gen_tok_s: float | None
     endpoint: str | None
     report: dict[str, Any] = field(repr=False, default_factory=dict)   # the whole report, for the JSON
+    # The window's TTFT histogram: (upper bound in seconds, requests at or under it), +Inf last.
+    ttft_buckets: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)

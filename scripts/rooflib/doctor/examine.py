@@ -163,7 +163,10 @@ def facts_of(opts: Options, windows: Sequence[window.Window], measured: Probe, s
     failed = failures.without_probe(failures.combined(fails), measured, handler)
     model, note = tradeoff.fit(windows[0].snaps) if len(windows) == 1 and not mixed else \
         (None, "several engines: no single fit")
-    facts = budgets.Facts(symptom=opts.symptom, targets=opts.targets, engine=blind(report) if mixed else engine_of(report),
+    ttft = merged["histograms"].get("ttft") or {}
+    engine = blind(report) if mixed else replace(engine_of(report), ttft_buckets=tuple(
+        zip(ttft["le"], ttft["counts"])) if ttft.get("counts") is not None else ())
+    facts = budgets.Facts(symptom=opts.symptom, targets=opts.targets, engine=engine,
                           probe=measured, failures=failed, settings=settings_of(report), fit=model, fit_note=note,
                           url=opts.url, mixed=mixed, diagnosis={} if mixed else report["diagnosis"])
     extra = {"replicas": [{"url": w.url, "mixed": w.mixed or None} for w in windows],
