@@ -144,7 +144,8 @@ def blind(r: dict[str, Any]) -> Engine:
     """An engine none of whose figures can be read (its URL's scrapes mix engines)."""
     known = engine_of(r)
     return Engine(engine=known.engine, seconds=known.seconds, requests=0, **{
-        name: None for name in Engine.__dataclass_fields__ if name not in ("engine", "seconds", "requests", "report")},
+        name: None for name in Engine.__dataclass_fields__
+        if name not in ("engine", "seconds", "requests", "report", "ttft_buckets")},
         report=r)
 
 
