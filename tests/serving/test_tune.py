@@ -514,7 +514,7 @@ def test_a_running_limit_far_too_low_is_raised_and_kept(cpu_vllm, tmp_path):
     case = in_a_test(tune_vs_grid.CASES["running_limit"])
     code, doc = tuned(case, tmp_path)
     start, end = assert_fixed(code, doc, case)
-    # Raised to what the traffic keeps in flight by Little's law (16 offered; fewer where a busy
+    # Raised to what the traffic keeps in flight (16 offered: the peak, or Little's law's mean; fewer where a busy
     # machine's window is slow): far enough that the SLO holds, or at least half the offered load.
     assert start == 1 and (end >= 8 or (end >= 2 and doc["slo_holds"])), doc["stopped"]
     # The diagnosis knew the cap from the profile, not by inference from the metrics.

@@ -60,6 +60,10 @@ FIGURE_SEARCH = [
     pytest.param(lambda: placed("ttft_p95_ms", figure_run(running=4, waiting=10, in_flight=14.2, slo=TTFT_MISSED),
                                 cpu_profile(max_num_seqs=4)),
                  ("max_num_seqs", "--max-num-seqs", 4, 16), id="ttft-cap-by-littles-law"),
+    # 8 requests sent at once behind a cap of 1: 3.6 in flight on average, 1 + 7 at the busiest
+    pytest.param(lambda: placed("ttft_p95_ms", figure_run(running=1, waiting=7, in_flight=3.6, slo=TTFT_MISSED),
+                                cpu_profile(max_num_seqs=1)),
+                 ("max_num_seqs", "--max-num-seqs", 1, 8), id="ttft-cap-holds-a-burst"),
     pytest.param(lambda: placed("ttft_p95_ms", figure_run(running=4, in_flight=4, slo=TTFT_MISSED),
                                 cpu_profile(max_num_seqs=16, enable_prefix_caching=False)),
                  ("enable_prefix_caching", "--enable-prefix-caching", False, True), id="ttft-prefix-cache-on"),

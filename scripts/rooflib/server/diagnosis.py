@@ -614,20 +614,24 @@ def _running_levers(f, r, s, flags) -> list[dict[str, Any]]:
     if not in_flight:
         return [_lever(flags["seqs"], seqs, None, "the cap holds requests while the KV cache has room",
                        "less queueing; WINDOW=30 under load measures how many requests are in flight")]
-    proposed = _power_of_two(in_flight)
+    # The cap holds the peak, not the mean: requests that arrive together (a burst, a batch job)
+    # wait behind a cap at their mean however short the burst.
+    peak = (r.running_peak or 0) + (r.waiting_peak or 0)
+    busiest = f", {peak:g} at the busiest of {r.gauge_samples} gauge samples" if peak > in_flight else ""
+    proposed = _power_of_two(max(in_flight, peak))
     capped = fit is not None and fit < proposed
     if capped:
         proposed = fit
     if seqs.value and seqs.value >= proposed:
-        return [_lever(None, None, None, f"the {in_flight:.1f} requests in flight on average fit under the cap of "
-                       f"{_current(seqs)}: requests wait in bursts above the mean",
+        return [_lever(None, None, None, f"the {in_flight:.1f} requests in flight on average{busiest} fit under the "
+                       f"cap of {_current(seqs)}: requests wait in bursts the gauge samples missed",
                        "the peak the cap meets, and whether the bursts are the traffic's norm",
                        action=_task("metrics", [("WINDOW", 30)]) + " while the load peaks")]
     queue, service = r.queue_ms.mean, _service_ms(r)
     rate = f"{r.requests / r.seconds:.2g} req/s x {ms(r.e2e_ms.mean)} each, queue included" \
         if r.mode == "window" and r.seconds and r.requests and r.e2e_ms.mean else "the cap while busy"
     result = [_lever(flags["seqs"], seqs, proposed, (
-        f"the traffic keeps about {in_flight:.1f} requests in the server (Little's law: {rate}); "
+        f"the traffic keeps about {in_flight:.1f} requests in the server (Little's law: {rate}){busiest}; "
         + (f"the KV cache holds {fit} of {r.tokens_per_request:,.0f} tokens" if capped else
            "the next power of two lets all of them run" + (f", and the KV cache holds {fit:,} of "
                                                             f"{r.tokens_per_request:,.0f} tokens" if fit else ""))),

@@ -279,11 +279,15 @@ def more_running(run: Mapping[str, Any], profile: Mapping[str, Any]) -> Placed:
     if not in_flight or not any(s.get("waiting") for s in timeline(run)):
         return Placed(None, "max_num_seqs: no request waited for a slot in the run")
     cap = profile.get("max_num_seqs") or max(s.get("running") or 0 for s in timeline(run))
-    proposed = power_of_two(in_flight)
+    # The peak, not only the mean: requests that arrive together wait behind a cap at their mean.
+    peak = max((s.get("running") or 0) + (s.get("waiting") or 0) for s in timeline(run))
+    proposed = power_of_two(max(in_flight, peak))
     if cap >= proposed:
-        return Placed(None, f"max_num_seqs: the {in_flight:.1f} requests in flight fit under {cap:g}")
+        return Placed(None, f"max_num_seqs: the {in_flight:.1f} requests in flight ({peak:g} at the busiest) fit "
+                            f"under {cap:g}")
     return Placed(proposed, f"requests waited for a slot: the load keeps {in_flight:.1f} requests in flight on "
-                            f"average (Little's law), and {proposed} lets all of them run")
+                            f"average (Little's law), {peak:g} at the busiest gauge sample, and {proposed} lets all "
+                            "of them run")
 
 
 def prefix_cache_on(run: Mapping[str, Any], profile: Mapping[str, Any]) -> Placed:
