@@ -292,9 +292,6 @@ def test_an_unstable_prompt_prefix_is_the_root_cause(cached, tmp_path):
 # loop lag; the first token's excess within 25% of the last one's; a part named from 20%) above
 # that noise.
 KNOWN_DELAY_S = 1.0
-# The delay's size is checked up to this share of it on top: the path's own time (above), 2.7
-# times the most seen.
-KNOWN_MARGIN = 0.5
 # 40 ms to the first token, then 20 ms a token: 32 tokens in 660 ms.
 KNOWN_SCHEDULE = Schedule(ttft_ms=40, itl_ms=20)
 # Through a buffering proxy the client's e2e must stay in the engine's bucket (else what the path
@@ -384,10 +381,12 @@ def excess_ms(result: dict, key: str) -> float:
     return result[key]["mean"] - result["server"]["metrics"][key]["mean"]
 
 
-def assert_about_the_delay(size_ms: float, less_ms: float = 0.0) -> None:
+def assert_about_the_delay(result: dict, size_ms: float, less_ms: float = 0.0) -> None:
     """At least the proxy's delay (every request waits it out; less `less_ms` where a part of it
-    is named apart), and no more than KNOWN_MARGIN of it on top."""
-    assert KNOWN_DELAY_S * 1e3 - less_ms <= size_ms <= (1 + KNOWN_MARGIN) * KNOWN_DELAY_S * 1e3, size_ms
+    is named apart), and no more than the client measured beyond the engine (the mean e2e excess,
+    which holds the delay and the path's own time: a fresh-clone run beside two busy loops added
+    739 ms to a 1 s delay, so no fixed margin over the delay holds on a loaded machine)."""
+    assert KNOWN_DELAY_S * 1e3 - less_ms <= size_ms <= excess_ms(result, "e2e_ms") + 1.0, (size_ms, told(result))
 
 
 def assert_outside_engine_is_the_root_cause(result: dict, cause: str) -> None:
@@ -407,11 +406,13 @@ def test_a_proxy_delaying_every_request_is_a_fixed_latency_of_the_network(known_
     # beside two busy loops, over the 20% from which a part is named. The diagnosis then says real
     # requests lose that much more than a trivial one, which is true there; the proxy's delay
     # itself must still be the network's, never the gateway's. A gateway part is the excess less
-    # the probe's p50, so the asserts below (probe >= the delay, excess <= the delay + margin) keep
-    # it within the margin: a probe that missed the delay would leave all of it to the gateway.
+    # the probe's p50, so the asserts below (probe >= the delay, the network's part >= the delay)
+    # keep the delay out of it: a probe that missed the delay would leave all of it to the gateway.
     assert set(found) - {"gateway"} == {"fixed_latency", "network"}, (found, told(result))
-    assert_about_the_delay(found["fixed_latency"]["size_ms"])
-    assert_about_the_delay(found["network"]["size_ms"])  # the trivial request pays all of it
+    assert_about_the_delay(result, found["fixed_latency"]["size_ms"])
+    # The trivial request pays all of the delay: the network's part is its measured round trip.
+    assert_about_the_delay(result, found["network"]["size_ms"])
+    assert found["network"]["size_ms"] <= result["server"]["probe"]["p50_ms"] + 1.0, told(result)
     assert_outside_engine_is_the_root_cause(result, "fixed_latency")
 
 
@@ -420,8 +421,8 @@ def test_a_gateway_delaying_inference_routes_is_named_apart_from_the_network(kno
     probe_ms = result["server"]["probe"]["p50_ms"]
     found = causes(result)
     assert set(found) == {"fixed_latency", "gateway"}, (found, probe_ms, told(result))
-    assert_about_the_delay(found["fixed_latency"]["size_ms"])
-    assert_about_the_delay(found["gateway"]["size_ms"], less_ms=probe_ms)  # the trivial round trip is not its
+    assert_about_the_delay(result, found["fixed_latency"]["size_ms"])
+    assert_about_the_delay(result, found["gateway"]["size_ms"], less_ms=probe_ms)  # the trivial round trip is not its
     assert_outside_engine_is_the_root_cause(result, "fixed_latency")
 
 
