@@ -528,6 +528,11 @@ def _in_flight(r: Reading, s: Mapping[str, Known]) -> float | None:
     return cap * (queue + service) / service if cap and queue is not None and service else None
 
 
+def _peak_in_flight(r: Reading) -> float:
+    """Requests running plus waiting at the busiest gauge sample."""
+    return (r.running_peak or 0) + (r.waiting_peak or 0)
+
+
 def _service_ms(r: Reading) -> float | None:
     """A request's mean time running: prefill and decode (vLLM); e2e less queue where no decode
     histogram is exported (SGLang)."""
@@ -566,7 +571,7 @@ def _outside_levers(f, r, s, flags) -> list[dict[str, Any]]:
 
 def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
     size, per = r.kv_cache_tokens, r.tokens_per_request
-    demand = max(_in_flight(r, s) or 0, (r.running_peak or 0) + (r.waiting_peak or 0))
+    demand = max(_in_flight(r, s) or 0, _peak_in_flight(r))
     needed = demand * per if demand and per else None
     fit = _kv_fit(r)
     holds = f"{fit} requests of {per:,.0f} tokens fit now" if fit is not None else "more requests fit"
@@ -616,7 +621,7 @@ def _running_levers(f, r, s, flags) -> list[dict[str, Any]]:
                        "less queueing; WINDOW=30 under load measures how many requests are in flight")]
     # The cap holds the peak, not the mean: requests that arrive together (a burst, a batch job)
     # wait behind a cap at their mean however short the burst.
-    peak = (r.running_peak or 0) + (r.waiting_peak or 0)
+    peak = _peak_in_flight(r)
     busiest = f", {peak:g} at the busiest of {r.gauge_samples} gauge samples" if peak > in_flight else ""
     proposed = _power_of_two(max(in_flight, peak))
     capped = fit is not None and fit < proposed
