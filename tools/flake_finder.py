@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Find flaky tests: run the real-server tests N times under load and list every test that failed.
 
-Each round runs pytest on the tests marked real_vllm (or the --select given) the way
+Each round runs pytest on the tests marked real_vllm or real_sglang (or the --select given) the way
 `task test` runs them (three workers, grouped), while busy loops (by default two, one per core of
 a 2-core machine) compete for the CPU, as a shared CI runner or a developer's laptop would. It
 reads each round's JUnit XML and reports every test that failed or errored at least once, with
 its first failure line, and the slowest tests of all rounds (where the suite's time goes).
 
 Examples:
-  flake_finder.py                         # 3 rounds of the real-vLLM tests, two busy loops
+  flake_finder.py                         # 3 rounds of the real-vLLM and real-SGLang tests, two busy loops
   flake_finder.py --rounds 5 --busy 2 --json-out flakes.json
   flake_finder.py --rounds 2 --select "tests/serving/test_tune.py -k running_limit"
   flake_finder.py --rounds 3 -- tests/doctor/test_doctor_live.py -k rejected
@@ -36,7 +36,7 @@ from rooflib.core import cli, printing  # noqa: E402
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_SELECTION = "-m real_vllm"
+DEFAULT_SELECTION = "-m 'real_vllm or real_sglang'"
 SLOWEST = 20
 
 
