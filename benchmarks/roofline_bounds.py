@@ -36,16 +36,17 @@ from rooflib.core import (
 )
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK  # noqa: E402
 from rooflib.sizing import (
-    estimate,  # noqa: E402
+    memory_budget,  # noqa: E402
     physics,  # noqa: E402
+    resolve,  # noqa: E402
 )
 
 FIXTURE = ROOT / "tests" / "fixtures" / "roofline_measurements.yaml"
 
 
 def physics_for(case: dict[str, Any], quant: str | None = None) -> physics.Physics:
-    return physics.Physics(estimate.Inputs(
-        model=estimate.resolve_model(case["model"]), gpu=estimate.resolve_gpu(case["gpu"], None), tp=case.get("tp", 1),
+    return physics.Physics(memory_budget.Inputs(
+        model=resolve.resolve_model(case["model"]), gpu=resolve.resolve_gpu(case["gpu"], None), tp=case.get("tp", 1),
         kv_dtype=case.get("kv_dtype", "auto"), quant=quant or case.get("quant", "auto")))
 
 

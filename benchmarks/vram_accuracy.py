@@ -1,22 +1,22 @@
 #!/usr/bin/env python3
-"""How close estimate.py comes to the KV-cache size real vLLM startups logged on GPUs.
+"""How close the sizing model (rooflib/sizing/) comes to the KV-cache size real vLLM startups logged on GPUs.
 
 Reads tests/fixtures/vllm_startup_logs.yaml (public issues and PRs, each cited) and, per case,
 predicts the KV tokens from the model, GPU, TP, utilization, max_model_len, KV dtype and vLLM
-version alone, then prints the error against the logged tokens. Where vLLM logged them, the
-error is split: "from logged GiB" starts from the KV GiB vLLM itself logged (block accounting
-only), and the weights and the rest of the budget (activation peak, non-torch, CUDA graphs =
-total x utilization - weights - KV) are set against estimate.py's. Cases where vLLM refused to start
-(0 tokens) count as right when estimate.py also says "does not fit" for that max_model_len.
-Held-back cases (setup not pinned down by the log, or a vLLM whose profiler estimate.py does not
-follow) are printed and not counted; so is a case whose logged KV GiB does not give its own
+version alone, then prints the error against the logged tokens. Where vLLM logged them, the error
+is split: "from logged GiB" starts from the KV GiB vLLM itself logged (block accounting only),
+and the weights and the rest of the budget (activation peak, non-torch, CUDA graphs = total x
+utilization - weights - KV) are set against the sizing model's. Cases where vLLM refused to start
+(0 tokens) count as right when the sizing model also says "does not fit" for that max_model_len.
+Held-back cases (setup not pinned down by the log, or a vLLM whose profiler the sizing model does
+not follow) are printed and not counted; so is a case whose logged KV GiB does not give its own
 logged tokens within 2% (the block math is exact, so its tokens come from a budget the log does
 not show, e.g. another TP rank's).
 
 Cases are split by source. `split: in_sample` (the default) are the logs the model's terms were
 fitted or checked against while it was built; `split: held_out` are logs from sources nothing was
-fitted on: they were added, run once and recorded before any change to estimate.py, and no term is
-tuned on them. The two are reported side by side; the held-out figure is the honest one.
+fitted on: they were added, run once and recorded before any change to the sizing model, and no
+term is tuned on them. The two are reported side by side; the held-out figure is the honest one.
 
 Targets, for each split: |error| <= 5% on KV tokens for at least 90% of the counted cases, and the
 logged tokens inside the printed low..high range (kv_cache_tokens_low..high, the spread of the
@@ -49,7 +49,7 @@ from rooflib.core import (
     printing,  # noqa: E402
 )
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError  # noqa: E402
-from rooflib.sizing import estimate  # noqa: E402
+from rooflib.sizing import estimate, memory_budget, resolve  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "vllm_startup_logs.yaml"
 TOLERANCE = 0.05
@@ -59,13 +59,13 @@ SPLITS = ("in_sample", "held_out")
 CONSISTENCY = 0.02   # logged KV GiB -> tokens against logged tokens: rounding and min-over-ranks
 
 
-resolve_model = cache(estimate.resolve_model)   # each catalog model once per run, not once per case
+resolve_model = cache(resolve.resolve_model)   # each catalog model once per run, not once per case
 
 
-def case_inputs(case: dict[str, Any], **overrides: Any) -> estimate.Inputs:
+def case_inputs(case: dict[str, Any], **overrides: Any) -> memory_budget.Inputs:
     gpu = ({"id": "logged", "name": f"{case['gpu_gib']} GiB (logged)", "memory_gib": case["gpu_gib"]}
-           if "gpu_gib" in case else estimate.resolve_gpu(case["gpu"], None))
-    model = (estimate.resolve_model(case["model"], hf_overrides=case["hf_overrides"]) if case.get("hf_overrides")
+           if "gpu_gib" in case else resolve.resolve_gpu(case["gpu"], None))
+    model = (resolve.resolve_model(case["model"], hf_overrides=case["hf_overrides"]) if case.get("hf_overrides")
              else resolve_model(case["model"]))
     fields = dict(model=model, gpu=gpu, tp=case.get("tp", 1), pp=case.get("pp", 1), ctx=case["max_model_len"],
                   kv_dtype=case.get("kv_dtype", "auto"), quant=case.get("quant", "auto"), gpu_util=case.get("gpu_util"),
@@ -75,7 +75,7 @@ def case_inputs(case: dict[str, Any], **overrides: Any) -> estimate.Inputs:
                   sampler=case.get("sampler", "auto"), expert_parallel=bool(case.get("expert_parallel")),
                   wsl=bool(case.get("wsl")),
                   block_size=case.get("block_size"))
-    return estimate.Inputs(**{**fields, **overrides})
+    return memory_budget.Inputs(**{**fields, **overrides})
 
 
 def source_of(case: dict[str, Any]) -> str:
@@ -119,7 +119,7 @@ def evaluate(case: dict[str, Any]) -> dict[str, Any]:
         row["error"] = relative_error(result["kv_cache_tokens"], logged)
         row["ok"] = abs(row["error"]) <= TOLERANCE
     if case.get("logged_kv_gib", 0) > 0:
-        given = estimate.estimate(case_inputs(case, kv_cache_bytes=int(case["logged_kv_gib"] * estimate.GIB)))
+        given = estimate.estimate(case_inputs(case, kv_cache_bytes=int(case["logged_kv_gib"] * memory_budget.GIB)))
         row["error_given_logged_gib"] = relative_error(given["kv_cache_tokens"], logged)
         if row["held_back"] is None and row["error_given_logged_gib"] is not None \
                 and abs(row["error_given_logged_gib"]) > CONSISTENCY:

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from rooflib.core import cli, conf, printing
 from rooflib.core.errors import UsageError
-from rooflib.sizing import estimate, physics
+from rooflib.sizing import estimate, flags, physics
 
 
 def human_text(r: Mapping[str, Any]) -> str:
@@ -44,7 +44,7 @@ def human_text(r: Mapping[str, Any]) -> str:
 @cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
     p = cli.parser(__doc__)
-    estimate.add_model_args(p)
+    flags.add_model_args(p)
     p.add_argument("--batch", help="decode batch for the headline figures (BATCH, default 1)")
     p.add_argument("--prompt-tokens",
                    help=f"prompt length = decode context (PROMPT_TOKENS, default {physics.DEFAULT_PROMPT_TOKENS})")
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> int:
         s = conf.settings_from_args(args)
-        inp = estimate.inputs_from_args(args)
+        inp = flags.inputs_from_args(args)
         if not inp.gpu.get("bandwidth_tb_s"):
             raise UsageError("the roofline needs a catalog GPU (GPU=h100, ...): GPU_GB alone has no bandwidth")
         batch = cli.number("BATCH", s.get("BATCH", args.batch))

@@ -62,7 +62,7 @@ from rooflib.load import benchrun
 from rooflib.render import report_html
 from rooflib.serving import levers, profiles, trials
 from rooflib.serving import tune as tuning
-from rooflib.sizing import estimate
+from rooflib.sizing import resolve
 
 DEFAULT_RUNS = 6
 GIVE = ("queue", "speed")  # what the user gives when token speed and queue wait conflict
@@ -126,10 +126,10 @@ def like_traffic(args: Any, settings: conf.Settings, options: benchrun.BenchOpti
 
 def sizing_of(args: Any, settings: conf.Settings, profile: dict[str, Any]) -> levers.Sizing | None:
     gpu_name, gpu_gb = settings.get("GPU", args.gpu), cli.number("--gpu-gb (GPU_GB)", settings.get("GPU_GB", args.gpu_gb), float)
-    gpu = estimate.resolve_gpu(gpu_name, gpu_gb) if gpu_name or gpu_gb is not None else None
+    gpu = resolve.resolve_gpu(gpu_name, gpu_gb) if gpu_name or gpu_gb is not None else None
     if gpu is None and levers.kv_space_bytes(profile) is None:
         return None
-    return levers.Sizing(estimate.resolve_model(profiles.expand(profile["model"])), gpu)
+    return levers.Sizing(resolve.resolve_model(profiles.expand(profile["model"])), gpu)
 
 
 def setup_of(args: Any, settings: conf.Settings, options: benchrun.BenchOptions, profile_name: str) -> tuning.Setup:

@@ -89,8 +89,8 @@ from typing import Any, Mapping, Sequence
 from rooflib.core import cli, conf, printing
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError
 from rooflib.server import served
-from rooflib.sizing import estimate, physics
-from rooflib.sizing.estimate import Inputs
+from rooflib.sizing import estimate, flags, levers, physics, resolve
+from rooflib.sizing.memory_budget import GIB, Inputs
 
 TYPICAL_TOKENS = 2048  # prompt + answer of a chat turn with some history: the default "typical" request
 # When a verdict is marginal, in requests of the full context at once (max_concurrency). A fit
@@ -140,7 +140,7 @@ def near_one_request(inp: Inputs, result: Mapping[str, Any]) -> None:
             said = f"fewer than {MARGINAL_REQUESTS}; {_space(margin)} of KV space beyond one request"
         elif ratio < 1:
             said = f"at least {MARGINAL_SHORT:g} of one; {_space(-margin)} of KV space short of one request"
-        else:  # every block, but vLLM holds one back (estimate.reserved_null_blocks)
+        else:  # every block, but vLLM holds one back (memory_budget.reserved_null_blocks)
             said = (f"one request needs every block and vLLM keeps one for itself; "
                     f"{result['max_model_len_that_fits']:,} tokens fit")
         said = f"{ratio:.2f}x requests of the full context ({said})"
@@ -183,13 +183,13 @@ def assumptions(inp: Inputs, r: Mapping[str, Any], asked_model: str | None) -> l
     else:
         out.append("memory, weights, KV bytes and tokens are per GPU")
     if asked_model and asked_model.lower() != r["model"].lower() and not Path(asked_model).expanduser().exists() \
-            and r["model_source"] != f"{estimate.HF_URL}/{asked_model}":
+            and r["model_source"] != f"{resolve.HF_URL}/{asked_model}":
         out.append(f"MODEL {asked_model} is sized as the catalog's {r['model']} (an alias: the same config.json shape, "
                    f"{r['model_source']})")
     return out
 
 
-def served_inputs(args, transport: Any = None) -> tuple[dict[str, Any], estimate.ServerDefaults]:
+def served_inputs(args, transport: Any = None) -> tuple[dict[str, Any], flags.ServerDefaults]:
     """What the server at --url says: its description for the answer, and the MODEL, CTX, GPU_UTIL,
     block size and KV dtype it serves with (and, without a GPU, its KV space) for sizing to take
     where the user gives none."""
@@ -202,7 +202,7 @@ def served_inputs(args, transport: Any = None) -> tuple[dict[str, Any], estimate
         if config is None:
             raise UsageError(f"cannot size {facts['model']}: {where}; pass MODEL=<catalog name, Hugging Face "
                                     "id or a local copy of its config.json> with --url")
-    defaults = estimate.ServerDefaults(
+    defaults = flags.ServerDefaults(
         model=facts["root"], ctx=facts["max_model_len"] or None, gpu_util=dep.get("gpu_memory_utilization"),
         block_size=dep.get("block_size") or None, kv_dtype=info.get("cache_dtype") or None)
     no_gpu = not settings.get("GPU", args.gpu) and not settings.get("GPU_GB", args.gpu_gb) \
@@ -211,9 +211,9 @@ def served_inputs(args, transport: Any = None) -> tuple[dict[str, Any], estimate
         if not (dep.get("num_gpu_blocks") and dep.get("block_size")):
             raise UsageError("the server exports no vllm:cache_config_info: pass GPU=<name> or GPU_GB to size it")
         # No GPU named: the server's own pool fixes the KV space (no budget to estimate).
-        m = estimate.resolve_model(model or defaults.model, transport)
-        bare = estimate.Inputs(model=m, gpu={}, tp=cli.number("TP", settings.get("TP", args.tp)) or 1,
-                               kv_dtype=settings.get("KV_DTYPE", args.kv_dtype) or defaults.kv_dtype or "auto")
+        m = resolve.resolve_model(model or defaults.model, transport)
+        bare = Inputs(model=m, gpu={}, tp=cli.number("TP", settings.get("TP", args.tp)) or 1,
+                      kv_dtype=settings.get("KV_DTYPE", args.kv_dtype) or defaults.kv_dtype or "auto")
         defaults = dataclasses.replace(defaults, platform="cpu",
                                        kv_cache_bytes=dep["num_gpu_blocks"] * estimate.block_bytes(bare, dep["block_size"]))
     return ({"url": facts["url"], "model": facts["model"], "root": facts["root"],
@@ -228,11 +228,11 @@ def checked_against_server(inp: Inputs, result: dict[str, Any], dep: Mapping[str
     blocks = dep["num_gpu_blocks"]
     # The server holds `blocks` whole blocks: its space lies between blocks and blocks + 1 of them.
     pool = (blocks + 0.5) * block
-    measured_inp = dataclasses.replace(inp, kv_space_offset_bytes=pool - result["kv_cache_gib"] * estimate.GIB)
+    measured_inp = dataclasses.replace(inp, kv_space_offset_bytes=pool - result["kv_cache_gib"] * GIB)
     measured = estimate.estimate(measured_inp)
     tokens = measured["kv_cache_tokens"]
     measured["model_check"] = {
-        "server_kv_gib": blocks * block / estimate.GIB, "server_kv_tokens": tokens, "server_num_gpu_blocks": blocks,
+        "server_kv_gib": blocks * block / GIB, "server_kv_tokens": tokens, "server_num_gpu_blocks": blocks,
         "estimated_kv_gib": result["kv_cache_gib"], "estimated_kv_tokens": result["kv_cache_tokens"],
         "estimated_kv_tokens_low": result["kv_cache_tokens_low"], "estimated_kv_tokens_high": result["kv_cache_tokens_high"],
         "error": (result["kv_cache_tokens"] - tokens) / tokens if tokens else None,
@@ -373,7 +373,7 @@ def _context_lines(r: Mapping[str, Any]) -> list[str]:
     if room and room["one_request_tokens"] > r["ctx"]:
         one, several = room["one_request_tokens"], room["four_requests_tokens"]
         lines = [f"  context room  raising --max-model-len from {r['ctx']:,}: up to {one:,} tokens{limit(one)} for one "
-                 f"request at a time; up to {several:,}{limit(several)} with {estimate.ROOM_REQUESTS} at once"]
+                 f"request at a time; up to {several:,}{limit(several)} with {levers.ROOM_REQUESTS} at once"]
     elif longest:
         lines = [f"  longest fit   {longest:,} tokens for one request (--max-model-len {longest})"
                  + (", the model's limit" if longest >= r["model_max_len"] else "")]
@@ -413,8 +413,8 @@ def pooling_lines(r: Mapping[str, Any]) -> list[str]:
 
 
 def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
-    server, defaults = served_inputs(args, transport) if args.url else (None, estimate.ServerDefaults())
-    inp = estimate.inputs_from_args(args, transport, defaults)
+    server, defaults = served_inputs(args, transport) if args.url else (None, flags.ServerDefaults())
+    inp = flags.inputs_from_args(args, transport, defaults)
     settings = conf.settings_from_args(args)
     asked = cli.number("TYPICAL", settings.get("TYPICAL", args.typical_tokens)) or TYPICAL_TOKENS
     if inp.model.encoder_only:
@@ -431,10 +431,10 @@ def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
     # tokens. However, your prompt contains ...", vllm/renderers/params.py, vLLM 0.32): the typical
     # request is capped at the limit in force (CTX, or the server's).
     typical = min(asked, result["ctx"])
-    result["context_room"] = estimate.context_room(inp, result)
-    result["levers"] = estimate.levers(inp, result, typical)
-    result["fix"] = None if result["fits"] else estimate.cheapest_fix(inp, result, shortest_ctx=typical)
-    at_typical = estimate.concurrency_at(inp, result, typical)
+    result["context_room"] = levers.context_room(inp, result)
+    result["levers"] = levers.levers(inp, result, typical)
+    result["fix"] = None if result["fits"] else levers.cheapest_fix(inp, result, shortest_ctx=typical)
+    at_typical = levers.concurrency_at(inp, result, typical)
     result["typical"] = {"tokens": typical, "asked_tokens": asked, "at_context_limit": typical < asked,
                          "max_concurrency": at_typical} if at_typical is not None else None
     result["model_max_len"] = inp.model.max_len
@@ -449,7 +449,7 @@ def run(args, transport: Any = None) -> tuple[dict[str, Any], Inputs]:
 @cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
     p = cli.parser(__doc__)
-    estimate.add_model_args(p)
+    flags.add_model_args(p)
     p.add_argument("--no-roofline", action="store_true", help="leave out the roofline summary")
     p.add_argument("--typical-tokens", help=f"a typical request's tokens, prompt + answer (TYPICAL, default "
                                             f"{TYPICAL_TOKENS:,}): how many such requests fit at once")

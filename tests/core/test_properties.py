@@ -4,7 +4,7 @@ a loop; no hypothesis deadline: an example that is merely slow on a busy machine
 
 Parsers: HTTP chunked framing (http1.dechunk, asyncclient.ChunkFraming), a streamed response and its
 SSE events (http1.parse_response / settle, toolcalls.sse_events), Prometheus text
-(engine_metrics.parse_exposition, snapshot, report), a model's config.json (estimate.checked_model), a
+(engine_metrics.parse_exposition, snapshot, report), a model's config.json (resolve.checked_model), a
 serve profile (profiles.load_profile, render), inference.env (conf.parse_env_file, load_env_file),
 saved records read back (perplexity.load_run, toolcalls.load_baseline), and files too deep for the
 JSON decoder or not YAML (compare, report, bench's datasets, served.root_config, the user's tool-call cases).
@@ -27,7 +27,7 @@ from rooflib.quality import perplexity, toolcalls
 from rooflib.render import report_html
 from rooflib.server import engine_metrics, served
 from rooflib.serving import profiles
-from rooflib.sizing import estimate
+from rooflib.sizing import resolve
 
 EXAMPLE_BOUND_S = 10  # a hard stop per example, far above any example's time: only a hang reaches it
 PROPERTY = settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow,
@@ -187,7 +187,7 @@ config = st.fixed_dictionaries({}, optional={
 @hard_bound
 def test_model_config_gives_a_model_or_one_usage_line(document):
     try:
-        estimate.checked_model(document, "m", "config.json")
+        resolve.checked_model(document, "m", "config.json")
     except UsageError as exc:
         assert "\n" not in str(exc)
 

@@ -16,7 +16,7 @@ from markdown_doc import REPO, Doc
 from rooflib.core.catalogs import load_catalog
 from rooflib.quality import toolcalls
 from rooflib.server import diagnosis, engine_metrics
-from rooflib.sizing import estimate, physics
+from rooflib.sizing import model_shape, physics
 
 SKILL = "SKILL.md"
 ROOFLINE = "references/roofline.md"
@@ -113,7 +113,7 @@ CLAIMS = [
     ("bge-m3: its context limit, tokens", "8194", [ROOFLINE], lambda: vram(*BGE_H100)["ctx"]),
     ("bge-m3 on one H100: requests of 2,048 tokens per step", "4", [ROOFLINE],
      lambda: vram(*BGE_H100)["typical_requests_per_step"]),
-    ("Qwen2-VL / Qwen2.5-VL most pixels an image", "12845056", [ROOFLINE], lambda: estimate.QWEN_VL_MAX_PIXELS),
+    ("Qwen2-VL / Qwen2.5-VL most pixels an image", "12845056", [ROOFLINE], lambda: model_shape.QWEN_VL_MAX_PIXELS),
     ("Qwen2.5-VL-7B: tokens of the largest image", "16384", [ROOFLINE],
      lambda: vram(*QWEN_VL_H100)["vision_encoder"]["tokens_per_image"]),
     ("Qwen2.5-VL-7B: vision encoder parameters, M", "676",

@@ -35,7 +35,7 @@ from rooflib.server import engine_metrics
 from rooflib.server.engine_metrics import Targets
 from rooflib.serving import levers, profiles, trials
 from rooflib.serving import tune as tuning
-from rooflib.sizing import estimate
+from rooflib.sizing import resolve
 
 FIXTURES = REPO / "tests" / "fixtures"
 MIB = 1 << 20
@@ -118,7 +118,7 @@ def test_a_lever_the_profile_refuses_is_passed_over_with_the_profiles_reason():
 # The vram model's word on a changed profile
 
 def tiny_sizing(gpu=None) -> levers.Sizing:
-    return levers.Sizing(estimate.resolve_model(profiles.expand(cpu_profile()["model"])), gpu)
+    return levers.Sizing(resolve.resolve_model(profiles.expand(cpu_profile()["model"])), gpu)
 
 
 def test_a_kv_space_too_small_for_one_request_will_not_start():
@@ -137,8 +137,8 @@ def test_the_cpu_kv_space_variable_replaces_kv_cache_memory_bytes_and_no_gpu_mea
 
 
 def test_on_a_gpu_a_utilization_that_leaves_no_kv_room_will_not_start():
-    model = estimate.resolve_model("qwen3-32b")
-    sizing = levers.Sizing(model, estimate.resolve_gpu("h100"))
+    model = resolve.resolve_model("qwen3-32b")
+    sizing = levers.Sizing(model, resolve.resolve_gpu("h100"))
     profile = {"engine": "vllm", "model": "Qwen/Qwen3-32B", "max_model_len": 8192}
     assert levers.start_check({**profile, "gpu_memory_utilization": 0.9}, sizing).fits is True
     low = levers.start_check({**profile, "gpu_memory_utilization": 0.5}, sizing)

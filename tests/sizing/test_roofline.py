@@ -9,12 +9,12 @@ import pytest
 import roofline
 
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_USAGE
-from rooflib.sizing import estimate
+from rooflib.sizing import memory_budget, resolve
 from rooflib.sizing import physics as phys
 
 
 def physics(model: str, gpu: str = "h100", tp: int = 1, **kw) -> phys.Physics:
-    return phys.Physics(estimate.Inputs(model=estimate.resolve_model(model), gpu=estimate.resolve_gpu(gpu, None), tp=tp, **kw))
+    return phys.Physics(memory_budget.Inputs(model=resolve.resolve_model(model), gpu=resolve.resolve_gpu(gpu, None), tp=tp, **kw))
 
 
 def test_llama8b_h100_batch1_is_the_weight_read():
@@ -114,13 +114,13 @@ def test_roofline_bench_checks_the_fp8_vs_4bit_direction(tmp_path, capsys):
 
 
 def test_roofline_names_the_batch_from_which_fp8_beats_4bit(capsys):
-    inp = estimate.Inputs(model=estimate.resolve_model("qwen3-32b"), gpu=estimate.resolve_gpu("h100", None), quant="awq")
+    inp = memory_budget.Inputs(model=resolve.resolve_model("qwen3-32b"), gpu=resolve.resolve_gpu("h100", None), quant="awq")
     crossover = phys.fp8_crossover_batch(inp, 1024)
     fp8, awq = physics("qwen3-32b", quant="fp8"), physics("qwen3-32b", quant="awq")
     assert 1 < crossover < 128
     assert fp8.decode(crossover, 1024)["step_ms_expected"] < awq.decode(crossover, 1024)["step_ms_expected"]
     assert fp8.decode(crossover - 1, 1024)["step_ms_expected"] >= awq.decode(crossover - 1, 1024)["step_ms_expected"]
-    a100 = estimate.Inputs(model=estimate.resolve_model("qwen3-32b"), gpu=estimate.resolve_gpu("a100-80gb", None), quant="awq")
+    a100 = memory_budget.Inputs(model=resolve.resolve_model("qwen3-32b"), gpu=resolve.resolve_gpu("a100-80gb", None), quant="awq")
     assert phys.fp8_crossover_batch(a100, 1024) is None  # no FP8 tensor cores: FP8 is weight-only there too
     assert roofline.main(["--model", "qwen3-32b", "--gpu", "h100", "--quant", "awq"]) == 0
     assert f"the same model in FP8 is expected faster from batch {crossover}" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""estimate.py: KV-cache accounting against the real CPU vLLM, the catalogs, the levers, bad input."""
+"""The sizing model: KV-cache accounting against the real CPU vLLM, the catalogs, the levers, bad input."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ from vllm_server import REPO, TOOLBOX, task_exe
 from rooflib.core import catalogs
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, ServerError, UsageError
 from rooflib.serving import engine_setup
-from rooflib.sizing import estimate
+from rooflib.sizing import estimate, kv_cache, levers, memory_budget, model_shape, resolve, weights
 
 GIB = 1 << 30
 MODELS_DIR = engine_setup.model_dir("")
@@ -46,9 +46,9 @@ def run_error(argv, capsys) -> tuple[int, str]:
 
 
 def cpu_estimate(config: dict, ctx: int, kv_bytes: int = GIB, block_size: int | None = None) -> dict:
-    model = estimate.model_from_config(config, "tiny", "test")
-    return estimate.estimate(estimate.Inputs(model=model, gpu={"name": "CPU", "memory_gib": 0}, ctx=ctx,
-                                     kv_cache_bytes=kv_bytes, platform="cpu", block_size=block_size))
+    model = model_shape.model_from_config(config, "tiny", "test")
+    return estimate.estimate(memory_budget.Inputs(model=model, gpu={"name": "CPU", "memory_gib": 0}, ctx=ctx,
+                                                  kv_cache_bytes=kv_bytes, platform="cpu", block_size=block_size))
 
 
 # ---- what the real CPU vLLM 0.32.0 logged with VLLM_CPU_KVCACHE_SPACE=1. MLA models get 16-token
@@ -71,7 +71,7 @@ def test_tiny_architectures_match_logged_cpu_vllm(name, ctx, block, bytes_per_to
 
 @pytest.mark.parametrize("amx, block", [(True, 128), (False, 16)])
 def test_cpu_mla_block_follows_the_host(amx, block, monkeypatch):
-    monkeypatch.setattr(estimate, "host_cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(memory_budget, "host_cpu_has_amx", lambda: amx)
     assert cpu_estimate(TINY_CONFIGS["tiny-deepseek"], 2048)["block_size"] == block
     assert cpu_estimate(TINY_CONFIGS["tiny-llama"], 2048)["block_size"] == 128
 
@@ -88,8 +88,8 @@ def test_sliding_window_layers_cost_the_window_not_the_context():
 
 def test_logged_available_memory_gives_logged_tokens():
     """LMCache/LMCache#1739 (vLLM ~0.11, one GPU): Qwen3-14B, 6.51 GiB -> 42,656 tokens at 32,768."""
-    inp = estimate.Inputs(model=estimate.resolve_model("Qwen/Qwen3-14B"), gpu={"name": "GPU", "memory_gib": 80},
-                      ctx=32768, kv_cache_bytes=int(6.51 * GIB), vllm_version="0.11")
+    inp = memory_budget.Inputs(model=resolve.resolve_model("Qwen/Qwen3-14B"), gpu={"name": "GPU", "memory_gib": 80},
+                               ctx=32768, kv_cache_bytes=int(6.51 * GIB), vllm_version="0.11")
     result = estimate.estimate(inp)
     assert result["kv_bytes_per_token"] == 40 * 2 * 8 * 128 * 2
     assert result["kv_cache_tokens"] == 42_656
@@ -117,9 +117,9 @@ def test_mla_is_replicated_across_tp_and_gqa_heads_are_not_split_below_one():
 def test_gpt_oss_groups_like_vllm():
     result = estimate.estimate(_inp("gpt-oss-120b", "h100", ctx=8192))
     assert result["kv_cache_groups"] == 2   # 18 sliding + 18 full layers: two groups of 18
-    specs = estimate.layer_specs(estimate.resolve_model("gpt-oss-120b"), 1, 1, 2, 16)
+    specs = kv_cache.layer_specs(resolve.resolve_model("gpt-oss-120b"), 1, 1, 2, 16)
     # A request of 8192 tokens: 512 blocks for the full group, window 127 + 8192 batched -> 8192 -> 513 for sliding.
-    assert estimate.kv_capacity(specs, 1e12, 8192, 8192)["blocks_per_request"] == 512 + 513
+    assert kv_cache.kv_capacity(specs, 1e12, 8192, 8192)["blocks_per_request"] == 512 + 513
 
 
 def test_weights_follow_the_checkpoint_quantization():
@@ -147,15 +147,16 @@ def test_gpt_oss_120b_on_h100_matches_the_logged_budget(version, util, batched, 
 
 
 def test_v1_profile_peak_is_the_larger_of_forward_and_sampler():
-    model = estimate.resolve_model("gpt-oss-120b")
-    small, large = (estimate.activation_bytes(model, 1, tokens, 1024, "mxfp4", "pytorch") for tokens in (1024, 8192))
+    model = resolve.resolve_model("gpt-oss-120b")
+    small, large = (memory_budget.activation_bytes(model, 1, tokens, 1024, "mxfp4", "pytorch")
+                    for tokens in (1024, 8192))
     assert small == large                               # the sampler dominates both
-    one_row = estimate.activation_bytes(model, 1, 8192, 1, "mxfp4", "pytorch")
+    one_row = memory_budget.activation_bytes(model, 1, 8192, 1, "mxfp4", "pytorch")
     assert one_row < small / 5                          # --max-num-seqs 1: the forward is what is left
-    sort, triton, flashinfer = (estimate.activation_bytes(model, 1, 8192, 1024, "mxfp4", kind)
+    sort, triton, flashinfer = (memory_budget.activation_bytes(model, 1, 8192, 1024, "mxfp4", kind)
                                 for kind in ("pytorch", "triton", "flashinfer"))
     assert flashinfer < triton < sort / 2
-    not_last_stage = estimate.activation_bytes(model, 1, 8192, 1024, "mxfp4", "pytorch", samples=False)
+    not_last_stage = memory_budget.activation_bytes(model, 1, 8192, 1024, "mxfp4", "pytorch", samples=False)
     assert not_last_stage == one_row < small            # a stage that does not sample: the forward alone
 
 
@@ -165,14 +166,14 @@ def test_v1_profile_peak_is_the_larger_of_forward_and_sampler():
     ("0.21", "flashinfer"), ("0.32", "flashinfer"),                    # PR #40376
 ])
 def test_default_sampler_follows_the_release(version, sampler):
-    assert estimate.default_sampler(estimate.version_tuple(version)) == sampler
+    assert memory_budget.default_sampler(memory_budget.version_tuple(version)) == sampler
 
 
 @pytest.mark.parametrize("layers, pp, parts", [
     (27, 2, [14, 13]), (32, 4, [8, 8, 8, 8]), (61, 4, [15, 15, 16, 15]), (94, 8, [11, 12, 12, 12, 12, 12, 12, 11]),
 ])
 def test_pipeline_split_follows_vllm(layers, pp, parts):
-    assert estimate.pp_partition(layers, pp) == parts and sum(parts) == layers
+    assert weights.pp_partition(layers, pp) == parts and sum(parts) == layers
 
 
 def test_pipeline_stages_size_their_own_pools_and_the_smallest_binds():
@@ -180,7 +181,7 @@ def test_pipeline_stages_size_their_own_pools_and_the_smallest_binds():
     layers, the embedding, no sampler) logged 12.13 GiB; the last (13 layers, LM head, sampler)
     11.33 GiB; the engine keeps the first stage's block count: 807,792 tokens."""
     inp = _inp("deepseek-v2-lite", "l4", tp=2, pp=2, ctx=1024, vllm_version="0.9", enforce_eager=True)
-    first, last = (estimate.budget(inp, stage) for stage in (0, 1))
+    first, last = (memory_budget.budget(inp, stage) for stage in (0, 1))
     assert first["activation_bytes"] < last["activation_bytes"]          # only the last stage samples
     result = estimate.estimate(inp)
     assert result["pp_stage"] == 0 and result["attention_layers"] == 14
@@ -194,9 +195,9 @@ def test_tp_splits_weights():
     assert two["weights_gib"] == pytest.approx(one["weights_gib"] / 2, rel=0.01)
 
 
-def _inp(model, gpu, tp=1, ctx=None, kv_dtype="auto", **kw) -> estimate.Inputs:
-    return estimate.Inputs(model=estimate.resolve_model(model), gpu=estimate.resolve_gpu(gpu, None), tp=tp, ctx=ctx,
-                       kv_dtype=kv_dtype, **kw)
+def _inp(model, gpu, tp=1, ctx=None, kv_dtype="auto", **kw) -> memory_budget.Inputs:
+    return memory_budget.Inputs(model=resolve.resolve_model(model), gpu=resolve.resolve_gpu(gpu, None), tp=tp, ctx=ctx,
+                                kv_dtype=kv_dtype, **kw)
 
 
 # ---- catalogs
@@ -205,8 +206,8 @@ def _inp(model, gpu, tp=1, ctx=None, kv_dtype="auto", **kw) -> estimate.Inputs:
 @pytest.mark.parametrize("key", sorted(catalogs.load_catalog("models")))
 def test_catalog_model_parameters_match_the_model_card(key):
     entry = catalogs.load_catalog("models")[key]
-    model = estimate.resolve_model(key)
-    counted = estimate.count_params(model).total + model.extra_params
+    model = resolve.resolve_model(key)
+    counted = weights.count_params(model).total + model.extra_params
     assert entry["source"].startswith("https://")
     assert counted / 1e9 == pytest.approx(entry["params_b"], rel=0.03)
 
@@ -223,13 +224,13 @@ def test_catalog_gpus_are_complete():
                                        ("QWEN3 32B", "qwen3-32b"), ("deepseek-ai/DeepSeek-R1", "deepseek-v3"),
                                        ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b")])
 def test_friendly_model_names(name, key):
-    assert estimate.resolve_model(name).name == key
+    assert resolve.resolve_model(name).name == key
 
 
 @pytest.mark.parametrize("name, key", [("H100", "h100-sxm"), ("h100-sxm", "h100-sxm"), ("H100 SXM", "h100-sxm"),
                                        ("a100", "a100-80gb"), ("MI300X", "mi300x"), ("4090", "rtx-4090")])
 def test_friendly_gpu_names(name, key):
-    assert estimate.resolve_gpu(name, None)["id"] == key
+    assert resolve.resolve_gpu(name, None)["id"] == key
 
 
 # ---- the command
@@ -362,10 +363,10 @@ def test_hf_config_is_fetched_with_token_and_cached(tmp_path, monkeypatch):
             return httpx.Response(200, json=TINY_CONFIGS["tiny-qwen3"])
         return httpx.Response(200, json={"metadata": {"total_size": 9_000_000}})
 
-    model = estimate.resolve_model("someorg/tiny-model", transport=httpx.MockTransport(handler))
+    model = resolve.resolve_model("someorg/tiny-model", transport=httpx.MockTransport(handler))
     assert model.name == "someorg/tiny-model" and model.checkpoint_bytes == 9_000_000
     assert seen[0] == ("/someorg/tiny-model/resolve/main/config.json", "Bearer hf_secret")
-    again = estimate.resolve_model("someorg/tiny-model", transport=httpx.MockTransport(lambda r: httpx.Response(500)))
+    again = resolve.resolve_model("someorg/tiny-model", transport=httpx.MockTransport(lambda r: httpx.Response(500)))
     assert again.layers == model.layers      # from the cache, no second request
 
 
@@ -374,7 +375,7 @@ def test_hf_config_is_fetched_with_token_and_cached(tmp_path, monkeypatch):
 def test_hf_errors_are_clear(status, error, text, tmp_path, monkeypatch):
     monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path))
     with pytest.raises(error, match=text):
-        estimate.resolve_model("someorg/gated", transport=httpx.MockTransport(lambda r: httpx.Response(status)))
+        resolve.resolve_model("someorg/gated", transport=httpx.MockTransport(lambda r: httpx.Response(status)))
 
 
 def test_offline_hub_id_says_what_to_do(tmp_path, monkeypatch):
@@ -384,7 +385,7 @@ def test_offline_hub_id_says_what_to_do(tmp_path, monkeypatch):
         raise httpx.ConnectError("no route", request=request)
 
     with pytest.raises(ServerError, match="offline, pass a catalog name or a local folder"):
-        estimate.resolve_model("someorg/other", transport=httpx.MockTransport(offline))
+        resolve.resolve_model("someorg/other", transport=httpx.MockTransport(offline))
 
 
 # ---- the real engine: vLLM's own log against estimate.py, to the token
@@ -452,7 +453,7 @@ def test_profile_batch_defaults_follow_gpu_entrypoint_and_version(capsys, gpu, e
     ("b200", 1, 0.852, 16384),
 ])
 def test_sglang_defaults_follow_its_memory_heuristic(gpu, tp, fraction, chunk):
-    d = estimate.sglang_defaults(estimate.resolve_gpu(gpu, None)["memory_gib"] * 1024, tp)
+    d = memory_budget.sglang_defaults(resolve.resolve_gpu(gpu, None)["memory_gib"] * 1024, tp)
     assert (d["mem_fraction_static"], d["chunked_prefill_size"]) == (fraction, chunk)
     result = estimate.estimate(_inp("llama-3.1-8b", gpu, tp=tp, ctx=8192, engine="sglang"))
     assert result["gpu_util"] == fraction and result["max_num_batched_tokens"] == chunk
@@ -527,7 +528,7 @@ def test_gpu_gb_is_the_marketed_size_and_gpu_gib_the_logged_total(capsys):
     ({"rope_type": "llama3", "factor": 8.0}, 40960),      # llama3 / longrope / su keep the limit
 ])
 def test_rope_scaling_sets_the_limit_as_vllm_derives_it(rope, limit):
-    model = estimate.resolve_model("qwen3-32b", hf_overrides={"rope_scaling": rope})
+    model = resolve.resolve_model("qwen3-32b", hf_overrides={"rope_scaling": rope})
     assert model.max_len == limit
 
 
@@ -575,11 +576,11 @@ def test_a_verdict_that_flips_inside_its_range_is_marginal_and_names_the_setting
 
 def test_utilization_one_point_away_from_the_edge_is_marginal():
     """Where the verdict changes with gpu_memory_utilization +-0.01, the reason says so."""
-    model, gpu = estimate.resolve_model("llama-3.1-8b"), estimate.resolve_gpu("rtx-4090")
+    model, gpu = resolve.resolve_model("llama-3.1-8b"), resolve.resolve_gpu("rtx-4090")
     edge = next(u / 100 for u in range(50, 100)
-                if estimate.estimate(estimate.Inputs(model=model, gpu=gpu, ctx=8192, gpu_util=u / 100,
-                                                 vllm_version="0.19"))["fits"])
-    result = estimate.estimate(estimate.Inputs(model=model, gpu=gpu, ctx=8192, gpu_util=edge, vllm_version="0.19"))
+                if estimate.estimate(memory_budget.Inputs(model=model, gpu=gpu, ctx=8192, gpu_util=u / 100,
+                                                          vllm_version="0.19"))["fits"])
+    result = estimate.estimate(memory_budget.Inputs(model=model, gpu=gpu, ctx=8192, gpu_util=edge, vllm_version="0.19"))
     assert result["marginal"] and "gpu_memory_utilization decides it" in result["marginal_reason"]
 
 
@@ -610,10 +611,10 @@ def test_expert_parallel_is_accepted_and_reported(capsys):
 
 def test_four_bit_moe_profiles_the_marlin_intermediate_caches():
     """fused_marlin_moe keeps M x top_k x (max(2N, K) + N) activations; K (hidden) is not split by TP."""
-    model = estimate.resolve_model("qwen3-30b-a3b")
+    model = resolve.resolve_model("qwen3-30b-a3b")
     tokens, n = 8192, model.expert_intermediate / 4
-    marlin = estimate.activation_bytes(model, 4, tokens, 1, "int4", "flashinfer")
-    bf16 = estimate.activation_bytes(model, 4, tokens, 1, "bf16", "flashinfer")
+    marlin = memory_budget.activation_bytes(model, 4, tokens, 1, "int4", "flashinfer")
+    bf16 = memory_budget.activation_bytes(model, 4, tokens, 1, "bf16", "flashinfer")
     qkv = model.heads * model.head_dim + 2 * model.kv_heads * model.head_dim
     expected = tokens * (model.top_k * (max(2 * n, model.hidden) + n) + qkv / 4) * 2 + 0.15 * GIB
     assert marlin == pytest.approx(expected) and marlin > bf16
@@ -931,7 +932,7 @@ def test_context_room_says_how_far_the_context_limit_can_be_raised(argv, room, r
     assert room[1] == result["max_model_len_that_fits"]
     raise_levers = [lever for lever in result["levers"] if lever["lever"] == "raise-max-model-len"]
     assert [lever["change"] for lever in raise_levers] == ([raised] if raised else [])
-    assert all(lever["fits"] and lever["max_concurrency"] >= estimate.ROOM_REQUESTS for lever in raise_levers)
+    assert all(lever["fits"] and lever["max_concurrency"] >= levers.ROOM_REQUESTS for lever in raise_levers)
     assert line in human(argv)
 
 

@@ -1,6 +1,6 @@
 """The GPU startup-log fixture behind benchmarks/vram_accuracy.py: every case cited, complete and
 evaluable; the benchmark's bookkeeping (split, held back, sources) adds up; and the accuracy on the
-fixed logs holds, per split, so a change to the memory model (rooflib/sizing/estimate.py) that loses accuracy fails here.
+fixed logs holds, per split, so a change to the memory model (rooflib/sizing/) that loses accuracy fails here.
 
 In-sample logs must meet the goal (90% within 5% of the logged KV tokens). The held-out logs meet
 the share (30 of 33) but not the bound on the worst error (one 0.49 GiB pool, -15.8%; see the

@@ -11,7 +11,7 @@ import pytest
 import vram
 
 from rooflib.core.errors import EXIT_USAGE
-from rooflib.sizing import estimate
+from rooflib.sizing import model_shape, resolve
 
 GIB = 1 << 30
 # BAAI/bge-m3 (the catalog's bge-m3): XLM-RoBERTa large, 8,194 positions.
@@ -157,7 +157,7 @@ def test_the_vision_line_says_what_the_profile_run_encodes(capsys):
 
 
 def test_a_catalog_vlm_without_vision_config_stays_outside_the_model():
-    model = estimate.resolve_model("gemma-3-27b")
+    model = resolve.resolve_model("gemma-3-27b")
     assert model.multimodal and model.vision is None
 
 
@@ -169,5 +169,5 @@ def test_pooled_patches_count_in_the_encoders_activations():
                               "head_dim": 256, "vocab_size": 262208},
               "vision_config": {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
                                 "image_size": 896, "patch_size": 14, "hidden_act": "gelu_pytorch_tanh"}}
-    tower = estimate.vision_tower(config)
+    tower = model_shape.vision_tower(config)
     assert (tower.tokens_per_image, tower.patches_per_token, tower.out_hidden) == (256, 16, 2560)

@@ -14,7 +14,7 @@ from rooflib.core.errors import ServerError, UsageError
 from rooflib.quality import perplexity, toolcalls
 from rooflib.server import model_listing, served
 from rooflib.serving import profiles
-from rooflib.sizing import estimate
+from rooflib.sizing import model_shape
 
 SCRIPTS = Path(__file__).resolve().parents[2]  # the command lines accept runs: serve.py and bench.py
 TEMPLATE = Path(__file__).resolve().parents[1] / "render" / "templates" / "accept_log_entry.md.j2"
@@ -115,7 +115,7 @@ def infer_scheme(cand: dict[str, Any]) -> tuple[str, str]:
     if cand.get("root"):
         config, where = served.root_config(cand["root"])
         if config is not None:
-            quant = estimate.checkpoint_quant(config)
+            quant = model_shape.checkpoint_quant(config)
             method = (config.get("quantization_config") or {}).get("quant_method")
             if served.scheme_of(quant):
                 return served.scheme_of(quant), f"its config.json ({where}) declares {method} weights ({quant})"

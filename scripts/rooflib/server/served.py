@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from rooflib.core import fileio, http_client
 from rooflib.core.errors import ServerError, UsageError
 from rooflib.server import engine_metrics, model_listing
-from rooflib.sizing import estimate
+from rooflib.sizing import resolve, weights
 
 # The acceptance levels (scripts/rooflib/catalog/ppl_gates.yaml) of each weight format sizing names.
 SCHEME_OF_QUANT = {"int4": "4bit", "mxfp4": "4bit", "nvfp4": "4bit", "fp8": "fp8", "int8": "int8"}
@@ -43,16 +43,16 @@ def root_config(root: str, transport: Any = None) -> tuple[dict[str, Any] | None
     file = path / "config.json" if path.is_dir() else path
     if file.is_file():
         try:
-            return fileio.parse_json(fileio.read_bounded(file, "model config", estimate.MAX_CONFIG_BYTES)), str(file)
+            return fileio.parse_json(fileio.read_bounded(file, "model config", resolve.MAX_CONFIG_BYTES)), str(file)
         except (UsageError, ValueError):
             return None, f"{file} is not readable JSON"
     if root.startswith(("/", "~", ".")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", root):
         return None, f"the server loaded {root!r}, a path on the server that this machine cannot read"
     try:
-        config, _ = estimate.fetch_hf_config(root, transport)
+        config, _ = resolve.fetch_hf_config(root, transport)
     except (ServerError, UsageError) as exc:
         return None, str(exc)
-    return config, f"{estimate.HF_URL}/{root}"
+    return config, f"{resolve.HF_URL}/{root}"
 
 
 def scheme_of(quant: str) -> str | None:
@@ -63,4 +63,4 @@ def scheme_of(quant: str) -> str | None:
 def quant_of_profile(profile: Mapping[str, Any]) -> str | None:
     """The weight format a serve profile asks vLLM for with --quantization, if it does."""
     method = str(profile.get("quantization") or "").lower()
-    return estimate.QUANT_ALIASES.get(method) if method else None
+    return weights.QUANT_ALIASES.get(method) if method else None

@@ -26,7 +26,7 @@ from rooflib.doctor.evidence import Fit
 from rooflib.load import workloads
 from rooflib.server.deployment import EXPORTED, Known, Served
 from rooflib.serving import profiles
-from rooflib.sizing import estimate
+from rooflib.sizing import estimate, memory_budget, model_shape
 
 # The figures tune moves: bench's SLO names, and the requests the server rejects as longer than its
 # context limit (bench --over-limit sends the users' lengths as they are).
@@ -362,7 +362,7 @@ GIB = 1 << 30
 class Sizing:
     """What the vram model needs beside a profile: the model's config and the GPU (None on the
     CPU build, where the profile fixes the KV space)."""
-    model: estimate.Model
+    model: model_shape.Model
     gpu: Mapping[str, Any] | None
 
 
@@ -393,7 +393,7 @@ def start_check(profile: Mapping[str, Any], sizing: Sizing | None) -> StartCheck
     fixed = kv_space_bytes(profile)
     if sizing is None or (sizing.gpu is None and fixed is None):
         return StartCheck(None, False, "not checked: name the GPU (--gpu) for the vram model")
-    inputs = estimate.Inputs(
+    inputs = memory_budget.Inputs(
         model=sizing.model, gpu=dict(sizing.gpu or {"id": "cpu", "name": "CPU", "memory_gib": 0}),
         tp=profile.get("tensor_parallel_size", 1), pp=profile.get("pipeline_parallel_size", 1),
         ctx=profile.get("max_model_len"), kv_dtype=profile.get("kv_cache_dtype", "auto"),

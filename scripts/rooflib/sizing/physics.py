@@ -14,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from rooflib.sizing import estimate
+from rooflib.sizing.kv_cache import kv_dtype_bytes, layer_token_bytes, linear_state_bytes
+from rooflib.sizing.memory_budget import Inputs, check_inputs
+from rooflib.sizing.model_shape import QUANT_BYTES
+from rooflib.sizing.weights import count_params, weight_quant
 
 EFFICIENCY = {  # the "expected" line: references/en/roofline.md, "Expected"
     "nvidia": {"hbm": 0.90, "gemm": 0.75},
@@ -57,12 +60,12 @@ def peak_flops(gpu: Mapping[str, Any], quant: str) -> tuple[float, str]:
 class Physics:
     """Per-GPU bytes and FLOPs of one model under one setup."""
 
-    def __init__(self, inp: estimate.Inputs):
+    def __init__(self, inp: Inputs):
         self.inp = inp
         m = self.m = inp.model
-        self.quant = estimate.weight_quant(m, inp.quant)
-        self.p = estimate.count_params(m)
-        qb = estimate.QUANT_BYTES[self.quant]
+        self.quant = weight_quant(m, inp.quant)
+        self.p = count_params(m)
+        qb = QUANT_BYTES[self.quant]
         hp = float(min(m.dtype_bytes, 2))
         linear = hp if self.quant == "mxfp4" else qb
         self.tp = inp.tp
@@ -72,11 +75,11 @@ class Physics:
                                    + self.p.embed * hp) / self.tp + self.p.replicated * hp
         self.expert_bytes = self.p.expert_each * qb / self.tp
         self.moe_layers = sum(m.moe_layers)
-        kv_bytes = estimate.kv_dtype_bytes(m, inp.kv_dtype)
-        self.layer_token_bytes = estimate.layer_token_bytes(m, inp.tp, kv_bytes, inp.kv_dtype.lower())
+        kv_bytes = kv_dtype_bytes(m, inp.kv_dtype)
+        self.layer_token_bytes = layer_token_bytes(m, inp.tp, kv_bytes, inp.kv_dtype.lower())
         self.attention_layers = [layer for layer in m.layers if layer.kind != "linear"]
         linear_layers = len(m.layers) - len(self.attention_layers)
-        self.state_bytes = estimate.linear_state_bytes(m, inp.tp) * linear_layers if m.linear_state else 0
+        self.state_bytes = linear_state_bytes(m, inp.tp) * linear_layers if m.linear_state else 0
         self.active_linear_params = (self.p.attention + self.p.dense_mlp + self.p.shared + self.p.replicated
                                      + self.p.embed + self.moe_layers * m.top_k * self.p.expert_each)
         self.flops_peak, self.flops_precision = peak_flops(inp.gpu, self.quant)
@@ -177,7 +180,7 @@ class Physics:
         return high
 
 
-def fp8_crossover_batch(inp: estimate.Inputs, context: int, limit: int = 4096) -> int | None:
+def fp8_crossover_batch(inp: Inputs, context: int, limit: int = 4096) -> int | None:
     """For 4-bit weight-only weights on a GPU with FP8 tensor cores: the smallest batch from which
     the same model in FP8 has the shorter expected decode step (None: 4-bit stays faster)."""
     int4 = Physics(inp)
@@ -197,10 +200,10 @@ def fp8_crossover_batch(inp: estimate.Inputs, context: int, limit: int = 4096) -
     return low
 
 
-def roofline(inp: estimate.Inputs, memory: Mapping[str, Any] | None = None, batch: int | None = None,
+def roofline(inp: Inputs, memory: Mapping[str, Any] | None = None, batch: int | None = None,
              prompt_tokens: int | None = None) -> dict[str, Any]:
     """Decode and prefill bounds, a batch table up to what the KV cache holds, the crossover batch."""
-    estimate.check_inputs(inp)
+    check_inputs(inp)
     phys = Physics(inp)
     prompt = prompt_tokens or min(DEFAULT_PROMPT_TOKENS, inp.ctx or inp.model.max_len)
     most = max(1, int(memory["max_concurrency"] * (memory["ctx"] / prompt))) if memory else BATCHES[-1]
