@@ -36,15 +36,8 @@ from typing import Sequence
 
 from rooflib.core import cli, fileio, printing
 from rooflib.core.errors import UsageError
-from rooflib.render.report_html import (
-    MAX_INPUT_BYTES,
-    answers_section,
-    build_sections,
-    parse_records,
-    parse_result,
-    render_html,
-    render_text,
-)
+from rooflib.render.report_html import answers_section, build_sections, render_html, render_text
+from rooflib.render.report_inputs import MAX_INPUT_BYTES, parse_records, parse_result
 
 
 def plural(count: int, noun: str) -> str:

@@ -59,7 +59,7 @@ from typing import Any, Sequence
 from rooflib.core import cli, conf, fileio, printing, signals
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from rooflib.load import benchrun
-from rooflib.render import report_html
+from rooflib.render import report_html, report_inputs
 from rooflib.serving import levers, profiles, trials
 from rooflib.serving import tune as tuning
 from rooflib.sizing import resolve
@@ -201,7 +201,7 @@ def human_text(doc: dict[str, Any]) -> str:
 
 def files_of(doc: dict[str, Any], tuned: bool) -> list[tuple[str, str, str]]:
     out = Path(doc["out"])
-    result = report_html.Result("tune", str(out / "tune.json"), doc)
+    result = report_inputs.Result("tune", str(out / "tune.json"), doc)
     sections = [report_html.answers_section([result]), *report_html.build_sections([result], None)]
     stamp = doc["started_at"]
     files = [("--out", str(out / "tune.json"), printing.json_text(doc)),

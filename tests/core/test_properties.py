@@ -24,7 +24,7 @@ from rooflib.core import catalogs, conf, fileio, printing
 from rooflib.core.errors import UsageError
 from rooflib.load import asyncclient, comparison, http1, request_outcome, workloads
 from rooflib.quality import perplexity, toolcalls
-from rooflib.render import report_html
+from rooflib.render import report_inputs
 from rooflib.server import engine_metrics, served
 from rooflib.serving import profiles
 from rooflib.sizing import resolve
@@ -280,7 +280,7 @@ def test_files_nested_too_deep_are_one_usage_line(tmp_path):
     deep.write_text("[" * 100_000)
     records = '{"sent_ns": 1}\n' + "[" * 100_000 + "\n"
     reads = [comparison.load, workloads.read_prompts, lambda p: workloads.read_sharegpt(p, len),
-             lambda p: report_html.parse_result(deep.read_text(), p), lambda p: report_html.parse_records(records, p)]
+             lambda p: report_inputs.parse_result(deep.read_text(), p), lambda p: report_inputs.parse_records(records, p)]
     for read in reads:
         with pytest.raises(UsageError) as caught:
             read(str(deep))

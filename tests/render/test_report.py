@@ -22,7 +22,7 @@ from conftest import IN_CI
 
 from rooflib.core import taskcall
 from rooflib.load import analysis, request_outcome, sweeps
-from rooflib.render import report_html
+from rooflib.render import report_charts, report_html, report_inputs, report_physics
 from rooflib.server.engine_metrics import Targets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -265,16 +265,16 @@ def test_from_one_to_ten_thousand_points(browser, capsys, tmp_path, requests):
                         "--records", str(records_file))
     page = browse(browser, html)
     found = charts(page)
-    every = -(-requests // report_html.MAX_BARS)
+    every = -(-requests // report_charts.MAX_BARS)
     assert found["run-requests"]["bars"] == len(range(0, requests, every))
     ttft = found["run-latency"]["series"][0]
-    assert ttft["total"] == min(requests, report_html.CDF_POINTS) and ttft["drawn"] <= report_html.MAX_LINE_POINTS
-    assert found["run-server"]["series"][0]["drawn"] <= report_html.MAX_LINE_POINTS
-    assert found["run-server"]["rows"] == min(requests, report_html.TABLE_ROWS)
-    assert found["run-server"]["rules"] == (0 if requests > report_html.MAX_PREEMPTION_LINES else requests // 10)
+    assert ttft["total"] == min(requests, report_charts.CDF_POINTS) and ttft["drawn"] <= report_charts.MAX_LINE_POINTS
+    assert found["run-server"]["series"][0]["drawn"] <= report_charts.MAX_LINE_POINTS
+    assert found["run-server"]["rows"] == min(requests, report_charts.TABLE_ROWS)
+    assert found["run-server"]["rules"] == (0 if requests > report_charts.MAX_PREEMPTION_LINES else requests // 10)
     # The counts stay honest: the table has every request, the note says what was drawn.
-    assert f"TTFT  {report_html.fmt(doc['ttft_ms']['p50'])}" in text and f"  {report_html.fmt(requests)}" in text
-    if requests > report_html.MAX_BARS:
+    assert f"TTFT  {report_charts.fmt(doc['ttft_ms']['p50'])}" in text and f"  {report_charts.fmt(requests)}" in text
+    if requests > report_charts.MAX_BARS:
         assert f"every {every}th of {requests} requests drawn" in page["text"]
     assert_every_series_drawn(page)
 
@@ -312,15 +312,15 @@ def test_sizing_shows_the_budget_and_the_levers(browser, capsys, tmp_path):
     doc = json.loads(capsys.readouterr().out)
     html, text = render(tmp_path, capsys, "sizing", write(tmp_path, "vram.json", doc))
     found = charts(browse(browser, html))
-    assert found["sizing-budget"]["segments"] == len(report_html.BUDGET) + 1
+    assert found["sizing-budget"]["segments"] == len(report_physics.BUDGET) + 1
     assert found["sizing-levers"]["columns"] == len(doc["levers"]) + 1
     assert re.search(rf"\n  KV cache tokens +{doc['kv_cache_tokens']:,}\n", text)
     assert re.search(r"\n  marginal +1\.19x requests of the full context", text)
-    assert re.search(rf"\n  requests of 2,048 tokens at once +{report_html.fmt(doc['typical']['max_concurrency'])}\n", text)
+    assert re.search(rf"\n  requests of 2,048 tokens at once +{report_charts.fmt(doc['typical']['max_concurrency'])}\n", text)
     assert vram.main(["--model", "qwen3-32b", "--gpu", "l4", "--json"]) == 1
     short = json.loads(capsys.readouterr().out)
     html, text = render(tmp_path, capsys, "sizing-short", write(tmp_path, "short.json", short))
-    assert charts(browse(browser, html))["sizing-budget"]["segments"] == len(report_html.BUDGET) + 1
+    assert charts(browse(browser, html))["sizing-budget"]["segments"] == len(report_physics.BUDGET) + 1
     assert past_answers(text).startswith("== Sizing: qwen3-32b on NVIDIA L4: does not fit\n")
     assert f"  cheapest change that fits        {short['fix']['change']}\n" in text
     assert f"does not fit: 0 requests of 40,960 tokens at once; cheapest change that fits: {short['fix']['change']}" \
@@ -334,8 +334,8 @@ def test_older_files_without_kind_are_recognised(tmp_path):
     doc, _ = bench_run(4)
     del doc["kind"]
     sweep_result = {k: v for k, v in sweep_doc().items() if k not in ("kind", "schema_version")}
-    assert report_html.parse_result(json.dumps(doc), "b.json").kind == "bench"
-    assert report_html.parse_result(json.dumps(sweep_result), "s.json").kind == "sweep"
+    assert report_inputs.parse_result(json.dumps(doc), "b.json").kind == "bench"
+    assert report_inputs.parse_result(json.dumps(sweep_result), "s.json").kind == "sweep"
 
 
 @pytest.mark.parametrize("content, message", [
@@ -382,7 +382,7 @@ def test_text_summary_and_json(capsys, tmp_path):
     text = capsys.readouterr().out
     assert past_answers(text).startswith(f"== Bench run: bench: {doc['verdict']}\n")
     assert text.splitlines()[1].startswith(f"  bench bench  {doc['verdict']}: TTFT p95 ")
-    assert f"  TTFT ms     p50 {report_html.fmt(doc['ttft_ms']['p50'])}, p95 {report_html.fmt(doc['ttft_ms']['p95'])}" in text
+    assert f"  TTFT ms     p50 {report_charts.fmt(doc['ttft_ms']['p50'])}, p95 {report_charts.fmt(doc['ttft_ms']['p95'])}" in text
     assert report.main([path, "--out", str(tmp_path / "r.html"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     umask = os.umask(0)
@@ -444,8 +444,8 @@ def test_answers_come_first_one_sentence_per_result(browser, capsys, tmp_path):
     text = capsys.readouterr().out
     answers = text.split("\n\n", 1)[0].splitlines()
     assert answers[0] == "== Answers"
-    assert answers[1] == ("  sweep sweep        knee at C = 2: " + report_html.fmt(sweep_doc()["knee"]["total_tok_s"])
-                          + " total tok/s at TPOT p95 " + report_html.fmt(sweep_doc()["knee"]["tpot_ms"]["p95"])
+    assert answers[1] == ("  sweep sweep        knee at C = 2: " + report_charts.fmt(sweep_doc()["knee"]["total_tok_s"])
+                          + " total tok/s at TPOT p95 " + report_charts.fmt(sweep_doc()["knee"]["tpot_ms"]["p95"])
                           + " ms; serve at most 2 concurrent requests per replica at this workload")
     assert answers[2].startswith("  roofline roofline  decode at batch 1 takes at least ")
     warning = ("the roofline is for qwen3-0.6b, but sweep measured tiny-qwen3: measured / bound compares two "
@@ -456,8 +456,8 @@ def test_answers_come_first_one_sentence_per_result(browser, capsys, tmp_path):
     page = browse(browser, html)
     assert page["text"].index("Answers") < page["text"].index("knee at C = 2") < page["text"].index("Comparison")
     same = sweep_doc(model="Qwen/Qwen3-0.6B")
-    assert report_html.model_mismatch(report_html.Result("roofline", "r.json", roof),
-                                      [report_html.Result("sweep", "s.json", same)]) == []
+    assert report_html.model_mismatch(report_inputs.Result("roofline", "r.json", roof),
+                                      [report_inputs.Result("sweep", "s.json", same)]) == []
 
 
 def test_a_sweep_without_a_valid_point_says_so_in_the_report(capsys, tmp_path):

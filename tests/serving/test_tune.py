@@ -30,7 +30,7 @@ from vllm_server import REPO
 
 from rooflib.core import stats
 from rooflib.load import analysis, comparison
-from rooflib.render import report_html
+from rooflib.render import report_html, report_inputs
 from rooflib.server import engine_metrics
 from rooflib.server.engine_metrics import Targets
 from rooflib.serving import levers, profiles, trials
@@ -342,7 +342,7 @@ def tune_document() -> dict:
 
 
 def test_the_report_draws_every_trial_on_one_chart_with_its_decision():
-    result = report_html.parse_result(json.dumps(tune_document()), "tune.json")
+    result = report_inputs.parse_result(json.dumps(tune_document()), "tune.json")
     sections = report_html.build_sections([result], None)
     assert [s.title for s in sections] == ["Tune: one change at a time"] and sections[0].verdict == "SLO holds"
     chart = sections[0].charts[0]
