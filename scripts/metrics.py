@@ -113,7 +113,7 @@ from typing import Any, Mapping, Sequence
 
 from rooflib.core import catalogs, cli, conf, fileio, printing, signals
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, UsageError
-from rooflib.server import deployment, diagnosis, engine_metrics, fleet, gpu_telemetry, prefix_probe
+from rooflib.server import deployment, diagnosis, engine_metrics, fleet, gpu_telemetry, known_settings, prefix_probe
 from rooflib.server import replicas as replicas_of
 
 
@@ -276,7 +276,8 @@ def fleet_results(opts: Options) -> tuple[dict[str, Any], str]:
     replicas = []
     for replica in snap["replicas"]:
         replicas.append({**engine_metrics.report(replica, opts.gpu, opts.slo), **replica["fleet"]})
-    found = fleet.findings(replicas, diagnosis.FLAGS[snap["engine"]], diagnosis.QUEUE_SHARE, diagnosis.PREFIX_LONG_PROMPT)
+    found = fleet.findings(replicas, known_settings.FLAGS[snap["engine"]], known_settings.QUEUE_SHARE,
+                           known_settings.PREFIX_LONG_PROMPT)
     total["replicas"] = replicas
     total["fleet"] = {"prometheus": snap["source"], "window_s": snap["seconds"], "replicas": len(replicas),
                       "up": sum(1 for r in replicas if r["state"] == "up"),

@@ -15,7 +15,7 @@ from markdown_doc import REPO, Doc
 
 from rooflib.core.catalogs import load_catalog
 from rooflib.quality import toolcalls
-from rooflib.server import diagnosis, engine_metrics
+from rooflib.server import engine_metrics, known_settings
 from rooflib.sizing import model_shape, physics
 
 SKILL = "SKILL.md"
@@ -135,10 +135,10 @@ CLAIMS = [
     ("INT8 perplexity fail level, %", "3", [SKILL, QUANT], lambda: PPL_GATES["int8"]["fail_pct"]),
     ("4-bit perplexity warn level, %", "3", [SKILL, QUANT], lambda: PPL_GATES["4bit"]["warn_pct"]),
     ("4-bit perplexity fail level, %", "5", [SKILL, QUANT], lambda: PPL_GATES["4bit"]["fail_pct"]),
-    ("metrics: queue finding at this share of e2e, %", "20", [SKILL], lambda: diagnosis.QUEUE_SHARE * 100),
-    ("metrics: KV cache counted full at, %", "90", [METRICS], lambda: diagnosis.KV_FULL * 100),
-    ("metrics: low prefix-cache hit rate below, %", "20", [SKILL], lambda: diagnosis.PREFIX_LOW * 100),
-    ("metrics: prefix finding from mean prompt tokens", "512", [METRICS], lambda: diagnosis.PREFIX_LONG_PROMPT),
+    ("metrics: queue finding at this share of e2e, %", "20", [SKILL], lambda: known_settings.QUEUE_SHARE * 100),
+    ("metrics: KV cache counted full at, %", "90", [METRICS], lambda: known_settings.KV_FULL * 100),
+    ("metrics: low prefix-cache hit rate below, %", "20", [SKILL], lambda: known_settings.PREFIX_LOW * 100),
+    ("metrics: prefix finding from mean prompt tokens", "512", [METRICS], lambda: known_settings.PREFIX_LONG_PROMPT),
     ("smoke: a case passes at this share of repeats, %", "80", [QUANT], lambda: toolcalls.PASS_SHARE * 100),
     ("Qwen3-32B H100 expected decode at batch 1, AWQ, ms", "6.18", [QUANT],
      lambda: round(roofline(*QWEN_ROOFLINE, "--quant", "awq", "--batch", "1")["decode"]["step_ms_expected"], 2)),
@@ -155,7 +155,8 @@ CLAIMS = [
     ("W4A16 GEMM share of the 16-bit rate", "0.6", [QUANT, ROOFLINE], lambda: physics.W4A16_GEMM_SHARE),
     ("metrics: default TTFT p95 target, s", "2", [METRICS], lambda: engine_metrics.DEFAULT_TARGETS["ttft_p95_ms"] / 1000),
     ("metrics: default TPOT p95 target, ms", "50", [METRICS], lambda: engine_metrics.DEFAULT_TARGETS["tpot_p95_ms"]),
-    ("metrics: vLLM's smallest default max_num_seqs", "128", [METRICS], lambda: diagnosis.VLLM_DEFAULT_MAX_NUM_SEQS[0]),
+    ("metrics: vLLM's smallest default max_num_seqs", "128", [METRICS],
+     lambda: known_settings.VLLM_DEFAULT_MAX_NUM_SEQS[0]),
     ("smoke: repeats per case by default", "3", [QUANT],
      lambda: smoke_toolcall.build_parser().get_default("repeat")),
 ]

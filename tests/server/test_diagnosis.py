@@ -1,8 +1,9 @@
-"""diagnosis.py: one root cause, what it causes, one plan that never contradicts itself nor asks for
-what is already set, and verify commands that run as printed. On the saved scrapes of
-tests/fixtures/metrics and on window snapshots built here, one per kind of finding, in the shape
-engine_metrics.difference() gives; deployment.py on the answers vLLM's /server_info and SGLang's
-/get_server_info give (their shapes from the engines' source), and on a real vLLM.
+"""diagnosis.py (with known_settings.py, findings.py and plan.py): one root cause, what it causes,
+one plan that never contradicts itself nor asks for what is already set, and verify commands that
+run as printed. On the saved scrapes of tests/fixtures/metrics and on window snapshots built here,
+one per kind of finding, in the shape engine_metrics.difference() gives; deployment.py on the
+answers vLLM's /server_info and SGLang's /get_server_info give (their shapes from the engines'
+source), and on a real vLLM.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from vllm_server import task_exe
 
 from rooflib.core import conf, printing, taskcall
 from rooflib.load import benchrun
-from rooflib.server import deployment, diagnosis, engine_metrics, watch
+from rooflib.server import deployment, diagnosis, engine_metrics, findings, known_settings, plan, watch
 from rooflib.server.reading import Latency, Reading
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
@@ -189,9 +190,9 @@ def test_quantiles_are_shown_as_the_bucket_they_lie_in():
     is 14.9 s: as buckets, 10-20 s and 10-15 s, they no longer contradict each other."""
     r = fixture_report("vllm-0.32-queue-before.txt", "vllm-0.32-queue-after.txt", seconds=17.87)
     assert r["ttft_ms"]["p95"] == pytest.approx(18666.7, abs=0.1) and r["e2e_ms"]["p99"] == pytest.approx(14900)
-    assert diagnosis.quantile_text(Latency.of(r["ttft_ms"]), "p95") == "10-20 s"
-    assert diagnosis.quantile_text(Latency.of(r["e2e_ms"]), "p99") == "10-15 s"
-    assert diagnosis.quantile_text(Latency.of(r["itl_ms"]), "p50") == "<=10 ms"
+    assert known_settings.quantile_text(Latency.of(r["ttft_ms"]), "p95") == "10-20 s"
+    assert known_settings.quantile_text(Latency.of(r["e2e_ms"]), "p99") == "10-15 s"
+    assert known_settings.quantile_text(Latency.of(r["itl_ms"]), "p50") == "<=10 ms"
     row = next(line for line in engine_metrics.format_report(r).splitlines() if line.startswith("  TTFT"))
     assert row.split()[1:4] == ["5-7.5", "s", "10-20"]
 
@@ -389,13 +390,13 @@ def test_prompts_split_over_engine_steps_lead_a_low_hit_rate():
 
 
 def test_a_root_outside_the_engine_comes_first():
-    outside = diagnosis._finding("outside_engine", "the client saw 300 ms more than the engine", "high: both sides")
-    queue = diagnosis._finding("queue", "requests wait", "low")
-    found = diagnosis.ordered([queue, outside])
+    outside = findings._finding("outside_engine", "the client saw 300 ms more than the engine", "high: both sides")
+    queue = findings._finding("queue", "requests wait", "low")
+    found = findings.ordered([queue, outside])
     assert [f["kind"] for f in found] == ["outside_engine", "queue"]
     slo = {"ttft_p95_ms": 2000, "tpot_p95_ms": 100, "itl_p95_ms": 200}
-    plan = diagnosis.plan(found, Reading.of({"engine": "vllm", "mode": "window", "slo": slo}), {})
-    assert [lever["text"].split(": ")[0] for lever in plan] == [
+    levers = plan.plan(found, Reading.of({"engine": "vllm", "mode": "window", "slo": slo}), {})
+    assert [lever["text"].split(": ")[0] for lever in levers] == [
         "split the gap from where the users are", "task infer:metrics WINDOW=30 while the load is on",
         "add replicas or data-parallel engines (--data-parallel-size)"]
 

@@ -26,7 +26,7 @@ from prometheus_server import running_prometheus
 from test_metrics import QUEUEING_PROMPTS, send_load
 from vllm_server import ServerUnavailable
 
-from rooflib.server import diagnosis, engine_metrics
+from rooflib.server import engine_metrics, known_settings
 from rooflib.server import fleet as fleet_findings
 from rooflib.serving import profiles
 
@@ -155,7 +155,7 @@ def queued_load(fleet, monkeypatch, capsys, servers: list, seed: int) -> tuple[M
         m = measured(fleet, load)
         report, seconds = ask_over(fleet, m, monkeypatch, capsys)
         replicas = by_instance(report)
-        if all(fleet_findings.queued(replicas[instance(s.url)], diagnosis.QUEUE_SHARE) for s in servers):
+        if all(fleet_findings.queued(replicas[instance(s.url)], known_settings.QUEUE_SHARE) for s in servers):
             break
     return m, report, seconds
 
@@ -416,7 +416,8 @@ def test_sglang_label_set_through_prometheus():
     assert f'sum by (instance) (sglang:num_queue_reqs{ranks})' in asked
     assert asked[0].startswith("count by (__name__)") and not any("vllm:" in q for q in asked[1:])
     reports = [{**engine_metrics.report(r), **r["fleet"]} for r in snap["replicas"]]
-    found = metrics.fleet.findings(reports, diagnosis.FLAGS["sglang"], diagnosis.QUEUE_SHARE, diagnosis.PREFIX_LONG_PROMPT)
+    found = metrics.fleet.findings(reports, known_settings.FLAGS["sglang"], known_settings.QUEUE_SHARE,
+                                   known_settings.PREFIX_LONG_PROMPT)
     assert [f["kind"] for f in found] == ["config_mismatch", "imbalance"]
     assert found[1]["replicas"] == ["r1:30000", "r2:30000"]
     assert "--mem-fraction-static" in found[0]["evidence"]
@@ -438,7 +439,8 @@ def test_lost_and_long_dead_targets_are_named_down():
     states = {r["fleet"]["instance"]: r["fleet"]["state"] for r in snap["replicas"]}
     assert states == {"r1:30000": "up", "r2:30000": "not_scraped", "r3:30000": "down"}
     reports = [{**engine_metrics.report(r), **r["fleet"]} for r in snap["replicas"]]
-    found = metrics.fleet.findings(reports, diagnosis.FLAGS["sglang"], diagnosis.QUEUE_SHARE, diagnosis.PREFIX_LONG_PROMPT)
+    found = metrics.fleet.findings(reports, known_settings.FLAGS["sglang"], known_settings.QUEUE_SHARE,
+                                   known_settings.PREFIX_LONG_PROMPT)
     down = [f for f in found if f["kind"] == "replica_down"]
     assert [f["replicas"] for f in down] == [["r2:30000"], ["r3:30000"]]
     assert "no longer a scrape target" in down[0]["evidence"] and "up == 0" in down[1]["evidence"]

@@ -25,7 +25,7 @@ from test_metrics import QUEUEING_PROMPTS, send_load
 from vllm_server import ServerUnavailable
 
 from rooflib.render import bench_text
-from rooflib.server import diagnosis, engine_metrics, fleet, gpu_telemetry
+from rooflib.server import engine_metrics, fleet, gpu_telemetry, known_settings
 from rooflib.server.gpu_telemetry import Gpu, Joined, Target
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -158,7 +158,7 @@ class TestRealGpuTelemetry:
                                                                 prompt_tokens, 16, seed=31))
             report, doc = telemetry(setup, monkeypatch, capsys, window)
             replica = report["replicas"][0]
-            if fleet.queued(replica, diagnosis.QUEUE_SHARE):
+            if fleet.queued(replica, known_settings.QUEUE_SHARE):
                 break
         finding = named(doc, "gpu_idle_queue")
         assert finding["replica"] == instance(server.url) and finding["gpus"] == [GPU0]

@@ -27,7 +27,7 @@ from rooflib.doctor.failures import failed_share, gave_up
 from rooflib.server import engine_metrics
 
 ABANDONED_FLOOR = 2   # requests at the window's edges can end in one counter before the other
-from rooflib.server.diagnosis import QUEUE_SHARE
+from rooflib.server.known_settings import QUEUE_SHARE
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ SEQS_FLAG = {"vllm": "--max-num-seqs", "sglang": "--max-running-requests"}
 # Scheduler._abort_on_queued_limit. Keyed by vllm:admission_rejections_total's reason label.
 ADMISSION_FLAG = {"max_num_queued_reqs": {"vllm": "--max-num-queued-reqs", "sglang": "--max-queued-requests"},
                   "max_num_queued_tokens": {"vllm": "--max-num-queued-tokens"}}
-# The settings the engine diagnosis names, by the flag it prints (diagnosis.FLAGS).
+# The settings the engine diagnosis names, by the flag it prints (known_settings.FLAGS).
 SETTING_OF_FLAG = {"--max-num-seqs": "max_num_seqs", "--max-running-requests": "max_num_seqs",
                    "--max-num-batched-tokens": "max_num_batched_tokens", "--chunked-prefill-size": "max_num_batched_tokens",
                    "--enable-prefix-caching": "prefix_caching", "--disable-radix-cache": "prefix_caching",

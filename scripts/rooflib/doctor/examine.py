@@ -15,7 +15,7 @@ from rooflib.load import promptgen
 from rooflib.load.apis import APIS
 from rooflib.load.asyncclient import Target, find_target
 from rooflib.server import deployment, engine_metrics
-from rooflib.server.diagnosis import LIGHT_C, LIGHT_N
+from rooflib.server.known_settings import LIGHT_C, LIGHT_N
 
 DEFAULT_PROMPT, DEFAULT_OUTPUT = 256, 64
 OUTPUT_RANGE = (96, 256)     # enough tokens to see a stream's shape, few enough to stay light

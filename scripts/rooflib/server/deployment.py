@@ -1,5 +1,5 @@
 """What a running server says about its own settings beyond /metrics, so that the diagnosis
-(scripts/diagnosis.py) checks each lever against what is already set.
+(rooflib/server/plan.py) checks each lever against what is already set.
 
 vLLM: GET /server_info?config_format=json, served only when the server runs with
 VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/serve/dev/server_info/api_router.py, vLLM 0.32.0): the

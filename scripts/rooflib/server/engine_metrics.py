@@ -17,12 +17,12 @@ import httpx
 
 from rooflib.core import conf, http_client
 from rooflib.core.errors import ServerError, UsageError
-from rooflib.server import diagnosis, fleet
+from rooflib.server import diagnosis, fleet, known_settings
 from rooflib.server.deployment import EXPORTED, Known, Served
-from rooflib.server.diagnosis import bytes_text as _bytes
-from rooflib.server.diagnosis import ms as _ms
-from rooflib.server.diagnosis import pct as _pct
-from rooflib.server.diagnosis import quantile_text
+from rooflib.server.known_settings import bytes_text as _bytes
+from rooflib.server.known_settings import ms as _ms
+from rooflib.server.known_settings import pct as _pct
+from rooflib.server.known_settings import quantile_text
 from rooflib.server.reading import Latency, Reading
 
 QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
@@ -712,14 +712,14 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
     result["slo"] = {k: targets[k] for k in ("ttft_p95_ms", "tpot_p95_ms", "itl_p95_ms")}
     result["slo_source"], result["slo_defaulted"] = targets["source"], targets["defaulted"]
     reading = Reading.of(result)
-    settings = diagnosis.settings(reading, with_gauge_settings(snap, served))
+    settings = known_settings.settings(reading, with_gauge_settings(snap, served))
     result["settings"] = diagnosis.known_json(settings)
     if snap["engine"] == "sglang":
         result["deployment"] = sglang_deployment(settings, result["tokens_per_request"])
     if result["deployment"]:
         seqs = settings["max_num_seqs"]
         result["deployment"]["max_num_seqs"] = seqs.value
-        result["deployment"]["max_num_seqs_note"] = diagnosis.said(seqs) if seqs.value else f"unknown: {seqs.how}"
+        result["deployment"]["max_num_seqs_note"] = known_settings.said(seqs) if seqs.value else f"unknown: {seqs.how}"
     result["diagnosis"] = diagnosis.diagnose(reading, settings, served.url if served else None)
     return result
 
@@ -866,7 +866,7 @@ def deployment_config(info: Mapping[str, str], tokens_per_request: float | None)
         "kv_cache_dtype": info.get("cache_dtype"), "prefix_caching": info.get("enable_prefix_caching"),
         "kv_cache_sized_by": sized_by, "max_num_seqs": None,
         "max_num_seqs_note": "unknown: no metric exports it (vLLM defaults: "
-                             + "/".join(map(str, diagnosis.VLLM_DEFAULT_MAX_NUM_SEQS)) + " by platform)",
+                             + "/".join(map(str, known_settings.VLLM_DEFAULT_MAX_NUM_SEQS)) + " by platform)",
     }
 
 
@@ -896,7 +896,7 @@ def sglang_deployment(s: Mapping[str, Known], tokens_per_request: float | None) 
         return {}
     caching, cap = value("prefix_caching"), value("max_total_tokens")
     sized_by = f"--mem-fraction-static {util:g}" if util else None
-    if cap and tokens >= cap:  # the cap holds only where the memory left more (diagnosis.EXPLICIT_KV)
+    if cap and tokens >= cap:  # the cap holds only where the memory left more (known_settings.EXPLICIT_KV)
         sized_by = f"--max-total-tokens {cap:,}" + (f", within what {sized_by} leaves" if sized_by else "")
     return {
         "source": "SGLang: sglang:max_total_num_tokens and /get_server_info", "engine": "sglang",
@@ -1179,7 +1179,7 @@ def _deployment_line(dep: dict[str, Any]) -> str:
         parts.append(f"{dep['max_concurrency_at_max_model_len']:,.1f} requests at {limit} {dep['max_model_len'] or 'n/a'}")
     cache = "radix cache" if engine == "sglang" else "prefix caching"
     parts.append(f"KV dtype {dep['kv_cache_dtype'] or 'n/a'}, {cache} {dep['prefix_caching'] or 'n/a'}")
-    parts.append(f"{diagnosis.FLAGS[engine]['seqs'].lstrip('-')} {dep['max_num_seqs_note']}")
+    parts.append(f"{known_settings.FLAGS[engine]['seqs'].lstrip('-')} {dep['max_num_seqs_note']}")
     if engine == "sglang":
         parts.append(f"attention backend {dep['attention_backend'] or 'n/a'}, SGLang {dep['engine_version'] or 'n/a'}")
     return f"  deployment ({dep.get('source', 'vllm:cache_config_info')}): " + "; ".join(parts)

@@ -296,7 +296,7 @@ def configs(prom: Prometheus, engine: str, names: set[str], match: str, seconds:
 
 # ---------------------------------------------------------------------------------------------
 # Fleet findings. `reports` are engine_metrics.report() dicts of each replica plus instance, state,
-# model and config; `flags` are the engine's flag names (diagnosis.FLAGS).
+# model and config; `flags` are the engine's flag names (known_settings.FLAGS).
 
 LEVERS = {
     "replica_down": [
@@ -325,7 +325,7 @@ LEVERS = {
 
 def _finding(kind: str, cause: str, evidence: str, named: Sequence[str], per_replica: dict[str, Any],
              flags: Mapping[str, str]) -> dict[str, Any]:
-    """A fleet finding in the shape of an engine's (scripts/diagnosis.py), with the replicas it
+    """A fleet finding in the shape of an engine's (rooflib/server/findings.py), with the replicas it
     names; diagnosis.with_fleet puts its levers first in the plan."""
     words = {**flags, "replicas": len(named), "more": len(named) + 1}
     return {"kind": kind, "scope": "fleet", "cause": cause, "evidence": evidence,

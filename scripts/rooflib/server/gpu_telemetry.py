@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 
 from rooflib.core import catalogs
 from rooflib.core.errors import UsageError
-from rooflib.server import diagnosis, engine_metrics, fleet
+from rooflib.server import engine_metrics, fleet, known_settings
 
 # concept -> (the exporter's metric names, first held wins; how the window reads it)
 #   ratio    a gauge 0..1, averaged and its peak taken
@@ -249,7 +249,7 @@ def read(prom: fleet.Prometheus, seconds: float, instances: Sequence[str], match
 
 # ---------------------------------------------------------------------------------------------
 # Findings (pure): `r` is the replica's engine_metrics.report (with `config`, the fleet's cache
-# settings, where Prometheus gave them); flag names are the diagnosis' (diagnosis.FLAGS).
+# settings, where Prometheus gave them); flag names are the diagnosis' (known_settings.FLAGS).
 
 def _finding(kind: str, joined: Joined, gpus: Sequence[Gpu], evidence: str, confidence: str,
              figures: Mapping[str, Any], setting: str | None = None, current: Any = None,
@@ -437,20 +437,20 @@ def _memory_bound(r: Mapping[str, Any], joined: Joined) -> list[dict[str, Any]]:
 
 
 def _idle_queue(r: Mapping[str, Any], joined: Joined) -> list[dict[str, Any]]:
-    if not fleet.queued(r, diagnosis.QUEUE_SHARE):
+    if not fleet.queued(r, known_settings.QUEUE_SHARE):
         return []
     sm, measure = busy(joined)
     dram = _mean_over(joined, "dram_active")
     if sm is None or sm >= SM_IDLE or (dram is not None and dram >= DRAM_BUSY):
         return []
-    load, flags = fleet.load_figures(r), diagnosis.FLAGS[r["engine"]]
+    load, flags = fleet.load_figures(r), known_settings.FLAGS[r["engine"]]
     figures = {"sm_busy": sm, "measure": measure, "dram_active": dram, **load}
     waits = (f"requests wait (queue {_pct(load['queue_share'])} of e2e, waiting up to {load['waiting_peak'] or 0:g}, "
              f"running up to {load['running_peak'] or 0:g}) while the GPU is mostly idle: {measure} {_pct(sm)}, "
              f"DRAM active {_pct(dram)} on {len(joined.gpus)} GPU(s)")
     confidence = ("high: DCGM's profiling counters and the engine's queue histograms" if measure == "SM active"
                   else f"medium: {measure} stands in for SM activity (not exported)")
-    if r.get("preemptions") or (r.get("kv_cache_usage_max") or 0) >= diagnosis.KV_FULL:
+    if r.get("preemptions") or (r.get("kv_cache_usage_max") or 0) >= known_settings.KV_FULL:
         util = deployment(r).get("gpu_memory_utilization")
         return [_finding("gpu_idle_queue", joined, joined.gpus,
                          f"{waits}; the KV cache is full (preemptions {r.get('preemptions') or 0:g}, usage up to "
@@ -480,8 +480,8 @@ def _lever(setting: str | None, current: Any, source: str | None, proposed: Any,
 
 def levers(finding: Mapping[str, Any], engine: str) -> list[dict[str, Any]]:
     """What to change for one GPU finding of an `engine` (vllm, sglang), first lever first."""
-    flags = diagnosis.FLAGS[engine]
-    kv_fp8 = f"{flags['kv_dtype']} {diagnosis.FP8_KV[engine]}"
+    flags = known_settings.FLAGS[engine]
+    kv_fp8 = f"{flags['kv_dtype']} {known_settings.FP8_KV[engine]}"
     kind, setting, current, source = (finding["kind"], finding["setting"], finding["current"],
                                       finding["current_source"])
     if kind == "gpu_xid":
@@ -616,7 +616,7 @@ def _replica_note(joined: Joined, r: Mapping[str, Any], held: set[str], seconds:
         return (f"joined by host: {', '.join(joined.shared_with)} run on the same host, and the GPUs are not "
                 "told apart (the exporter's Kubernetes pod mapping tells them apart)")
     sm, _ = busy(joined)
-    if sm is not None and sm < SM_IDLE and not fleet.queued(r, diagnosis.QUEUE_SHARE):
+    if sm is not None and sm < SM_IDLE and not fleet.queued(r, known_settings.QUEUE_SHARE):
         return "the GPU is mostly idle and nothing waits: the load (client concurrency or rate) does not fill it"
     return None
 

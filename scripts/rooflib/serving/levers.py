@@ -54,7 +54,7 @@ RANGES = ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "k
           "max_model_len")
 
 
-# Profile key -> the diagnosis's name of the setting (rooflib/server/diagnosis.py, settings()).
+# Profile key -> the diagnosis's name of the setting (rooflib/server/known_settings.py, settings()).
 DIAGNOSIS_NAMES = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
                    "enable_prefix_caching": "prefix_caching", "max_model_len": "max_model_len",
                    "gpu_memory_utilization": "gpu_memory_utilization",
