@@ -26,7 +26,7 @@ from rooflib.core import (
     printing,  # noqa: E402
 )
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK, UsageError  # noqa: E402
-from rooflib.server import engine_metrics  # noqa: E402
+from rooflib.server import engine_metrics, snapshots  # noqa: E402
 
 RECORDED = ROOT / "tests" / "fixtures" / "metrics" / "vllm-0.32-after.txt"
 
@@ -46,7 +46,7 @@ def measure(text: str, repeat: int) -> list[float]:
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
-        engine_metrics.report(engine_metrics.snapshot(text, "benchmark"))
+        engine_metrics.report(snapshots.snapshot(text, "benchmark"))
         times.append(time.perf_counter() - start)
     return times
 

@@ -20,7 +20,8 @@ request (= AIPerf ITL, GuideLLM ITL); ITL = per-chunk gaps (vLLM ITL, AIPerf ICL
 Timestamps are taken when bytes arrive (monotonic ns) by a minimal raw-socket HTTP/1.1 client;
 SSE is parsed after the stream ends. The client's own event-loop lag is measured: when it may
 have distorted the figures, the run is INVALID (exit 4). /metrics is read before and after
-(queue vs prefill time, token counts, preemptions, prefix-cache hits) through rooflib/server/engine_metrics.py.
+(queue vs prefill time, token counts, preemptions, prefix-cache hits) through rooflib/server/snapshots.py
+and engine_metrics.py.
 SGLang is tested against a live SGLang 0.5.23 (its CPU engine): its /tokenize (which takes chat
 messages too, so chat prompts count the template), its usage (cached tokens with
 --enable-cache-report) and its /metrics.

@@ -53,7 +53,7 @@ from rooflib.core import cli, conf, printing, taskcall
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, UsageError
 from rooflib.doctor import examine
 from rooflib.doctor.evidence import SYMPTOMS, TRADE_SIDES, Targets
-from rooflib.server import engine_metrics
+from rooflib.server import prometheus_text, slo_targets
 
 DEFAULT_ERROR_SHARE = 0.01   # 1% of requests failing is worth a root cause
 
@@ -104,10 +104,10 @@ def options(args: argparse.Namespace) -> examine.Options:
     tpot = cli.number("SLO_TPOT_P95_MS", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float)
     gap = cli.number("SLO_GAP_P95_MS", settings.get("SLO_GAP_P95_MS", args.slo_gap_p95_ms), float)
     share = cli.number("--slo-error-share", args.slo_error_share, float, low=0.0, high=1.0)
-    defaults = engine_metrics.DEFAULT_TARGETS
+    defaults = slo_targets.DEFAULT_TARGETS
     tpot_target = tpot if tpot is not None else defaults["tpot_p95_ms"]
     targets = Targets(ttft_p95_ms=ttft if ttft is not None else defaults["ttft_p95_ms"], tpot_p95_ms=tpot_target,
-                      gap_p95_ms=gap if gap is not None else engine_metrics.ITL_PER_TPOT * tpot_target,
+                      gap_p95_ms=gap if gap is not None else slo_targets.ITL_PER_TPOT * tpot_target,
                       error_share=share if share is not None else DEFAULT_ERROR_SHARE,
                       given=tuple(name for name, value in (("ttft_p95_ms", ttft), ("tpot_p95_ms", tpot),
                                                             ("gap_p95_ms", gap)) if value is not None))
@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             opts = options(args)
             facts, _, extra = examine.gather(opts)
-        except engine_metrics.InvalidScrape as exc:
+        except prometheus_text.InvalidScrape as exc:
             return cli.fail(str(exc), EXIT_INVALID)
         verdict = examine.decide(opts, facts)
         result = examine.as_json(verdict, extra)

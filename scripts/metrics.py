@@ -67,18 +67,18 @@ Examples:
   metrics.py --url http://127.0.0.1:8000 --gpu H100 --slo-ttft-p95-ms 500 --slo-tpot-p95-ms 50
   metrics.py --url http://127.0.0.1:8000 --prefix-probe --json
 
-Functions for other scripts live in rooflib/server/engine_metrics.py (errors: ServerError, engine_metrics.InvalidScrape):
-  scrape(url, api_key=None) -> (text, unix_time)   GET <url>/metrics
-  parse_exposition(text) -> Exposition             Prometheus text format, any exporter
-  snapshot(text, source="", at=None) -> dict       normalized vLLM/SGLang figures of one scrape
-  window(before, after, during=(), gpu=None, slo=None) -> report   the interval between snapshots
-  report(snap, gpu=None, slo=None) -> report       one snapshot (since server start)
-  difference(before, after), merge(snapshots)      the interval / several replicas, as a snapshot
-  histogram_quantile(q, buckets), quantile_bucket(q, buckets)   Prometheus' classic quantile
-  prometheus_snapshot(url, seconds, match="", auth=fleet.Credentials())   the same figures from a
-                                                   Prometheus server, fleet and `replicas`
-  Targets(ttft_p95_ms, tpot_p95_ms, itl_p95_ms)    SLOs for the prefill and decode findings
-  report(snap, served=deployment.server_settings(url, engine))   with what the server says of itself
+Functions for other scripts live in rooflib/server/ (errors: ServerError, prometheus_text.InvalidScrape):
+  metric_sources.scrape(url, api_key=None) -> (text, unix_time)   GET <url>/metrics
+  prometheus_text.parse_exposition(text) -> Exposition            Prometheus text format, any exporter
+  snapshots.snapshot(text, source="", at=None) -> dict            normalized vLLM/SGLang figures of one scrape
+  engine_metrics.window(before, after, during=(), gpu=None, slo=None) -> report   the interval between snapshots
+  engine_metrics.report(snap, gpu=None, slo=None) -> report       one snapshot (since server start)
+  snapshots.difference(before, after), snapshots.merge(snaps)     the interval / several replicas, as a snapshot
+  quantiles.histogram_quantile(q, buckets), quantile_bucket(q, buckets)   Prometheus' classic quantile
+  metric_sources.prometheus_snapshot(url, seconds, match="", auth=fleet.Credentials())   the same figures
+                                                                  from a Prometheus server, fleet and `replicas`
+  slo_targets.Targets(ttft_p95_ms, tpot_p95_ms, itl_p95_ms)       SLOs for the prefill and decode findings
+  engine_metrics.report(snap, served=deployment.server_settings(url, engine))   with what the server says of itself
 A report is a JSON-ready dict: engine, ttft_ms, itl_ms, tpot_ms, e2e_ms, queue_ms, prefill_ms,
 decode_ms (each p50, p95, p99, mean, n), running, waiting, kv_cache_usage, preemptions,
 prefix_cache_hit_rate, prompt_tok_s, gen_tok_s, prompt_tokens_mean, output_tokens_mean, mfu,
@@ -113,7 +113,20 @@ from typing import Any, Mapping, Sequence
 
 from rooflib.core import catalogs, cli, conf, fileio, printing, signals
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, UsageError
-from rooflib.server import deployment, diagnosis, engine_metrics, fleet, gpu_telemetry, known_settings, prefix_probe
+from rooflib.server import (
+    deployment,
+    diagnosis,
+    engine_metrics,
+    fleet,
+    gpu_telemetry,
+    known_settings,
+    metric_sources,
+    prefix_probe,
+    prometheus_text,
+    report_text,
+    slo_targets,
+    snapshots,
+)
 from rooflib.server import replicas as replicas_of
 
 
@@ -164,7 +177,7 @@ class Options:
     watch: float | None
     count: int
     gpu: Mapping[str, Any] | None
-    slo: engine_metrics.Targets
+    slo: slo_targets.Targets
     timeout: float
     output: printing.Output
     prefix_probe: bool
@@ -203,7 +216,7 @@ def options(args: argparse.Namespace) -> Options:
         urls=urls, api_key=api_key, files=files, prometheus=prometheus,
         prometheus_auth=fleet.credentials(settings) if prometheus else fleet.Credentials(), match=args.match,
         window=cli.number("--window", args.window, float), watch=watch, count=max(0, args.count), gpu=gpu,
-        slo=engine_metrics.Targets(cli.number("SLO_TTFT_P95_MS", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float),
+        slo=slo_targets.Targets(cli.number("SLO_TTFT_P95_MS", settings.get("SLO_TTFT_P95_MS", args.slo_ttft_p95_ms), float),
                     cli.number("SLO_TPOT_P95_MS", settings.get("SLO_TPOT_P95_MS", args.slo_tpot_p95_ms), float),
                     cli.number("SLO_ITL_P95_MS", settings.get("SLO_ITL_P95_MS", args.slo_itl_p95_ms), float)),
         timeout=args.timeout, output=args.output, prefix_probe=args.prefix_probe,
@@ -213,8 +226,8 @@ def options(args: argparse.Namespace) -> Options:
 def scrape_all(opts: Options) -> list[dict[str, Any]]:
     snaps = []
     for url in opts.urls:
-        text, at = engine_metrics.scrape(url, opts.api_key, opts.timeout)
-        snaps.append(engine_metrics.snapshot(text, url, at))
+        text, at = metric_sources.scrape(url, opts.api_key, opts.timeout)
+        snaps.append(snapshots.snapshot(text, url, at))
     return snaps
 
 
@@ -247,7 +260,7 @@ def window_reports(opts: Options, seconds: float, hold: signals.SignalHold, befo
     after = scrape_all(opts)
     replicas = []
     for i in range(len(after)):
-        delta = engine_metrics.difference(before[i], after[i], [d[i] for d in during])
+        delta = snapshots.difference(before[i], after[i], [d[i] for d in during])
         delta["mixed_engines"] = replicas_of.mixed_engines([before[i], *(d[i] for d in during), after[i]])
         replicas.append(delta)
     return replicas, interrupted or bool(hold.noted), after
@@ -260,17 +273,17 @@ def results(opts: Options, replicas: list[dict[str, Any]], served: Sequence[depl
     reports = [replicas_of.unblended(s, engine_metrics.report(s, opts.gpu, opts.slo, served[i] if served else None))
                for i, s in enumerate(replicas)]
     if len(replicas) == 1:
-        return reports[0], engine_metrics.format_report(reports[0])
-    merged = _merge_deltas(replicas) if "seconds" in replicas[0] else engine_metrics.merge(replicas)
+        return reports[0], report_text.format_report(reports[0])
+    merged = _merge_deltas(replicas) if "seconds" in replicas[0] else snapshots.merge(replicas)
     total = engine_metrics.report(merged, opts.gpu, opts.slo)
     total["replicas"] = reports
-    text = engine_metrics.format_report(total) + "\nPer replica:\n" + "\n".join(engine_metrics.format_replica_line(r) for r in reports)
+    text = report_text.format_report(total) + "\nPer replica:\n" + "\n".join(report_text.format_replica_line(r) for r in reports)
     return total, text
 
 
 def fleet_results(opts: Options) -> tuple[dict[str, Any], str]:
     """The fleet's report from Prometheus, each replica's, and the fleet findings first."""
-    snap = engine_metrics.prometheus_snapshot(opts.prometheus, opts.window or 300.0, opts.match, opts.prometheus_auth,
+    snap = metric_sources.prometheus_snapshot(opts.prometheus, opts.window or 300.0, opts.match, opts.prometheus_auth,
                                               opts.timeout)
     total = engine_metrics.report(snap, opts.gpu, opts.slo)
     replicas = []
@@ -287,14 +300,14 @@ def fleet_results(opts: Options) -> tuple[dict[str, Any], str]:
         opts.prometheus, opts.prometheus_auth, snap["seconds"], {r["instance"]: r for r in replicas}, snap["engine"],
         opts.match, opts.timeout)
     total["diagnosis"] = gpu_telemetry.in_chain(total["gpu_telemetry"], total["diagnosis"], snap["engine"])
-    text = engine_metrics.format_report(total) + "\nPer replica:\n" + "\n".join(engine_metrics.format_replica_line(r) for r in replicas)
+    text = report_text.format_report(total) + "\nPer replica:\n" + "\n".join(report_text.format_replica_line(r) for r in replicas)
     return total, text + "\n" + "\n".join(gpu_telemetry.format_lines(total["gpu_telemetry"]))
 
 
 def _merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
     """Windows of several replicas as one; a gauge's peak is the sum of the replicas' peaks
     (an upper bound: the replicas may have peaked at different moments)."""
-    merged = engine_metrics.merge(deltas)
+    merged = snapshots.merge(deltas)
     merged["seconds"] = max((d["seconds"] for d in deltas if d["seconds"]), default=None)
     for concept in merged["gauges"]:
         merged["gauges"][concept]["peak_value"] = sum(
@@ -303,11 +316,11 @@ def _merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _from_files(opts: Options) -> list[dict[str, Any]]:
-    snaps = [engine_metrics.snapshot(engine_metrics.read_file(path), path) for path in opts.files]
+    snaps = [snapshots.snapshot(metric_sources.read_file(path), path) for path in opts.files]
     if len(snaps) == 1:
         return snaps
     snaps[0]["time"], snaps[1]["time"] = 0.0, opts.window  # the interval between the two files
-    delta = engine_metrics.difference(snaps[0], snaps[1])
+    delta = snapshots.difference(snaps[0], snaps[1])
     delta["source"] = f"{opts.files[0]} -> {opts.files[1]}"
     if not opts.window:
         delta["seconds"] = None
@@ -369,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> int:
         try:
             return run(options(args))
-        except (engine_metrics.InvalidScrape, fleet.UnusableAnswer) as exc:
+        except (prometheus_text.InvalidScrape, fleet.UnusableAnswer) as exc:
             return cli.fail(str(exc), EXIT_INVALID)
 
     return cli.run_main(body)

@@ -4,7 +4,7 @@ a loop; no hypothesis deadline: an example that is merely slow on a busy machine
 
 Parsers: HTTP chunked framing (http1.dechunk, asyncclient.ChunkFraming), a streamed response and its
 SSE events (http1.parse_response / settle, toolcalls.sse_events), Prometheus text
-(engine_metrics.parse_exposition, snapshot, report), a model's config.json (resolve.checked_model), a
+(prometheus_text.parse_exposition, snapshot, report), a model's config.json (resolve.checked_model), a
 serve profile (profiles.load_profile, render), inference.env (conf.parse_env_file, load_env_file),
 saved records read back (perplexity.load_run, toolcalls.load_baseline), and files too deep for the
 JSON decoder or not YAML (compare, report, bench's datasets, served.root_config, the user's tool-call cases).
@@ -25,7 +25,7 @@ from rooflib.core.errors import UsageError
 from rooflib.load import asyncclient, comparison, http1, request_outcome, workloads
 from rooflib.quality import perplexity, toolcalls
 from rooflib.render import report_inputs
-from rooflib.server import engine_metrics, served
+from rooflib.server import engine_metrics, prometheus_text, report_text, served, snapshots
 from rooflib.serving import profiles
 from rooflib.sizing import resolve
 
@@ -160,13 +160,13 @@ metric_line = st.one_of(
 def test_prometheus_text_gives_a_report_or_one_invalid_scrape_line(lines, newline):
     text = "\n".join(lines) + ("\n" if newline else "")
     try:
-        report = engine_metrics.report(engine_metrics.snapshot(text, "scrape"))
-    except engine_metrics.InvalidScrape as exc:
+        report = engine_metrics.report(snapshots.snapshot(text, "scrape"))
+    except prometheus_text.InvalidScrape as exc:
         assert "\n" not in str(exc)
         return
     json.dumps(printing.json_safe(report), default=str, allow_nan=False)  # valid JSON, NaN or not
     # No figure printed as "nan" (the warning that names NaN samples aside).
-    assert "nan" not in engine_metrics.format_report(report).replace("NaN or Inf", "").lower().split()
+    assert "nan" not in report_text.format_report(report).replace("NaN or Inf", "").lower().split()
 
 
 # ---------------------------------------------------------------- model config.json

@@ -15,7 +15,7 @@ from markdown_doc import REPO, Doc
 
 from rooflib.core.catalogs import load_catalog
 from rooflib.quality import toolcalls
-from rooflib.server import engine_metrics, known_settings
+from rooflib.server import known_settings, slo_targets
 from rooflib.sizing import model_shape, physics
 
 SKILL = "SKILL.md"
@@ -153,10 +153,9 @@ CLAIMS = [
     ("Qwen3-32B H100 expected prefill of 1024 tokens, FP8, ms", "45.8", [QUANT],
      lambda: round(roofline(*QWEN_ROOFLINE, "--quant", "fp8")["prefill"]["ttft_ms_expected"], 1)),
     ("W4A16 GEMM share of the 16-bit rate", "0.6", [QUANT, ROOFLINE], lambda: physics.W4A16_GEMM_SHARE),
-    ("metrics: default TTFT p95 target, s", "2", [METRICS], lambda: engine_metrics.DEFAULT_TARGETS["ttft_p95_ms"] / 1000),
-    ("metrics: default TPOT p95 target, ms", "50", [METRICS], lambda: engine_metrics.DEFAULT_TARGETS["tpot_p95_ms"]),
-    ("metrics: vLLM's smallest default max_num_seqs", "128", [METRICS],
-     lambda: known_settings.VLLM_DEFAULT_MAX_NUM_SEQS[0]),
+    ("metrics: default TTFT p95 target, s", "2", [METRICS], lambda: slo_targets.DEFAULT_TARGETS["ttft_p95_ms"] / 1000),
+    ("metrics: default TPOT p95 target, ms", "50", [METRICS], lambda: slo_targets.DEFAULT_TARGETS["tpot_p95_ms"]),
+    ("metrics: vLLM's smallest default max_num_seqs", "128", [METRICS], lambda: known_settings.VLLM_DEFAULT_MAX_NUM_SEQS[0]),
     ("smoke: repeats per case by default", "3", [QUANT],
      lambda: smoke_toolcall.build_parser().get_default("repeat")),
 ]

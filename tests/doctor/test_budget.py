@@ -11,7 +11,7 @@ from rooflib.core.taskcall import TaskCall
 from rooflib.doctor import examine, failures, tradeoff
 from rooflib.doctor.budget import Facts, setup_ms
 from rooflib.doctor.evidence import Engine, Failures, Fit, Probe, Route, Setting, StatusCount, Stream, Targets
-from rooflib.server import engine_metrics
+from rooflib.server import prometheus_text
 
 TARGETS = Targets(ttft_p95_ms=2000, tpot_p95_ms=50, gap_p95_ms=100, error_share=0.01)
 
@@ -305,8 +305,8 @@ def test_a_stream_interval_is_named_even_when_the_machines_decode_misses_its_tar
 def test_the_windows_failures_are_the_counters_increase_admission_rejections_by_reason():
     """vLLM 0.32's own counters over a window: statuses on the inference routes and the requests its
     admission limits turned away (a counter that fell, a restarted server, counts from zero)."""
-    def scrape(ok: float, failed: float, shed: float) -> engine_metrics.Exposition:
-        return engine_metrics.parse_exposition(
+    def scrape(ok: float, failed: float, shed: float) -> prometheus_text.Exposition:
+        return prometheus_text.parse_exposition(
             f'http_requests_total{{handler="/v1/completions",method="POST",status="2xx"}} {ok}\n'
             f'http_requests_total{{handler="/v1/completions",method="POST",status="5xx"}} {failed}\n'
             f'http_requests_total{{handler="/metrics",method="GET",status="2xx"}} 9\n'

@@ -27,7 +27,7 @@ from rooflib.core import conf
 from rooflib.core.errors import UsageError
 from rooflib.load import analysis, asyncclient, benchrun, http1, promptgen, request_outcome, runner, sweeps
 from rooflib.render import bench_text
-from rooflib.server import diagnosis, engine_metrics
+from rooflib.server import diagnosis, metric_sources, slo_targets, snapshots
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
@@ -298,7 +298,7 @@ def _options(argv: list[str], monkeypatch, tmp_path) -> benchrun.BenchOptions:
 
 def test_options_are_recorded_as_the_config_saved_results_carry(monkeypatch, tmp_path):
     options = _options(["--slo-tpot-p95-ms", "50", "--extra-body", '{"top_k": 1}'], monkeypatch, tmp_path)
-    assert options.slo == engine_metrics.Targets(None, 50.0) and options.extra_body == {"top_k": 1}
+    assert options.slo == slo_targets.Targets(None, 50.0) and options.extra_body == {"top_k": 1}
     recorded = options.recorded()
     # Every setting is recorded but those that only steer the run (and credentials, never
     # recorded): a new one must reach `config`.
@@ -335,17 +335,17 @@ def _config() -> dict:
 
 def test_verdicts_and_exit_codes():
     outcomes = [_done(0, 500, 50, warmup=True)] + [_done(i, 100 + i, 10) for i in range(1, 21)]
-    passed = analysis.analyse(outcomes, _config(), [0.01], 1, 2, slo=engine_metrics.Targets(200, 20))
+    passed = analysis.analyse(outcomes, _config(), [0.01], 1, 2, slo=slo_targets.Targets(200, 20))
     assert passed["verdict"] == "PASS" and analysis.exit_code(passed) == 0
     assert passed["requests"]["warmup"] == 1 and passed["ttft_ms"]["n"] == 20
     assert passed["ttft_ms"]["max"] == pytest.approx(120)  # the warm-up's 500 ms is not counted
-    failed = analysis.analyse(outcomes, _config(), [0.01], 1, 2, slo=engine_metrics.Targets(tpot_p95_ms=5))
+    failed = analysis.analyse(outcomes, _config(), [0.01], 1, 2, slo=slo_targets.Targets(tpot_p95_ms=5))
     assert failed["verdict"] == "FAIL" and analysis.exit_code(failed) == 1
     assert "tpot_p95_ms 10.0 ms > 5 ms" in failed["verdict_reasons"][0]
-    lagged = analysis.analyse(outcomes, _config(), [0.01] * 50 + [30.0] * 5, 1, 2, slo=engine_metrics.Targets(tpot_p95_ms=20))
+    lagged = analysis.analyse(outcomes, _config(), [0.01] * 50 + [30.0] * 5, 1, 2, slo=slo_targets.Targets(tpot_p95_ms=20))
     assert lagged["verdict"] == "INVALID" and analysis.exit_code(lagged) == 4
     assert not lagged["client"]["valid"]
-    rare = analysis.analyse(outcomes, _config(), [0.01] * 97 + [30.0] * 3, 1, 20, slo=engine_metrics.Targets(tpot_p95_ms=20))
+    rare = analysis.analyse(outcomes, _config(), [0.01] * 97 + [30.0] * 3, 1, 20, slo=slo_targets.Targets(tpot_p95_ms=20))
     assert rare["verdict"] == "PASS" and any("p99 figures may include client delay" in w for w in rare["warnings"])
     errored = analysis.analyse([request_outcome.Outcome(1, error="unreachable")], _config(), [], 1, 2)
     assert errored["verdict"] == "ERROR" and analysis.exit_code(errored) == 3
@@ -364,7 +364,7 @@ def test_out_of_file_descriptors_comes_first_when_the_client_also_stalled():
 
 def test_a_failed_request_fails_the_verdict():
     outcomes = [_done(i, 100, 10) for i in range(10)] + [request_outcome.Outcome(10, error="http_5xx", detail="HTTP 500")]
-    result = analysis.analyse(outcomes, _config(), [0.01], 1, 2, slo=engine_metrics.Targets(ttft_p95_ms=1000))
+    result = analysis.analyse(outcomes, _config(), [0.01], 1, 2, slo=slo_targets.Targets(ttft_p95_ms=1000))
     assert result["verdict"] == "FAIL" and result["requests"]["errors"] == {"http_5xx": 1}
     assert "1 of 11 requests failed" in result["verdict_reasons"][0]
 
@@ -769,8 +769,8 @@ def test_the_human_text_carries_the_diagnosis_as_task_metrics_prints_it(before, 
 # The real CPU vLLM
 
 def _scrape(url: str) -> dict:
-    text, at = engine_metrics.scrape(url)
-    return engine_metrics.snapshot(text, url, at)
+    text, at = metric_sources.scrape(url)
+    return snapshots.snapshot(text, url, at)
 
 
 def _bucket_shifts(delta: dict, records: list[dict], concept: str, key: str) -> list[int]:
@@ -793,7 +793,7 @@ def _measure_against_vllm(server, capsys, records: Path) -> tuple[dict, list[dic
     code, result = _run(capsys, url, "-n", "12", "-c", "4", "--input-tokens", "200",
                         "--output-tokens", "24", "--warmup", "2", "--records", str(records),
                         "--timeline-interval", "0")
-    delta = engine_metrics.difference(before, _scrape(url))
+    delta = snapshots.difference(before, _scrape(url))
     return result, [json.loads(line) for line in records.read_text().splitlines()], delta
 
 

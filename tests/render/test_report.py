@@ -23,7 +23,7 @@ from conftest import IN_CI
 from rooflib.core import taskcall
 from rooflib.load import analysis, request_outcome, sweeps
 from rooflib.render import report_charts, report_html, report_inputs, report_physics
-from rooflib.server.engine_metrics import Targets
+from rooflib.server.slo_targets import Targets
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts" / "report"

@@ -1,7 +1,7 @@
 """diagnosis.py (with known_settings.py, findings.py and plan.py): one root cause, what it causes,
 one plan that never contradicts itself nor asks for what is already set, and verify commands that
 run as printed. On the saved scrapes of tests/fixtures/metrics and on window snapshots built here,
-one per kind of finding, in the shape engine_metrics.difference() gives; deployment.py on the
+one per kind of finding, in the shape snapshots.difference() gives; deployment.py on the
 answers vLLM's /server_info and SGLang's /get_server_info give (their shapes from the engines'
 source), and on a real vLLM.
 """
@@ -21,7 +21,18 @@ from vllm_server import task_exe
 
 from rooflib.core import conf, printing, taskcall
 from rooflib.load import benchrun
-from rooflib.server import deployment, diagnosis, engine_metrics, findings, known_settings, plan, watch
+from rooflib.server import (
+    deployment,
+    diagnosis,
+    engine_metrics,
+    findings,
+    known_settings,
+    plan,
+    report_text,
+    slo_targets,
+    snapshots,
+    watch,
+)
 from rooflib.server.reading import Latency, Reading
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
@@ -40,11 +51,11 @@ STEP_BOUNDS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
 def fixture_report(*names: str, seconds: float | None = None) -> dict:
-    snaps = [engine_metrics.snapshot((FIXTURES / name).read_text(), name) for name in names]
+    snaps = [snapshots.snapshot((FIXTURES / name).read_text(), name) for name in names]
     if len(snaps) == 1:
         return engine_metrics.report(snaps[0])
     snaps[0]["time"], snaps[1]["time"] = 0.0, seconds
-    return engine_metrics.report(engine_metrics.difference(*snaps))
+    return engine_metrics.report(snapshots.difference(*snaps))
 
 
 def histogram(metric: str, observations: list[float], bounds: list[float]) -> dict:
@@ -105,7 +116,7 @@ def called_from_the_project(monkeypatch):
     monkeypatch.setenv(taskcall.ENV_CWD, str(REPO))
 
 
-def diagnosed(snap: dict, slo=engine_metrics.Targets(), served: deployment.Served | None = None) -> dict:
+def diagnosed(snap: dict, slo=slo_targets.Targets(), served: deployment.Served | None = None) -> dict:
     r = engine_metrics.report(snap, slo=slo, served=served)
     assert_one_plan(r)
     return r
@@ -157,7 +168,7 @@ def test_saved_scrapes_lead_with_the_right_root_and_one_plan(names, seconds, roo
     assert_one_plan(r)
     found = r["diagnosis"]["root_cause"]
     assert (found["kind"], found["setting"], found["current"]) == (root, setting, current)
-    first = next(line for line in engine_metrics.format_report(r).splitlines() if line.startswith(("Root", "Diag")))
+    first = next(line for line in report_text.format_report(r).splitlines() if line.startswith(("Root", "Diag")))
     assert first.startswith(f"Root cause: [{root}] " + (f"{setting} is " if setting else ""))
 
 
@@ -193,7 +204,7 @@ def test_quantiles_are_shown_as_the_bucket_they_lie_in():
     assert known_settings.quantile_text(Latency.of(r["ttft_ms"]), "p95") == "10-20 s"
     assert known_settings.quantile_text(Latency.of(r["e2e_ms"]), "p99") == "10-15 s"
     assert known_settings.quantile_text(Latency.of(r["itl_ms"]), "p50") == "<=10 ms"
-    row = next(line for line in engine_metrics.format_report(r).splitlines() if line.startswith("  TTFT"))
+    row = next(line for line in report_text.format_report(r).splitlines() if line.startswith("  TTFT"))
     assert row.split()[1:4] == ["5-7.5", "s", "10-20"]
 
 
@@ -203,7 +214,7 @@ def test_lengths_come_from_the_finished_requests():
     r = diagnosed(window(n=6, prompt=1600, prompt_counter=15 * 1600.0))
     assert r["prompt_tokens_mean"] == 1600 and r["output_tokens_mean"] == 100
     assert r["lengths_from"] == "vllm:request_prompt_tokens" and r["tokens_per_request"] == 1700
-    assert "of 1,600 prompt + 100 output tokens on average" in engine_metrics.format_report(r)
+    assert "of 1,600 prompt + 100 output tokens on average" in report_text.format_report(r)
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,7 +223,7 @@ def test_lengths_come_from_the_finished_requests():
 def test_a_healthy_window_has_no_finding_and_says_so():
     r = diagnosed(window())
     assert kinds(r) == [] and r["diagnosis"]["plan"] == []
-    assert engine_metrics.format_report(r).endswith("Diagnosis: no bottleneck found in these figures.")
+    assert report_text.format_report(r).endswith("Diagnosis: no bottleneck found in these figures.")
 
 
 def stalled(**extra) -> dict:
@@ -452,7 +463,7 @@ def task_command(line: str) -> list[str]:
 
 
 def test_verify_commands_are_real_bench_and_compare_runs():
-    r = diagnosed(stalled(endpoint="chat"), slo=engine_metrics.Targets(1500, 40))
+    r = diagnosed(stalled(endpoint="chat"), slo=slo_targets.Targets(1500, 40))
     before, after, compare = r["diagnosis"]["verify"]
     for line in (before, after):
         argv = task_command(line)

@@ -26,7 +26,15 @@ from prometheus_server import running_prometheus
 from test_metrics import QUEUEING_PROMPTS, send_load
 from vllm_server import ServerUnavailable
 
-from rooflib.server import engine_metrics, known_settings
+from rooflib.server import (
+    engine_metrics,
+    known_settings,
+    media,
+    metric_names,
+    metric_sources,
+    quantiles,
+    snapshots,
+)
 from rooflib.server import fleet as fleet_findings
 from rooflib.serving import profiles
 
@@ -97,19 +105,19 @@ def measured(fleet, load) -> Measured:
     urls = fleet.get("live") or [s.url for s in fleet["servers"].values()]
     instances = [instance(url) for url in urls]
     start = time.time()  # the previous load's final values were scraped before it returned
-    before = {url: engine_metrics.snapshot(*_scrape(url)) for url in urls}
+    before = {url: snapshots.snapshot(*_scrape(url)) for url in urls}
     # A busy machine may fail scrapes (up == 0): a successful one LEAD_S after `start` is waited
     # for, so a window opening anywhere in between holds a flat sample before the load.
     first = scraped_since(fleet["prometheus"], instances, start + LEAD_S)
     load()
     loaded = time.time()
-    after = {url: engine_metrics.snapshot(*_scrape(url)) for url in urls}
+    after = {url: snapshots.snapshot(*_scrape(url)) for url in urls}
     # A window of 20 intervals keeps increase()'s extrapolation small (see assert_agrees).
     time.sleep(max(0.0, start + 20 * SCRAPE_S - time.time()))
     last, at = settled_scrapes(fleet["prometheus"], instances, loaded)  # the final values
     direct = {}
     for url in urls:
-        delta = engine_metrics.difference(before[url], after[url])
+        delta = snapshots.difference(before[url], after[url])
         direct[instance(url)] = {**engine_metrics.report(delta), "histograms": delta["histograms"]}
     return Measured(direct, start, first, last, at)
 
@@ -194,7 +202,7 @@ def settled_scrapes(prom, instances: list[str], since: float, job: str = "vllm")
 
 
 def _scrape(url: str) -> tuple[str, str, float]:
-    text, at = engine_metrics.scrape(url)
+    text, at = metric_sources.scrape(url)
     return text, url, at
 
 
@@ -227,8 +235,8 @@ def assert_agrees(from_prometheus: dict, m: Measured, name: str) -> None:
             mean = direct[row]["mean"]
             assert mean / stretch * (1 - 1e-9) <= from_prometheus[row]["mean"] <= mean * stretch * (1 + 1e-9), row
             buckets = list(zip(*(direct["histograms"][row.removesuffix("_ms")][k] for k in ("le", "counts"))))
-            low = engine_metrics.quantile_bucket(0.5 / stretch, buckets)[0] * 1000
-            high = engine_metrics.quantile_bucket(min(1.0, 0.5 * stretch), buckets)[1] * 1000
+            low = quantiles.quantile_bucket(0.5 / stretch, buckets)[0] * 1000
+            high = quantiles.quantile_bucket(min(1.0, 0.5 * stretch), buckets)[1] * 1000
             assert low * 0.999 <= from_prometheus[row]["p50"] <= high * 1.001, row
     if direct["prefix_cache_queries"]:
         assert from_prometheus["prefix_cache_hit_rate"] == pytest.approx(direct["prefix_cache_hit_rate"],
@@ -407,7 +415,7 @@ def fake_sglang_prometheus(labels: dict[str, str], asked: list[str], up: dict[st
 def test_sglang_label_set_through_prometheus():
     asked: list[str] = []
     labels = {"job": "sglang", "model_name": "qwen", "engine_type": "unified", "tp_rank": "0"}
-    snap = engine_metrics.prometheus_snapshot("http://prom:9090/prometheus", 60,
+    snap = metric_sources.prometheus_snapshot("http://prom:9090/prometheus", 60,
                                        transport=httpx.MockTransport(fake_sglang_prometheus(labels, asked)))
     assert snap["engine"] == "sglang" and [r["fleet"]["instance"] for r in snap["replicas"]] == ["r1:30000", "r2:30000"]
     assert snap["replicas"][1]["fleet"]["config"]["sglang:max_total_num_tokens"] == "250000"
@@ -426,7 +434,7 @@ def test_sglang_label_set_through_prometheus():
 def test_rates_divide_by_the_whole_seconds_of_the_range_asked_about():
     asked: list[str] = []
     transport = httpx.MockTransport(fake_sglang_prometheus({"job": "sglang", "model_name": "qwen"}, asked))
-    snap = engine_metrics.prometheus_snapshot("http://prom:9090", 59.6, transport=transport)
+    snap = metric_sources.prometheus_snapshot("http://prom:9090", 59.6, transport=transport)
     ranges = {q[q.index("[") + 1:q.index("]")] for q in asked if "[" in q}
     assert ranges == {"60s"} and snap["seconds"] == 60.0
     assert engine_metrics.report(snap)["gen_tok_s"] == 1 / 60  # the fake answers 1 to a fleet-wide increase()
@@ -435,7 +443,7 @@ def test_rates_divide_by_the_whole_seconds_of_the_range_asked_about():
 def test_lost_and_long_dead_targets_are_named_down():
     up = {"r1:30000": 1, "r3:30000": 0}  # r2 served in the window but is no longer a target
     transport = httpx.MockTransport(fake_sglang_prometheus({"job": "sglang", "model_name": "qwen"}, [], up))
-    snap = engine_metrics.prometheus_snapshot("http://prom:9090", 60, transport=transport)
+    snap = metric_sources.prometheus_snapshot("http://prom:9090", 60, transport=transport)
     states = {r["fleet"]["instance"]: r["fleet"]["state"] for r in snap["replicas"]}
     assert states == {"r1:30000": "up", "r2:30000": "not_scraped", "r3:30000": "down"}
     reports = [{**engine_metrics.report(r), **r["fleet"]} for r in snap["replicas"]]
@@ -485,9 +493,9 @@ def test_shipped_rules_use_the_names_the_tool_reads():
     text = (SHIPPED / "vllm-rules.yml").read_text() + (SHIPPED / "sglang-rules.yml").read_text()
     for engine in ("vllm", "sglang"):
         for concept in ("ttft", "itl", "e2e"):
-            assert engine_metrics.HISTOGRAMS[concept][engine][0] + "_bucket" in text
-        assert engine_metrics.HISTOGRAMS["queue"][engine][0] + "_sum" in text
-        assert engine_metrics.GAUGES["waiting"][0][engine][0] in text
+            assert metric_names.HISTOGRAMS[concept][engine][0] + "_bucket" in text
+        assert metric_names.HISTOGRAMS["queue"][engine][0] + "_sum" in text
+        assert metric_names.GAUGES["waiting"][0][engine][0] in text
     assert "sum by (le, instance, model_name)" in text
 
 
@@ -504,7 +512,7 @@ def test_requests_by_route_come_through_prometheus_per_replica():
     endpoint is chat, a replica that served only embeddings is said to be pooling traffic."""
     asked: list[str] = []
     transport = httpx.MockTransport(fake_sglang_prometheus({"job": "sglang", "model_name": "qwen"}, asked))
-    snap = engine_metrics.prometheus_snapshot("http://prom:9090", 60, match='job="sglang"', transport=transport)
+    snap = metric_sources.prometheus_snapshot("http://prom:9090", 60, match='job="sglang"', transport=transport)
     assert any(q.startswith('sum by (endpoint, instance) (increase(sglang:http_requests_total{job="sglang", endpoint=~"')
                for q in asked), asked
     assert (snap["counters"]["chat_requests"]["value"], snap["counters"]["embeddings_requests"]["value"]) == (40, 12)
@@ -512,4 +520,4 @@ def test_requests_by_route_come_through_prometheus_per_replica():
     by_replica = {r["fleet"]["instance"]: r["counters"] for r in snap["replicas"]}
     assert by_replica["r1:30000"]["chat_requests"]["value"] == 40 and "embeddings_requests" not in by_replica["r1:30000"]
     assert engine_metrics.report(snap)["endpoint"] == "chat"
-    assert engine_metrics.pooling_traffic(by_replica["r2:30000"]).requests == {"embeddings": 12}
+    assert media.pooling_traffic(by_replica["r2:30000"]).requests == {"embeddings": 12}

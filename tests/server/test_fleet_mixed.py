@@ -17,7 +17,7 @@ from test_fleet import (LEAD_S, SCRAPE_S, SHIPPED, Measured, _unavailable, ask, 
 from test_metrics import send_load
 from vllm_server import ServerUnavailable
 
-from rooflib.server import engine_metrics
+from rooflib.server import engine_metrics, metric_sources, snapshots
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.real_sglang, pytest.mark.external]
 SGLANG_SCRAPE_S = 5
@@ -53,20 +53,20 @@ def measured_one(prom, server, job: str, load) -> Measured:
     Prometheus scrapes around it."""
     name = instance(server.url)
     start = time.time()
-    before = engine_metrics.snapshot(*_scrape(server.url))
+    before = snapshots.snapshot(*_scrape(server.url))
     first = scraped_since(prom, [name], start + LEAD_S, job)
     load()
     loaded = time.time()
-    after = engine_metrics.snapshot(*_scrape(server.url))
+    after = snapshots.snapshot(*_scrape(server.url))
     time.sleep(max(0.0, start + 4 * SGLANG_SCRAPE_S - time.time()))
     last, at = settled_scrapes(prom, [name], loaded, job)
-    delta = engine_metrics.difference(before, after)
+    delta = snapshots.difference(before, after)
     direct = {name: {**engine_metrics.report(delta), "histograms": delta["histograms"]}}
     return Measured(direct, start, first, last, at)
 
 
 def _scrape(url: str) -> tuple[str, str, float]:
-    text, at = engine_metrics.scrape(url)
+    text, at = metric_sources.scrape(url)
     return text, url, at
 
 

@@ -25,7 +25,7 @@ from test_metrics import QUEUEING_PROMPTS, send_load
 from vllm_server import ServerUnavailable
 
 from rooflib.render import bench_text
-from rooflib.server import engine_metrics, fleet, gpu_telemetry, known_settings
+from rooflib.server import engine_metrics, fleet, gpu_telemetry, known_settings, snapshots
 from rooflib.server.gpu_telemetry import Gpu, Joined, Target
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -269,9 +269,9 @@ class TestRealGpuTelemetry:
 
 def saved_window(before: str, after: str) -> dict:
     """The engine report of two saved scrapes 30 s apart (tests/fixtures/metrics)."""
-    snaps = [engine_metrics.snapshot((FIXTURES / name).read_text()) for name in (before, after)]
+    snaps = [snapshots.snapshot((FIXTURES / name).read_text()) for name in (before, after)]
     snaps[0]["time"], snaps[1]["time"] = 0.0, 30.0
-    return engine_metrics.report(engine_metrics.difference(*snaps))
+    return engine_metrics.report(snapshots.difference(*snaps))
 
 
 def gpu(index: str = "0", pod: str = "", host: str = "node-1", exporter: str = "node-1:9400") -> Gpu:

@@ -22,7 +22,15 @@ import pytest
 
 from rooflib.core import taskcall
 from rooflib.core.errors import ServerError
-from rooflib.server import engine_metrics
+from rooflib.server import (
+    engine_metrics,
+    metric_sources,
+    prometheus_text,
+    quantiles,
+    report_text,
+    slo_targets,
+    snapshots,
+)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 H100 = {"name": "NVIDIA H100 SXM", "bf16_dense_tflops": 989.0, "bandwidth_tb_s": 3.35}
@@ -98,10 +106,10 @@ def test_quantile_matches_reference_and_brackets_the_true_value(seed, q):
     bounds = VLLM_TTFT_BOUNDS if seed % 2 else VLLM_REQUEST_BOUNDS
     observations = [rng.lognormvariate(rng.uniform(-4, 3), rng.uniform(0.2, 2)) for _ in range(rng.randint(1, 400))]
     buckets = bucketize(observations, bounds)
-    assert engine_metrics.histogram_quantile(q, buckets) == pytest.approx(reference_quantile(q, buckets), rel=1e-9, abs=1e-12)
+    assert quantiles.histogram_quantile(q, buckets) == pytest.approx(reference_quantile(q, buckets), rel=1e-9, abs=1e-12)
     # The true quantile of the observations lies in the bucket quantile_bucket names.
     true_value = sorted(observations)[max(0, math.ceil(q * len(observations)) - 1)]
-    lower, upper = engine_metrics.quantile_bucket(q, buckets)
+    lower, upper = quantiles.quantile_bucket(q, buckets)
     assert lower <= true_value <= upper
 
 
@@ -109,25 +117,25 @@ def test_quantile_reproduces_the_vllm_design_doc_example():
     # vLLM docs/design/metrics.md TTFT sample: 140 requests, 13 <= 20 ms, 97 <= 40 ms, 138 <= 80 ms.
     counts = [0, 0, 0, 13, 97, 130, 138, 140]
     buckets = list(zip(VLLM_TTFT_BOUNDS[:8], map(float, counts))) + [(math.inf, 140.0)]
-    assert engine_metrics.histogram_quantile(0.5, buckets) == pytest.approx(0.02 + 0.02 * (70 - 13) / 84)
-    assert engine_metrics.histogram_quantile(0.99, buckets) == pytest.approx(0.086)
+    assert quantiles.histogram_quantile(0.5, buckets) == pytest.approx(0.02 + 0.02 * (70 - 13) / 84)
+    assert quantiles.histogram_quantile(0.99, buckets) == pytest.approx(0.086)
 
 
 def test_quantile_special_cases_follow_prometheus():
     buckets = [(0.1, 1.0), (1.0, 3.0), (math.inf, 10.0)]
-    assert engine_metrics.histogram_quantile(0.9, buckets) == 1.0  # in +Inf: the largest finite bound
-    assert engine_metrics.quantile_bucket(0.9, buckets) == (1.0, math.inf)
-    assert engine_metrics.histogram_quantile(-0.1, buckets) == -math.inf
-    assert engine_metrics.histogram_quantile(1.1, buckets) == math.inf
-    assert math.isnan(engine_metrics.histogram_quantile(math.nan, buckets))
-    assert math.isnan(engine_metrics.histogram_quantile(0.5, [(0.1, 1.0), (1.0, 3.0)]))  # no +Inf bucket
-    assert math.isnan(engine_metrics.histogram_quantile(0.5, [(math.inf, 3.0)]))  # fewer than two buckets
-    assert math.isnan(engine_metrics.histogram_quantile(0.5, [(0.1, 0.0), (math.inf, 0.0)]))  # no observations
-    assert math.isnan(engine_metrics.histogram_quantile(0.0, [(0.1, 0.0), (1.0, 2.0), (math.inf, 2.0)]))  # Go's 0/0
+    assert quantiles.histogram_quantile(0.9, buckets) == 1.0  # in +Inf: the largest finite bound
+    assert quantiles.quantile_bucket(0.9, buckets) == (1.0, math.inf)
+    assert quantiles.histogram_quantile(-0.1, buckets) == -math.inf
+    assert quantiles.histogram_quantile(1.1, buckets) == math.inf
+    assert math.isnan(quantiles.histogram_quantile(math.nan, buckets))
+    assert math.isnan(quantiles.histogram_quantile(0.5, [(0.1, 1.0), (1.0, 3.0)]))  # no +Inf bucket
+    assert math.isnan(quantiles.histogram_quantile(0.5, [(math.inf, 3.0)]))  # fewer than two buckets
+    assert math.isnan(quantiles.histogram_quantile(0.5, [(0.1, 0.0), (math.inf, 0.0)]))  # no observations
+    assert math.isnan(quantiles.histogram_quantile(0.0, [(0.1, 0.0), (1.0, 2.0), (math.inf, 2.0)]))  # Go's 0/0
     # Same bound twice: added up; a dip is forced monotonic; a bound <= 0 is returned as is.
-    assert engine_metrics.histogram_quantile(0.5, [(1.0, 1.0), (1.0, 1.0), (2.0, 4.0), (math.inf, 4.0)]) == 1.0
-    assert engine_metrics.histogram_quantile(0.5, [(1.0, 2.0), (2.0, 1.0), (3.0, 4.0), (math.inf, 4.0)]) == 1.0
-    assert engine_metrics.histogram_quantile(0.25, [(-1.0, 2.0), (1.0, 4.0), (math.inf, 8.0)]) == -1.0
+    assert quantiles.histogram_quantile(0.5, [(1.0, 1.0), (1.0, 1.0), (2.0, 4.0), (math.inf, 4.0)]) == 1.0
+    assert quantiles.histogram_quantile(0.5, [(1.0, 2.0), (2.0, 1.0), (3.0, 4.0), (math.inf, 4.0)]) == 1.0
+    assert quantiles.histogram_quantile(0.25, [(-1.0, 2.0), (1.0, 4.0), (math.inf, 8.0)]) == -1.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,7 +145,7 @@ def test_parser_reads_escapes_timestamps_special_values_and_openmetrics():
     text = ('# HELP x help with "quotes"\n# TYPE x gauge\n'
             'x{path="a\\"b\\\\c\\nd",empty=""} 1.5e+03 1712345678000\n'
             'y{} NaN\nz +Inf\nw -1.0\n# a comment\n# EOF\n')
-    exposition = engine_metrics.parse_exposition(text)
+    exposition = prometheus_text.parse_exposition(text)
     labels, value = exposition.samples["x"][0]
     assert labels == {"path": 'a"b\\c\nd', "empty": ""} and value == 1500.0
     # NaN and Inf are valid in the format but carry no figure: left out, and said so.
@@ -149,7 +157,7 @@ def test_parser_reads_escapes_timestamps_special_values_and_openmetrics():
 
 def test_recorded_vllm_scrape_is_read_exactly():
     text = fixture_text("vllm-0.32-after.txt")
-    snap = engine_metrics.snapshot(text, "recorded")
+    snap = snapshots.snapshot(text, "recorded")
     assert snap["engine"] == "vllm" and snap["models"] == ["tiny-qwen3"] and snap["engines"] == 1
     assert snap["counters"]["prompt_tokens"]["value"] == sample_value(text, "vllm:prompt_tokens_total")
     assert snap["counters"]["prefix_hits"]["metric"] == "vllm:prefix_cache_hits_total"
@@ -163,8 +171,8 @@ def test_recorded_vllm_scrape_is_read_exactly():
 
 def test_window_over_two_recorded_scrapes_gives_increases_rates_and_mfu():
     before_text, after_text = fixture_text("vllm-0.32-before.txt"), fixture_text("vllm-0.32-after.txt")
-    before = engine_metrics.snapshot(before_text, "before", at=100.0)
-    after = engine_metrics.snapshot(after_text, "after", at=102.5)
+    before = snapshots.snapshot(before_text, "before", at=100.0)
+    after = snapshots.snapshot(after_text, "after", at=102.5)
     r = engine_metrics.window(before, after, gpu=H100)
     assert r["mode"] == "window" and r["seconds"] == 2.5 and r["ttft_ms"]["n"] == 16
     gen = sample_value(after_text, "vllm:generation_tokens_total") - sample_value(before_text, "vllm:generation_tokens_total")
@@ -183,7 +191,7 @@ def test_window_over_two_recorded_scrapes_gives_increases_rates_and_mfu():
 def test_since_start_report_uses_uptime_for_rates():
     text = fixture_text("vllm-0.32-after.txt")
     start = sample_value(text, "process_start_time_seconds")
-    r = engine_metrics.report(engine_metrics.snapshot(text, "x", at=start + 100.0))
+    r = engine_metrics.report(snapshots.snapshot(text, "x", at=start + 100.0))
     assert r["mode"] == "since_start" and r["seconds"] == pytest.approx(100.0)
     assert r["prompt_tok_s"] == pytest.approx(sample_value(text, "vllm:prompt_tokens_total") / 100.0)
     assert any("since server start" in w for w in r["warnings"])
@@ -204,7 +212,7 @@ def with_deprecated_twins(text: str) -> str:
 
 def test_a_metric_exposed_under_old_and_new_names_is_counted_once():
     text = fixture_text("vllm-0.32-after.txt")
-    plain, twinned = engine_metrics.snapshot(text), engine_metrics.snapshot(with_deprecated_twins(text))
+    plain, twinned = snapshots.snapshot(text), snapshots.snapshot(with_deprecated_twins(text))
     assert twinned["counters"]["prefix_hits"] == plain["counters"]["prefix_hits"]
     assert twinned["histograms"]["itl"] == plain["histograms"]["itl"]
     assert twinned["gauges"]["kv_cache_usage"]["metric"] == "vllm:kv_cache_usage_perc"
@@ -215,10 +223,10 @@ def test_old_names_alone_are_used_when_new_ones_are_missing():
     only_old = "\n".join(line for line in text.splitlines()
                          if not line.startswith(("vllm:inter_token_latency_seconds", "vllm:prefix_cache_",
                                                  "vllm:kv_cache_usage_perc"))) + "\n"
-    snap = engine_metrics.snapshot(only_old)
+    snap = snapshots.snapshot(only_old)
     assert snap["histograms"]["itl"]["metric"] == "vllm:time_per_output_token_seconds"
     assert snap["counters"]["prefix_hits"]["metric"] == "vllm:gpu_prefix_cache_hits_total"
-    assert snap["counters"]["prefix_hits"]["value"] == engine_metrics.snapshot(text)["counters"]["prefix_hits"]["value"]
+    assert snap["counters"]["prefix_hits"]["value"] == snapshots.snapshot(text)["counters"]["prefix_hits"]["value"]
 
 
 def two_engines(text: str) -> str:
@@ -230,7 +238,7 @@ def two_engines(text: str) -> str:
 
 def test_data_parallel_engines_on_one_page_are_summed():
     text = fixture_text("vllm-0.32-after.txt")
-    one, two = engine_metrics.snapshot(text), engine_metrics.snapshot(two_engines(text))
+    one, two = snapshots.snapshot(text), snapshots.snapshot(two_engines(text))
     assert two["engines"] == 2
     assert two["counters"]["generation_tokens"]["value"] == 2 * one["counters"]["generation_tokens"]["value"]
     assert two["histograms"]["ttft"]["counts"] == [2 * c for c in one["histograms"]["ttft"]["counts"]]
@@ -240,13 +248,13 @@ def test_data_parallel_engines_on_one_page_are_summed():
 
 
 def test_counter_reset_between_scrapes_is_detected_and_said():
-    before = engine_metrics.snapshot(fixture_text("vllm-0.32-after.txt"), at=10.0)
-    after = engine_metrics.snapshot(fixture_text("vllm-0.32-before.txt"), at=20.0)  # fewer requests: a restart
+    before = snapshots.snapshot(fixture_text("vllm-0.32-after.txt"), at=10.0)
+    after = snapshots.snapshot(fixture_text("vllm-0.32-before.txt"), at=20.0)  # fewer requests: a restart
     r = engine_metrics.window(before, after)
     assert any("restarted" in w for w in r["warnings"])
     assert r["ttft_ms"]["n"] == after["histograms"]["ttft"]["count"]  # counted from the restart on
     restarted = dict(after, start_time=after["start_time"] + 60)
-    later = engine_metrics.difference(engine_metrics.snapshot(fixture_text("vllm-0.32-before.txt")), restarted)
+    later = snapshots.difference(snapshots.snapshot(fixture_text("vllm-0.32-before.txt")), restarted)
     assert any("start time changed" in w for w in later["warnings"])
 
 
@@ -263,7 +271,7 @@ def test_counter_reset_between_scrapes_is_detected_and_said():
     ("vllm-0.32-idle.txt", "vllm", {"running": 0, "waiting": 0, "preemptions": 0, "prefix_cache_hit_rate": None}, []),
 ])
 def test_each_generation_is_read_and_diagnosed(name, engine, figures, found):
-    r = engine_metrics.report(engine_metrics.snapshot(fixture_text(name), name))
+    r = engine_metrics.report(snapshots.snapshot(fixture_text(name), name))
     assert r["engine"] == engine
     for key, value in figures.items():
         assert r[key] == (pytest.approx(value) if value is not None else None), key
@@ -275,7 +283,7 @@ def recorded_window(name: str) -> dict:
     """The window report of a recorded scenario; its interval is in the after file's header."""
     before, after = fixture_text(f"vllm-0.32-{name}-before.txt"), fixture_text(f"vllm-0.32-{name}-after.txt")
     seconds = float(re.search(r"([0-9.]+) s after the first scrape", after.splitlines()[0]).group(1))
-    return engine_metrics.window(engine_metrics.snapshot(before, at=0.0), engine_metrics.snapshot(after, at=seconds))
+    return engine_metrics.window(snapshots.snapshot(before, at=0.0), snapshots.snapshot(after, at=seconds))
 
 
 def test_recorded_queue_behind_max_num_seqs_is_named_with_littles_law():
@@ -285,7 +293,7 @@ def test_recorded_queue_behind_max_num_seqs_is_named_with_littles_law():
     assert kinds(r) == ["running_limit", "queue"]
     root = r["diagnosis"]["root_cause"]
     assert (root["setting"], root["current"], root["current_source"]) == ("--max-num-seqs", 2, "inferred")
-    first = engine_metrics.format_report(r).split("Root cause: ", 1)[1]
+    first = report_text.format_report(r).split("Root cause: ", 1)[1]
     assert first.startswith("[running_limit] --max-num-seqs is at least 2 (inferred: 1.98 requests per engine step")
     # Little's law: 0.9 req/s x 9.3 s keep 8.2 requests in the server; the cap goes to the next power of two
     lever = r["diagnosis"]["plan"][0]
@@ -306,10 +314,10 @@ def test_recorded_preemptions_are_named_as_a_full_kv_cache():
 
 
 def test_old_generation_metric_names_are_reported_as_used():
-    sglang_old = engine_metrics.report(engine_metrics.snapshot(fixture_text("sglang-0.4.txt")))
+    sglang_old = engine_metrics.report(snapshots.snapshot(fixture_text("sglang-0.4.txt")))
     assert sglang_old["itl_ms"]["metric"] == "sglang:time_per_output_token_seconds"
     assert sglang_old["queue_ms"]["mean"] == pytest.approx(4.0)  # the last-batch gauge, in ms
-    v0 = engine_metrics.report(engine_metrics.snapshot(fixture_text("vllm-v0.txt")))
+    v0 = engine_metrics.report(snapshots.snapshot(fixture_text("vllm-v0.txt")))
     assert v0["itl_ms"]["metric"] == "vllm:time_per_output_token_seconds"
     assert v0["gen_tok_s"] == pytest.approx(812.3)  # V0's own throughput gauge, said in a warning
     assert any("avg_generation_throughput" in w for w in v0["warnings"])
@@ -317,22 +325,22 @@ def test_old_generation_metric_names_are_reported_as_used():
 
 def test_sglang_ranks_are_not_double_counted():
     text = fixture_text("sglang-0.5-tp2.txt")
-    snap = engine_metrics.snapshot(text)
+    snap = snapshots.snapshot(text)
     assert snap["gauges"]["running"]["value"] == sample_value(text, "sglang:num_running_reqs", tp_rank="0")
     assert snap["counters"]["preemptions"]["value"] == 12
 
 
 def test_slo_targets_turn_slow_prefill_and_decode_into_findings():
-    snap = engine_metrics.snapshot(fixture_text("sglang-0.4.txt"))
+    snap = snapshots.snapshot(fixture_text("sglang-0.4.txt"))
     # SGLang 0.4's ITL p95 is 19 ms: within the ITL target of twice a 10 ms TPOT, over a 15 ms one
-    assert kinds(engine_metrics.report(snap, slo=engine_metrics.Targets(50.0, 10.0))) == ["prefill"]
-    assert kinds(engine_metrics.report(snap, slo=engine_metrics.Targets(50.0, 10.0, 15.0))) == ["prefill", "decode"]
-    assert kinds(engine_metrics.report(snap, slo=engine_metrics.Targets(1000.0, 100.0))) == []
+    assert kinds(engine_metrics.report(snap, slo=slo_targets.Targets(50.0, 10.0))) == ["prefill"]
+    assert kinds(engine_metrics.report(snap, slo=slo_targets.Targets(50.0, 10.0, 15.0))) == ["prefill", "decode"]
+    assert kinds(engine_metrics.report(snap, slo=slo_targets.Targets(1000.0, 100.0))) == []
 
 
 def test_replicas_are_reported_each_and_together(capsys):
     opts = metrics.options(metrics.build_parser().parse_args(["--file", str(FIXTURES / "vllm-0.32-after.txt")]))
-    snaps = [engine_metrics.snapshot(fixture_text("vllm-0.32-after.txt"), f"replica-{i}") for i in (1, 2)]
+    snaps = [snapshots.snapshot(fixture_text("vllm-0.32-after.txt"), f"replica-{i}") for i in (1, 2)]
     total, text = metrics.results(opts, snaps)
     assert total["ttft_ms"]["n"] == 80 and len(total["replicas"]) == 2
     assert "Per replica:" in text and "replica-2: TTFT p95" in text
@@ -416,7 +424,7 @@ def test_scrape_asks_exactly_the_metrics_path(url, expected):
     def server(request: httpx.Request) -> httpx.Response:
         asked.append(str(request.url))
         return httpx.Response(200, text=fixture_text("vllm-v0.txt"))
-    text, _ = engine_metrics.scrape(url, transport=httpx.MockTransport(server))
+    text, _ = metric_sources.scrape(url, transport=httpx.MockTransport(server))
     assert asked == [expected] and text == fixture_text("vllm-v0.txt")
 
 
@@ -427,7 +435,7 @@ def test_unreachable_server_and_404_are_server_errors(capsys):
     def not_found(request: httpx.Request) -> httpx.Response:
         return httpx.Response(404, text="Not Found")
     with pytest.raises(ServerError, match="HTTP 404: no metrics there"):
-        engine_metrics.scrape("http://127.0.0.1:8000", transport=httpx.MockTransport(not_found))
+        metric_sources.scrape("http://127.0.0.1:8000", transport=httpx.MockTransport(not_found))
 
 
 # --------------------------------------------------------------------------------------------
@@ -454,16 +462,16 @@ def send_load(url: str, model: str, requests: int, concurrency: int, prompt_toke
 
 
 # Targets no CPU run misses: these tests are about queues and caches, not CPU latency.
-CPU_SLO = engine_metrics.Targets(ttft_p95_ms=600_000, tpot_p95_ms=600_000)
+CPU_SLO = slo_targets.Targets(ttft_p95_ms=600_000, tpot_p95_ms=600_000)
 
 
 def measured(url: str, load) -> dict:
     """The window report of what `load()` did (snapshots before and after, via the public API)."""
-    text, at = engine_metrics.scrape(url)
-    before = engine_metrics.snapshot(text, url, at)
+    text, at = metric_sources.scrape(url)
+    before = snapshots.snapshot(text, url, at)
     load()
-    text, at = engine_metrics.scrape(url)
-    return engine_metrics.window(before, engine_metrics.snapshot(text, url, at), gpu=H100, slo=CPU_SLO)
+    text, at = metric_sources.scrape(url)
+    return engine_metrics.window(before, snapshots.snapshot(text, url, at), gpu=H100, slo=CPU_SLO)
 
 
 @pytest.fixture(scope="class")
@@ -515,9 +523,9 @@ class TestOneServer:
 def window_report(url: str, tmp_path, capsys, load) -> dict:
     """metrics --json over saved scrapes before and after the whole `load()`, with the seconds
     between them as the window: it holds the load however long a busy machine takes over it."""
-    before, started = engine_metrics.scrape(url)
+    before, started = metric_sources.scrape(url)
     load()
-    after, ended = engine_metrics.scrape(url)
+    after, ended = metric_sources.scrape(url)
     (tmp_path / "before.txt").write_text(before)
     (tmp_path / "after.txt").write_text(after)
     code = metrics.main(["--file", str(tmp_path / "before.txt"), "--file", str(tmp_path / "after.txt"),
@@ -578,34 +586,34 @@ def test_preemptions_from_a_small_kv_cache_are_named(vllm_factory):
 
 
 def test_without_targets_the_starting_defaults_judge_and_the_report_says_so():
-    snap = engine_metrics.snapshot(fixture_text("vllm-v0.txt"))
-    default, given = engine_metrics.report(snap), engine_metrics.report(snap, slo=engine_metrics.Targets(2000, 50))
+    snap = snapshots.snapshot(fixture_text("vllm-v0.txt"))
+    default, given = engine_metrics.report(snap), engine_metrics.report(snap, slo=slo_targets.Targets(2000, 50))
     assert default["slo_source"] == "default" and given["slo_source"] == "given"
     assert default["slo"] == {"ttft_p95_ms": 2000.0, "tpot_p95_ms": 50.0, "itl_p95_ms": 100.0}
     # the prefill finding is not dropped for want of an SLO
     assert kinds(default) == kinds(given) and "prefill" in kinds(default)
-    text = engine_metrics.format_report(default)
+    text = report_text.format_report(default)
     assert "targets: TTFT p95 2 s, TPOT p95 50 ms, ITL p95 100 ms (starting defaults for interactive chat, " \
            "not your SLO" in text
-    partly = engine_metrics.report(snap, slo=engine_metrics.Targets(tpot_p95_ms=200))
+    partly = engine_metrics.report(snap, slo=slo_targets.Targets(tpot_p95_ms=200))
     assert partly["slo_source"] == "partly default" and partly["slo_defaulted"] == ["ttft_p95_ms"]
     # V0's ITL p95 (95 ms) is over an ITL target of 80 ms, not over twice a 200 ms TPOT target
     assert "decode" not in kinds(partly)
-    assert "decode" in kinds(engine_metrics.report(snap, slo=engine_metrics.Targets(itl_p95_ms=80)))
+    assert "decode" in kinds(engine_metrics.report(snap, slo=slo_targets.Targets(itl_p95_ms=80)))
 
 
 def test_a_quantile_in_the_first_bucket_is_only_an_upper_bound():
     r = recorded_window("queue")
     itl = r["itl_ms"]
     assert itl["p50"] is None and itl["at_most"] == {"p50": 10.0}  # vLLM's first ITL bucket is 10 ms
-    assert itl["mean"] is not None and "<=10 ms" in engine_metrics.format_report(r)
+    assert itl["mean"] is not None and "<=10 ms" in report_text.format_report(r)
     json.dumps(r)  # JSON-ready
 
 
 def test_waiting_words_and_numbers_agree_on_two_saved_scrapes():
     r = recorded_window("queue")
     assert r["waiting_peak"] == 0 and r["waiting_mean"] > 3 and r["gauge_samples"] == 2
-    line = next(line for line in engine_metrics.format_report(r).splitlines() if line.startswith("  running"))
+    line = next(line for line in report_text.format_report(r).splitlines() if line.startswith("  running"))
     assert (f"waiting 0 at the last scrape (peak 0 in 2 samples; mean {r['waiting_mean']:.2g} over the window "
             "by the queue-time histograms: the samples missed the busy moments)") in line
 
@@ -622,12 +630,12 @@ def test_the_deployments_own_settings_are_read_and_printed():
     assert r["settings"]["prefix_caching"] == {"value": True, "source": "exported",
                                                "how": "vllm:cache_config_info enable_prefix_caching",
                                                "at_least": False}
-    text = engine_metrics.format_report(r)
+    text = report_text.format_report(r)
     assert "deployment (vllm:cache_config_info): KV cache 524,288 tokens (4,096 blocks of 128) sized by an explicit " \
            "--kv-cache-memory-bytes of 1 GiB" in text
     assert "max-num-seqs at least 2 (inferred: " in text
-    since_start = engine_metrics.report(engine_metrics.snapshot(fixture_text("vllm-0.32-queue-after.txt")))
-    assert "max-num-seqs unknown: no metric exports it" in engine_metrics.format_report(since_start)
+    since_start = engine_metrics.report(snapshots.snapshot(fixture_text("vllm-0.32-queue-after.txt")))
+    assert "max-num-seqs unknown: no metric exports it" in report_text.format_report(since_start)
 
 
 def small_kv(text: str) -> str:
@@ -640,7 +648,7 @@ def small_kv(text: str) -> str:
 
 
 def test_since_start_a_small_kv_cache_is_named_with_its_setting_not_guessed_as_seqs_limit():
-    r = engine_metrics.report(engine_metrics.snapshot(small_kv(fixture_text("vllm-0.32-queue-after.txt"))))
+    r = engine_metrics.report(snapshots.snapshot(small_kv(fixture_text("vllm-0.32-queue-after.txt"))))
     assert r["mode"] == "since_start" and r["preemptions"] == 0
     assert kinds(r) == ["kv_cache", "queue"]
     kv = r["diagnosis"]["root_cause"]
@@ -651,7 +659,7 @@ def test_since_start_a_small_kv_cache_is_named_with_its_setting_not_guessed_as_s
 
 
 def test_since_start_gauges_alone_never_name_the_running_cap():
-    r = engine_metrics.report(engine_metrics.snapshot(fixture_text("vllm-0.32-queue-after.txt")))
+    r = engine_metrics.report(snapshots.snapshot(fixture_text("vllm-0.32-queue-after.txt")))
     assert kinds(r) == ["queue"]
     assert "cannot tell the KV cache from the running-requests cap" in r["diagnosis"]["root_cause"]["evidence"]
     # Run outside any task, the command is the toolbox's (a skill's) call: runnable as printed.

@@ -13,7 +13,7 @@ from pathlib import Path
 import metrics
 import pytest
 
-from rooflib.server import engine_metrics
+from rooflib.server import engine_metrics, report_text, slo_targets, snapshots
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 MODEL = 'engine="0",model_name="tiny-qwen3"'
@@ -38,8 +38,8 @@ def with_route(scrape: str, route: str, count: int) -> str:
 
 
 def report(scrape: str, **slo: float) -> tuple[dict, str]:
-    r = engine_metrics.report(engine_metrics.snapshot(scrape, "scrape.txt"), slo=engine_metrics.Targets(**slo))
-    return r, engine_metrics.format_report(r)
+    r = engine_metrics.report(snapshots.snapshot(scrape, "scrape.txt"), slo=slo_targets.Targets(**slo))
+    return r, report_text.format_report(r)
 
 
 @pytest.mark.parametrize("scrape, requests, only, cache", [
@@ -99,17 +99,17 @@ def test_slow_pooling_requests_are_a_prefill_finding_not_a_decode_one():
 
 def test_a_window_counts_the_pooling_requests_and_cache_lookups_in_it():
     """Between two scrapes 6 embeddings requests came and no token was generated: only pooling."""
-    before = engine_metrics.snapshot(with_mm_cache(10, 5))
-    after = engine_metrics.snapshot(with_route(with_mm_cache(40, 30), "/v1/embeddings", 6))
-    r = engine_metrics.report(engine_metrics.difference(before, after))
+    before = snapshots.snapshot(with_mm_cache(10, 5))
+    after = snapshots.snapshot(with_route(with_mm_cache(40, 30), "/v1/embeddings", 6))
+    r = engine_metrics.report(snapshots.difference(before, after))
     assert r["pooling"]["requests"] == {"embeddings": 6} and r["pooling"]["only"]
     assert (r["multimodal_cache"]["queries"], r["multimodal_cache"]["hits"]) == (30, 25)
 
 
 def test_replicas_add_their_pooling_requests():
-    one = engine_metrics.snapshot(text("vllm-0.32-pooling.txt"), "a")
-    two = engine_metrics.snapshot(with_route(text("vllm-0.32-pooling.txt"), "/v1/score", 4), "b")
-    r = engine_metrics.report(engine_metrics.merge([one, two]))
+    one = snapshots.snapshot(text("vllm-0.32-pooling.txt"), "a")
+    two = snapshots.snapshot(with_route(text("vllm-0.32-pooling.txt"), "/v1/score", 4), "b")
+    r = engine_metrics.report(snapshots.merge([one, two]))
     assert r["pooling"]["requests"] == {"embeddings": 48, "score": 20}
 
 

@@ -8,13 +8,13 @@ import metrics
 import pytest
 
 from rooflib.load import benchrun
-from rooflib.server import engine_metrics, replicas
+from rooflib.server import engine_metrics, replicas, snapshots
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 
 
 def snap(name: str, at: float) -> dict:
-    return engine_metrics.snapshot((FIXTURES / name).read_text(), "http://balancer:8000", at)
+    return snapshots.snapshot((FIXTURES / name).read_text(), "http://balancer:8000", at)
 
 
 @pytest.mark.parametrize("names, mixed", [
@@ -33,7 +33,7 @@ def test_scrapes_that_alternate_between_engines_are_mixed(names, mixed):
 def test_a_mixed_window_has_that_as_its_one_finding_and_no_engine_lever():
     snaps = [snap(n, float(i)) for i, n in enumerate(["vllm-0.32-after.txt", "vllm-0.32-idle.txt",
                                                          "vllm-0.32-after.txt"])]
-    delta = engine_metrics.difference(snaps[0], snaps[-1], snaps[1:-1])
+    delta = snapshots.difference(snaps[0], snaps[-1], snaps[1:-1])
     delta["mixed_engines"] = replicas.mixed_engines(snaps)
     r = replicas.unblended(delta, engine_metrics.report(delta))
     assert r["diagnosis"]["root_cause"]["kind"] == "mixed_engines" and len(r["diagnosis"]["findings"]) == 1

@@ -30,11 +30,11 @@ from test_metrics import reference_quantile, send_load
 
 from rooflib.core import http_client
 from rooflib.quality import perplexity
-from rooflib.server import engine_metrics
+from rooflib.server import engine_metrics, metric_sources, quantiles, slo_targets, snapshots
 
 REPO = Path(__file__).resolve().parents[2]
 # Targets no CPU run misses: these tests are about what SGLang says, not CPU speed.
-CPU_SLO = engine_metrics.Targets(ttft_p95_ms=600_000, tpot_p95_ms=600_000)
+CPU_SLO = slo_targets.Targets(ttft_p95_ms=600_000, tpot_p95_ms=600_000)
 pytestmark = pytest.mark.real_sglang
 
 
@@ -50,11 +50,11 @@ def server_info(url: str) -> dict:
 
 def measured(url: str, load) -> dict:
     """The window report of `load()` between two scrapes, and the raw second scrape's buckets."""
-    text, at = engine_metrics.scrape(url)
-    before = engine_metrics.snapshot(text, url, at)
+    text, at = metric_sources.scrape(url)
+    before = snapshots.snapshot(text, url, at)
     load()
-    text, at = engine_metrics.scrape(url)
-    return engine_metrics.window(before, engine_metrics.snapshot(text, url, at), slo=CPU_SLO)
+    text, at = metric_sources.scrape(url)
+    return engine_metrics.window(before, snapshots.snapshot(text, url, at), slo=CPU_SLO)
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,15 +84,15 @@ def test_a_window_reads_sglangs_histograms_exactly(sglang_server):
 
 
 def test_quantiles_since_start_are_those_of_the_scraped_buckets(sglang_server):
-    text, _ = engine_metrics.scrape(sglang_server.url)
-    r = engine_metrics.report(engine_metrics.snapshot(text, sglang_server.url))
+    text, _ = metric_sources.scrape(sglang_server.url)
+    r = engine_metrics.report(snapshots.snapshot(text, sglang_server.url))
     buckets: dict[float, float] = {}
     for line in text.splitlines():  # read apart from the parser: name, le and value only
         found = re.match(r'sglang:e2e_request_latency_seconds_bucket\{.*le="([^"]+)".*\} (\S+)$', line)
         if found:
             buckets[float(found[1])] = buckets.get(float(found[1]), 0.0) + float(found[2])
     assert r["e2e_ms"]["n"] == buckets[math.inf] > 0
-    for name, q in engine_metrics.QUANTILES.items():
+    for name, q in quantiles.QUANTILES.items():
         expected = reference_quantile(q, sorted(buckets.items())) * 1000
         if name in r["e2e_ms"]["at_most"]:  # the first bucket: only its bound is said
             assert r["e2e_ms"]["at_most"][name] >= expected

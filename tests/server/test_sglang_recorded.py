@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rooflib.server import deployment, engine_metrics, prefix_probe
+from rooflib.server import deployment, engine_metrics, prefix_probe, report_text, snapshots
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 VERSIONS = ("main-2026-08", "0.5.23")
@@ -26,7 +26,7 @@ def server_info(version: str) -> dict:
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_each_version_is_read_with_its_per_request_histograms(version):
-    r = engine_metrics.report(engine_metrics.snapshot(scrape(version)))
+    r = engine_metrics.report(snapshots.snapshot(scrape(version)))
     assert r["engine"] == "sglang" and r["requests"] == r["ttft_ms"]["n"] > 0
     # Stage prefill_forward of the per-stage histogram is the prefill time of each request.
     assert r["prefill_ms"]["metric"] == 'sglang:per_stage_req_latency_seconds{stage="prefill_forward"}'
@@ -38,7 +38,7 @@ def test_each_version_is_read_with_its_per_request_histograms(version):
 
 def test_cached_tokens_before_the_first_hit_come_from_the_prompt_histograms():
     # main's recording holds no hit: sglang:cached_tokens_total has no series yet
-    snap = engine_metrics.snapshot(scrape("main-2026-08"))
+    snap = snapshots.snapshot(scrape("main-2026-08"))
     assert "sglang:cached_tokens_total" not in scrape("main-2026-08")
     hits = snap["counters"]["prefix_hits"]
     assert hits["value"] == 0 and hits["metric"].endswith("sglang:uncached_prompt_tokens_histogram_sum")
@@ -47,21 +47,21 @@ def test_cached_tokens_before_the_first_hit_come_from_the_prompt_histograms():
 
 def test_the_counter_and_the_histograms_agree_once_a_request_hit():
     text = scrape("0.5.23")
-    snap = engine_metrics.snapshot(text)
+    snap = snapshots.snapshot(text)
     assert snap["counters"]["prefix_hits"]["metric"] == "sglang:cached_tokens_total"
     hists = snap["histograms"]
     assert snap["counters"]["prefix_hits"]["value"] == hists["prompt_len"]["sum"] - hists["uncached_prompt_len"]["sum"] > 0
 
 
 def test_the_route_counter_is_sglangs_with_its_endpoint_label():
-    snap = engine_metrics.snapshot(scrape("0.5.23"))
+    snap = snapshots.snapshot(scrape("0.5.23"))
     assert snap["counters"]["completion_requests"]["metric"] == "sglang:http_requests_total"
     assert engine_metrics.report(snap)["endpoint"] == "completions"
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_context_length_and_page_size_are_exported_settings(version):
-    r = engine_metrics.report(engine_metrics.snapshot(scrape(version)))
+    r = engine_metrics.report(snapshots.snapshot(scrape(version)))
     length = r["settings"]["max_model_len"]
     assert (length["value"], length["source"], length["how"]) == (r["deployment"]["max_model_len"], "exported",
                                                                  "sglang:context_len")
@@ -79,6 +79,6 @@ def test_get_server_info_gives_the_cap_sglang_chose_and_never_a_key(version, bac
         (backend, "0.0.0.dev0" if version == "main-2026-08" else "0.5.23")
     assert not {"api_key", "admin_api_key", "watermark_key"} & set(found)
     served = deployment.Served("http://h:30000", found)
-    r = engine_metrics.report(engine_metrics.snapshot(scrape(version)), served=served)
-    line = engine_metrics.format_report(r)
+    r = engine_metrics.report(snapshots.snapshot(scrape(version)), served=served)
+    line = report_text.format_report(r)
     assert f"attention backend {backend}" in line and "sized by --mem-fraction-static 0.05" in line

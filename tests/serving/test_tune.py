@@ -31,8 +31,8 @@ from vllm_server import REPO
 from rooflib.core import stats
 from rooflib.load import analysis, comparison
 from rooflib.render import report_html, report_inputs
-from rooflib.server import engine_metrics
-from rooflib.server.engine_metrics import Targets
+from rooflib.server import engine_metrics, snapshots
+from rooflib.server.slo_targets import Targets
 from rooflib.serving import levers, profiles, trials
 from rooflib.serving import tune as tuning
 from rooflib.sizing import resolve
@@ -50,10 +50,10 @@ def diagnosis(name: str) -> dict:
     scrape, so its diagnosis (of a synthetic window, test_diagnosis.stalled) is kept as JSON."""
     if name not in SCRAPES:
         return json.loads((FIXTURES / "tune" / f"diagnosis-{name}.json").read_text())
-    snaps = [engine_metrics.snapshot((FIXTURES / "metrics" / f"{SCRAPES[name]}-{when}.txt").read_text(), when)
+    snaps = [snapshots.snapshot((FIXTURES / "metrics" / f"{SCRAPES[name]}-{when}.txt").read_text(), when)
              for when in ("before", "after")]
     snaps[0]["time"], snaps[1]["time"] = 0.0, 30.0
-    return engine_metrics.report(engine_metrics.difference(*snaps))["diagnosis"]
+    return engine_metrics.report(snapshots.difference(*snaps))["diagnosis"]
 
 
 def cpu_profile(**settings) -> dict:
@@ -267,7 +267,7 @@ def test_the_budget_counts_runs_and_minutes_with_the_engine_start():
 
 
 def test_like_the_live_traffic_takes_lengths_and_in_flight_from_a_metrics_window():
-    snaps = [engine_metrics.snapshot((FIXTURES / "metrics" / f"vllm-0.32-queue-{name}.txt").read_text(), name)
+    snaps = [snapshots.snapshot((FIXTURES / "metrics" / f"vllm-0.32-queue-{name}.txt").read_text(), name)
              for name in ("before", "after")]
     snaps[0]["time"], snaps[1]["time"] = 0.0, 30.0
     report = engine_metrics.window(*snaps)

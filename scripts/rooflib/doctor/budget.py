@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from rooflib.doctor.evidence import Engine, Failures, Fit, Probe, Segment, Setting, Stream, Targets
 from rooflib.doctor.failures import failed_share, gave_up
-from rooflib.server import engine_metrics
+from rooflib.server import quantiles
 
 ABANDONED_FLOOR = 2   # requests at the window's edges can end in one counter before the other
 from rooflib.server.known_settings import QUEUE_SHARE
@@ -153,7 +153,7 @@ def engine_ceiling_ms(e: Engine, streams: int) -> float | None:
     if streams < 1 or total < 1:
         return None
     rank = max(0.0, total - (streams + 1) // 2 + 1)
-    bucket = engine_metrics.quantile_bucket(rank / total, e.ttft_buckets)
+    bucket = quantiles.quantile_bucket(rank / total, e.ttft_buckets)
     return None if bucket is None or math.isinf(bucket[1]) else bucket[1] * 1000
 
 

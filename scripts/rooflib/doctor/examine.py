@@ -14,7 +14,7 @@ from rooflib.doctor.evidence import Engine, Failures, Finding, Owner, Probe, Set
 from rooflib.load import promptgen
 from rooflib.load.apis import APIS
 from rooflib.load.asyncclient import Target, find_target
-from rooflib.server import deployment, engine_metrics
+from rooflib.server import deployment, engine_metrics, report_text, slo_targets, snapshots
 from rooflib.server.known_settings import LIGHT_C, LIGHT_N
 
 DEFAULT_PROMPT, DEFAULT_OUTPUT = 256, 64
@@ -153,10 +153,10 @@ def facts_of(opts: Options, windows: Sequence[window.Window], measured: Probe, s
              handler: str) -> tuple[budgets.Facts, dict[str, Any]]:
     """The budgets' facts from the windows (merged over replicas; none of the engine's figures
     when a URL's scrapes mix engines: the probe's own timings still hold) and the probe."""
-    slo = engine_metrics.Targets(opts.targets.ttft_p95_ms, opts.targets.tpot_p95_ms, opts.targets.gap_p95_ms)
+    slo = slo_targets.Targets(opts.targets.ttft_p95_ms, opts.targets.tpot_p95_ms, opts.targets.gap_p95_ms)
     mixed = "; ".join(w.mixed for w in windows if w.mixed)
     deltas = [w.delta() for w in windows]
-    merged = deltas[0] if len(deltas) == 1 else engine_metrics.merge(deltas)
+    merged = deltas[0] if len(deltas) == 1 else snapshots.merge(deltas)
     if len(deltas) > 1:
         merged["seconds"] = max(d["seconds"] or 0 for d in deltas)
     report = engine_metrics.report(merged, slo=slo, served=served if len(deltas) == 1 else None)
@@ -278,7 +278,7 @@ def human_text(verdict: Verdict, extra: dict[str, Any]) -> str:
             size = f"{seg.size:.1%}" if b.unit == "share" else _figure(seg.size, b.unit)
             lines.append(f"  {seg.name:<16} {size:>10} {seg.share:>5.0%}  {seg.measured}")
     for replica in extra.get("replica_reports", []):
-        lines.append(f"Replica: {engine_metrics.format_replica_line(replica).strip()}")
+        lines.append(f"Replica: {report_text.format_replica_line(replica).strip()}")
     served_by = [url for url in facts.probe.replica_of_stream]
     if served_by:
         named = sum(1 for url in served_by if url)

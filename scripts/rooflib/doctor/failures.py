@@ -16,7 +16,7 @@ import re
 from typing import Sequence, TypeVar
 
 from rooflib.doctor.evidence import Failures, Probe, StatusCount
-from rooflib.server.engine_metrics import Exposition
+from rooflib.server.prometheus_text import Exposition
 
 # (counter, label): finished requests by why, requests the admission limits turned away by which.
 FINISHED = ("vllm:request_success_total", "finished_reason")

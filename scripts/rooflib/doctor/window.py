@@ -13,9 +13,9 @@ from typing import Any, Callable, Sequence
 
 from rooflib.core import printing
 from rooflib.core.errors import ServerError
-from rooflib.server import engine_metrics
+from rooflib.server import metric_sources, prometheus_text, snapshots
+from rooflib.server.prometheus_text import Exposition
 from rooflib.server.replicas import mixed_engines
-from rooflib.server.engine_metrics import Exposition
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,13 @@ class Window:
         return (self.last.snap["time"] or 0) - (self.first.snap["time"] or 0)
 
     def delta(self) -> dict[str, Any]:
-        return engine_metrics.difference(self.snaps[0], self.snaps[-1], self.snaps[1:-1])
+        return snapshots.difference(self.snaps[0], self.snaps[-1], self.snaps[1:-1])
 
 
 def scrape(url: str, api_key: str | None, timeout: float) -> Scrape:
-    text, at = engine_metrics.scrape(url, api_key, timeout)
-    exposition = engine_metrics.parse_exposition(text)
-    return Scrape(exposition, engine_metrics.snapshot(exposition, url, at))
+    text, at = metric_sources.scrape(url, api_key, timeout)
+    exposition = prometheus_text.parse_exposition(text)
+    return Scrape(exposition, snapshots.snapshot(exposition, url, at))
 
 
 def collect(urls: Sequence[str], api_key: str | None, timeout: float, seconds: float,

@@ -9,7 +9,7 @@ from rooflib.core.stats import summarize
 from rooflib.load import sessions
 from rooflib.load.apis import APIS
 from rooflib.load.request_outcome import ERROR_KINDS, Outcome
-from rooflib.server.engine_metrics import Targets
+from rooflib.server.slo_targets import Targets
 
 SCHEMA_VERSION = 1
 

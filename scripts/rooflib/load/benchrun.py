@@ -25,7 +25,7 @@ from rooflib.load.promptgen import WORDS, TokenCounter, build_prompts, fallback_
 from rooflib.load.runner import Plan, RequestSource, RunResult, arrival_offsets, run_in_loop, run_workers, share
 from rooflib.server import deployment, fleet, gpu_telemetry, watch
 from rooflib.server.deployment import Served
-from rooflib.server.engine_metrics import Targets
+from rooflib.server.slo_targets import Targets
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "render" / "templates" / "bench_log_entry.md.j2"
 
@@ -35,13 +35,13 @@ LIMITS = {"num_requests": 1_000_000, "concurrency": 100_000, "input_tokens": 10_
 
 
 def metrics_snapshot(target: Target, timeout: float) -> tuple[dict[str, Any] | None, str]:
-    """One scrape of /metrics through rooflib/server/engine_metrics.py: (snapshot, '') or (None, why not)."""
-    from rooflib.server import engine_metrics
+    """One scrape of /metrics (rooflib/server/metric_sources.py, snapshots.py): (snapshot, '') or (None, why not)."""
+    from rooflib.server import metric_sources, prometheus_text, snapshots
 
     try:
-        text, at = engine_metrics.scrape(target.base_url, target.api_key, timeout)
-        return engine_metrics.snapshot(text, target.base_url, at), ""
-    except (ServerError, UsageError, engine_metrics.InvalidScrape) as exc:
+        text, at = metric_sources.scrape(target.base_url, target.api_key, timeout)
+        return snapshots.snapshot(text, target.base_url, at), ""
+    except (ServerError, UsageError, prometheus_text.InvalidScrape) as exc:
         return None, str(exc)
 
 
@@ -744,7 +744,7 @@ def server_delta(before: dict[str, Any] | None, after: dict[str, Any] | None,
     """What the server counted over the run: the difference of the scrapes around it; (None, why)
     when the scrapes came from several engines (a balancer in front of replicas: no difference of
     them is one engine's, so no server figure is shown); (None, '') without both scrapes."""
-    from rooflib.server import engine_metrics, replicas
+    from rooflib.server import replicas, snapshots
 
     if before is None or after is None:
         return None, ""
@@ -752,7 +752,7 @@ def server_delta(before: dict[str, Any] | None, after: dict[str, Any] | None,
     if mixed:
         return None, (f"{mixed}: no server figure of this run is one engine's, so none is shown; bench each "
                       "replica's own URL for its figures")
-    return engine_metrics.difference(before, after, during), ""
+    return snapshots.difference(before, after, during), ""
 
 
 def cross_check(delta: dict[str, Any], result: dict[str, Any], probed: dict[str, Any] | None) -> dict[str, Any]:
@@ -767,9 +767,9 @@ def gpu_side(options: BenchOptions, before: dict[str, Any], after: dict[str, Any
     """The GPUs under the run's load, from the DCGM exporter series in options.prometheus over the
     run's window (rooflib/server/gpu_telemetry.py); when Prometheus cannot be read, why not: the
     run's result stands either way."""
-    from rooflib.server import engine_metrics
+    from rooflib.server import engine_metrics, snapshots
 
-    report = engine_metrics.report(engine_metrics.difference(before, after, during))
+    report = engine_metrics.report(snapshots.difference(before, after, during))
     try:
         return gpu_telemetry.from_prometheus(options.prometheus, options.prometheus_auth, report["seconds"],
                                              {urllib.parse.urlsplit(base_url).netloc: report}, report["engine"],

@@ -20,7 +20,7 @@ from rooflib.core import fileio, stats
 from rooflib.core.errors import UsageError
 from rooflib.load.analysis import analyse
 from rooflib.load.request_outcome import Outcome
-from rooflib.server.engine_metrics import Targets
+from rooflib.server.slo_targets import Targets
 
 MAX_RESULT_BYTES = 256 * 1024 ** 2
 MAX_RECORDS_BYTES = 16 * 1024 ** 3

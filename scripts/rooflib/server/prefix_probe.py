@@ -14,7 +14,7 @@ each request: vLLM's vllm:prefix_cache_queries/_hits (tokens looked up and found
 looked up only with caching on, vllm/v1/core/kv_cache_manager.py, record_prefix_cache_stats),
 vllm:prompt_tokens_cached and vllm:prompt_tokens_cached_by_source where exported (vLLM 0.32.0,
 vllm/v1/metrics/loggers.py), SGLang's cached prompt tokens among sglang:prompt_tokens_total (counted
-as each request finishes: engine_metrics reads them from its prompt-token histograms before the
+as each request finishes: snapshots.py reads them from its prompt-token histograms before the
 first hit creates sglang:cached_tokens_total); vllm:cache_config_info's enable_prefix_caching and
 block_size, SGLang's sglang:page_size. The two answer times (the prefill, with the network and the
 API server) only support the verdict: a busy server blurs them. SGLang (0.5.23 and main 2026-08,
@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 import httpx
 
 from rooflib.core import http_client
-from rooflib.server import engine_metrics, model_listing
+from rooflib.server import metric_names, metric_sources, model_listing, prometheus_text, snapshots
 
 PROBE_BLOCKS = 8           # the prompt fills this many KV blocks: a hit shows plainly
 MIN_PROMPT_WORDS = 1024    # and is at least this long, so that its prefill is visible in the time
@@ -63,8 +63,8 @@ class Answer:
 
 
 def counters(text: str, source: str = "") -> Counters:
-    exposition = engine_metrics.parse_exposition(text)
-    snap = engine_metrics.snapshot(exposition, source)
+    exposition = prometheus_text.parse_exposition(text)
+    snap = snapshots.snapshot(exposition, source)
 
     def value(concept: str) -> float | None:
         return snap["counters"][concept]["value"] if concept in snap["counters"] else None
@@ -217,7 +217,7 @@ def _count(value: Any) -> bool:
 
 
 def _scrape(url: str, api_key: str | None, timeout: float) -> Counters:
-    text, _ = engine_metrics.scrape(url, api_key, timeout)
+    text, _ = metric_sources.scrape(url, api_key, timeout)
     return counters(text, url)
 
 
@@ -241,7 +241,7 @@ def format_result(result: Mapping[str, Any]) -> str:
     tokens = result["prompt_tokens"]
     cacheable = (f" ({result['cacheable_tokens'] // result['block_size']} full blocks of {result['block_size']}: "
                  f"{result['cacheable_tokens']:,} tokens can hit)") if result["cacheable_tokens"] is not None else ""
-    lines = [f"prefix probe: {result['url']} ({result['model']}, {engine_metrics.ENGINE_LABELS[result['engine']]})",
+    lines = [f"prefix probe: {result['url']} ({result['model']}, {metric_names.ENGINE_LABELS[result['engine']]})",
              f"  two identical prompts of {_num(tokens)} tokens{cacheable}"]
     for name, row in zip(("first", "second"), result["requests"]):
         server = row["server"]

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from rooflib.server import engine_metrics
+from rooflib.server import snapshots
 
 
 def mixed_engines(snaps: Sequence[dict[str, Any]]) -> str:
     """Why consecutive snapshots of one URL cannot be one engine's ('' when they can)."""
-    changes = sum(1 for a, b in zip(snaps, snaps[1:]) if engine_metrics.restarted(a, b))
+    changes = sum(1 for a, b in zip(snaps, snaps[1:]) if snapshots.restarted(a, b))
     starts = {round(s["start_time"], 3) for s in snaps if s.get("start_time")}
     if len(starts) > 1 and changes > 1:
         return (f"consecutive scrapes came from {len(starts)} engines (their start times differ and counters fell "

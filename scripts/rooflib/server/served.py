@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from rooflib.core import fileio, http_client
 from rooflib.core.errors import ServerError, UsageError
-from rooflib.server import engine_metrics, model_listing
+from rooflib.server import engine_metrics, metric_sources, model_listing, prometheus_text, snapshots
 from rooflib.sizing import resolve, weights
 
 # The acceptance levels (scripts/rooflib/catalog/ppl_gates.yaml) of each weight format sizing names.
@@ -28,9 +28,9 @@ def served_facts(url: str, api_key: str | None = None, timeout: float = 30.0,
     with http_client.client(url, api_key, timeout) as http:
         entry = model_listing.served_model(http, wanted_model)
     try:
-        text, _ = engine_metrics.scrape(url, api_key, timeout)
-        info = engine_metrics.snapshot(text, url)["cache_config"]
-    except (ServerError, engine_metrics.InvalidScrape):
+        text, _ = metric_sources.scrape(url, api_key, timeout)
+        info = snapshots.snapshot(text, url)["cache_config"]
+    except (ServerError, prometheus_text.InvalidScrape):
         info = {}
     return {"url": url, "model": entry["id"], "root": entry.get("root") or entry["id"],
             "max_model_len": entry.get("max_model_len"), "cache_config": info,

@@ -22,7 +22,7 @@ import httpx
 
 from rooflib.core import http_client, signals
 from rooflib.core.errors import ServerError, UsageError
-from rooflib.server import engine_metrics
+from rooflib.server import metric_sources, prometheus_text, quantiles, snapshots
 
 PERCENTILES = ("p50", "p95", "p99")
 
@@ -74,8 +74,8 @@ class Timeline:
             try:
                 if error:
                     raise ServerError(error)
-                self.snapshots.append((at, engine_metrics.snapshot(text, self.base_url, wall)))
-            except (ServerError, UsageError, engine_metrics.InvalidScrape) as exc:
+                self.snapshots.append((at, snapshots.snapshot(text, self.base_url, wall)))
+            except (ServerError, UsageError, prometheus_text.InvalidScrape) as exc:
                 self.errors.append(f"t={at:.1f}s: {exc}")
 
     def result(self, final: dict[str, Any] | None) -> dict[str, Any]:
@@ -103,7 +103,7 @@ def scrape_pages(base_url: str, api_key: str | None, interval_s: float, start: f
     while not stop.wait(max(0.0, start + tick * interval_s - time.monotonic())) and os.getppid() == parent:
         at = time.monotonic() - start
         try:
-            text, wall = engine_metrics.scrape(base_url, api_key, timeout=max(1.0, interval_s))
+            text, wall = metric_sources.scrape(base_url, api_key, timeout=max(1.0, interval_s))
             got.append((at, text, wall, None))
         except (ServerError, UsageError) as exc:
             got.append((at, "", None, str(exc)))
@@ -178,7 +178,7 @@ def _percentile_rows(hist: dict[str, Any] | None, summary: dict[str, Any]) -> di
     buckets = list(zip(hist["le"], hist["counts"]))
     rows = {}
     for p in PERCENTILES:
-        bounds = engine_metrics.quantile_bucket(int(p[1:]) / 100, buckets)
+        bounds = quantiles.quantile_bucket(int(p[1:]) / 100, buckets)
         value = summary[p]
         if bounds is None or value is None:
             continue

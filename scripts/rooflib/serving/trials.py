@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from rooflib.core import printing
-from rooflib.server.engine_metrics import Targets
+from rooflib.server.slo_targets import Targets
 from rooflib.serving.levers import RANGES, REJECTED
 
 KEPT, REVERTED, TRADE_OFF, WORSE = "kept", "reverted", "trade-off", "worse"

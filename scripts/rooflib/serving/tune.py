@@ -31,7 +31,7 @@ import yaml
 from rooflib.core import cli, fileio, printing, signals
 from rooflib.core.errors import ServerError, UsageError
 from rooflib.load import asyncclient, benchrun, comparison
-from rooflib.server import engine_metrics
+from rooflib.server import engine_metrics, metric_sources, snapshots
 from rooflib.server.deployment import Served
 from rooflib.serving import levers, profiles, trials
 
@@ -584,11 +584,11 @@ def proposal(run: Mapping[str, Any], profile: Mapping[str, Any]) -> levers.Choic
 def live_traffic_shape(url: str, api_key: str | None, window_s: float, timeout_s: float) -> dict[str, int]:
     """The traffic shape (traffic_shape) of the live server at `url` over `window_s` seconds of its
     /metrics, which are only read."""
-    text, began = engine_metrics.scrape(url, api_key, timeout_s)
-    before = engine_metrics.snapshot(text, url, began)
+    text, began = metric_sources.scrape(url, api_key, timeout_s)
+    before = snapshots.snapshot(text, url, began)
     time.sleep(window_s)
-    text, ended = engine_metrics.scrape(url, api_key, timeout_s)
-    return traffic_shape(engine_metrics.window(before, engine_metrics.snapshot(text, url, ended)))
+    text, ended = metric_sources.scrape(url, api_key, timeout_s)
+    return traffic_shape(engine_metrics.window(before, snapshots.snapshot(text, url, ended)))
 
 
 def traffic_shape(report: Mapping[str, Any]) -> dict[str, int]:
