@@ -68,7 +68,8 @@ def _service_ms(r: Reading) -> float | None:
     return e2e - queue if r.engine == "sglang" and e2e is not None and queue is not None else None
 
 
-def _power_of_two(value: float) -> int:
+def power_of_two(value: float) -> int:
+    """The smallest power of two at or above `value` (at least 1)."""
     return 1 << max(0, math.ceil(math.log2(max(1.0, value))))
 
 
@@ -150,7 +151,7 @@ def _running_levers(f, r, s, flags) -> list[dict[str, Any]]:
     # wait behind a cap at their mean however short the burst.
     peak = _peak_in_flight(r)
     busiest = f", {peak:g} at the busiest of {r.gauge_samples} gauge samples" if peak > in_flight else ""
-    proposed = _power_of_two(max(in_flight, peak))
+    proposed = power_of_two(max(in_flight, peak))
     capped = fit is not None and fit < proposed
     if capped:
         proposed = fit
@@ -215,7 +216,7 @@ def _prefill_levers(f, r, s, flags) -> list[dict[str, Any]]:
     result = []
     batched, prompt, steps = s["max_num_batched_tokens"], r.prompt_tokens_mean, prefill_steps(r, s)
     if steps:
-        proposed = _power_of_two(prompt)
+        proposed = power_of_two(prompt)
         result.append(make_lever(flags["batched"], batched, proposed,
                                  f"prompts of {prompt:,.0f} tokens take {steps} steps each",
                                  "each prompt prefills in one step, so TTFT falls; tokens of running requests stall "
@@ -238,7 +239,7 @@ def _decode_levers(f, r, s, flags) -> list[dict[str, Any]]:
                            "shorter stalls (ITL p99 down), each prompt in more steps (TTFT up)", toward="lower")]
     if f["setting"] == flags["seqs"]:
         known, running = s["max_num_seqs"], r.running_mean or r.running_peak
-        return [make_lever(f["setting"], known, _power_of_two(running / 2),
+        return [make_lever(f["setting"], known, power_of_two(running / 2),
                            "a smaller batch reads the KV of fewer requests per step",
                            "faster tokens for each request, less throughput in all; the rest queues")]
     return [make_lever(None, None, None, "at small batch most of each step is reading weights",

@@ -25,6 +25,7 @@ from rooflib.doctor import tradeoff
 from rooflib.doctor.evidence import Fit
 from rooflib.load import workloads
 from rooflib.server.deployment import EXPORTED, Known, Served
+from rooflib.server.plan import power_of_two
 from rooflib.serving import profiles
 from rooflib.sizing import estimate, memory_budget, model_shape
 
@@ -190,11 +191,6 @@ class Placed:
 def flag_of(engine: str, key: str) -> str:
     """The engine flag that sets a profile key (TUNABLE read backwards)."""
     return next(flag for flag, name in TUNABLE[engine].items() if name == key)
-
-
-def power_of_two(value: float) -> int:
-    """The smallest power of two at or above `value` (at least 1)."""
-    return 1 << max(0, math.ceil(math.log2(max(1.0, value))))
 
 
 def timeline(run: Mapping[str, Any]) -> list[Mapping[str, Any]]:
