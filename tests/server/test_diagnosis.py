@@ -283,6 +283,46 @@ def test_exported_cap_with_room_in_the_kv_cache_is_the_running_limit():
                                                   "BENCH_C=2 BENCH_N=16 -- ")
 
 
+def exported_cap(value: int) -> deployment.Served:
+    return deployment.Served("http://h:8000", {"max_num_seqs": deployment.Known(
+        value, "exported", "vLLM /server_info scheduler_config.max_num_seqs")})
+
+
+def prefill_held(*, plateau: tuple[float, ...], running: tuple[float, float]) -> dict:
+    """Tune's baseline in CI: four users of 2,048-token prompts (1,920 shared) on the CPU build's
+    cap of 128 with prefix caching off; TTFT p95 over 1 s, a third of it queued."""
+    return window(n=16, seconds=20.0, queue=0.45, prefill=0.4, decode=0.3, prompt=2048, output=16, hits=0.0,
+                  running=running, waiting=(0, 2), plateau=plateau,
+                  cache_config={**CACHE_CONFIG, "enable_prefix_caching": "False"})
+
+
+def test_requests_that_wait_with_the_exported_cap_far_from_reached_wait_for_the_prefills_ahead():
+    """Four in flight never reach a cap of 128: what holds a request is the step's token budget
+    the prefills ahead of it spend (vLLM admits no waiting request once it is 0), so the queue is
+    the prefills', and their cause, the cache being off, is the root, not the cap."""
+    r = diagnosed(prefill_held(plateau=(3, 2, 3), running=(2, 4)), slo=slo_targets.Targets(300),
+                  served=exported_cap(128))
+    assert kinds(r) == ["prefix_cache_off", "prefill", "queue"]
+    _, prefill, queue = r["diagnosis"]["findings"]
+    assert (prefill["caused_by"], queue["caused_by"]) == ("prefix_cache_off", "prefill")
+    assert prefill["evidence"].startswith("requests waited while at most 4 ran of the 128 that --max-num-seqs allows "
+                                          "(vLLM /server_info scheduler_config.max_num_seqs) and the KV cache had room")
+    assert queue["evidence"].startswith("requests wait for the prefills ahead: ")
+    plan_settings = [lever["setting"] for lever in r["diagnosis"]["plan"]]
+    assert plan_settings[0] == "--enable-prefix-caching" and "--max-num-seqs" not in plan_settings
+
+
+@pytest.mark.parametrize("cap, plateau, running, root", [
+    (128, (3, 2, 3), (2, 4), "prefix_cache_off"),  # 124 slots never taken
+    (6, (3, 2, 3), (2, 4), "prefix_cache_off"),    # 2 never taken: a gauge misses at most one
+    (5, (3, 2, 3), (2, 4), "running_limit"),       # 1 never seen taken: the one that just finished
+    (4, (4, 4, 3), (4, 4), "running_limit"),       # at the cap while others wait
+])
+def test_the_cap_holds_requests_only_where_every_count_of_them_running_comes_near_it(cap, plateau, running, root):
+    r = diagnosed(prefill_held(plateau=plateau, running=running), served=exported_cap(cap))
+    assert r["diagnosis"]["root_cause"]["kind"] == root
+
+
 def test_an_admission_cap_below_max_num_seqs_is_the_running_limit_named_by_its_own_flag():
     """vLLM 0.32's --max-num-active-seqs admits fewer into RUNNING than --max-num-seqs sizes the
     runner for: raising --max-num-seqs would change nothing."""
@@ -508,6 +548,30 @@ def test_without_dev_mode_vllm_says_only_its_max_model_len():
     served = deployment.server_settings("http://h:8000", "vllm", transport=server({
         "/v1/models": {"data": [{"id": "m", "max_model_len": 4096}]}}))
     assert list(served.settings) == ["max_model_len"]
+
+
+@pytest.mark.parametrize("failures, status, asked, settings, said", [
+    ([httpx.ReadTimeout("timed out")], 200, 2, ["max_model_len", "max_num_seqs"], ""),  # a busy server, once
+    ([httpx.ReadTimeout("timed out")] * 2, 200, 2, ["max_model_len"], "/server_info did not answer twice"),
+    ([], 503, 2, ["max_model_len"], "answered HTTP 503"),
+    ([], 404, 1, ["max_model_len"], ""),  # no dev mode: the route is not there, asked once
+])
+def test_a_server_info_that_does_not_answer_is_asked_again_and_stderr_says_why(failures, status, asked, settings,
+                                                                               said, capsys):
+    calls = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 4096}]})
+        calls.append(request.url.path)
+        if len(calls) <= len(failures):
+            raise failures[len(calls) - 1]
+        return httpx.Response(status, json=VLLM_SERVER_INFO)
+    served = deployment.server_settings("http://h:8000", "vllm", timeout=1.0, transport=httpx.MockTransport(answer))
+    assert (len(calls), [name for name in settings if name in served.settings]) == (asked, settings)
+    assert set(served.settings) >= set(settings) and ("max_num_seqs" in served.settings) == ("max_num_seqs" in settings)
+    err = capsys.readouterr().err
+    assert (said in err if said else err == ""), err
 
 
 def test_sglang_server_info_is_read_field_by_field_and_its_key_never_kept():

@@ -31,7 +31,7 @@ from vllm_server import REPO
 from rooflib.core import stats
 from rooflib.load import analysis, comparison
 from rooflib.render import report_html, report_inputs
-from rooflib.server import engine_metrics, snapshots
+from rooflib.server import deployment, engine_metrics, snapshots
 from rooflib.server.slo_targets import Targets
 from rooflib.serving import levers, profiles, trials
 from rooflib.serving import tune as tuning
@@ -101,6 +101,26 @@ def test_the_diagnosis_is_told_each_setting_the_profile_sets_and_not_what_it_lea
     assert {name: (known.value, known.source) for name, known in served.settings.items()} == {
         "max_num_seqs": (1, "exported"), "prefix_caching": (False, "exported")}
     assert served.settings["max_num_seqs"].how == "the engine's command line (profile cpu-tiny)"
+    # What the profile leaves to the engine's defaults comes from the engine's own answer; the
+    # command line wins where both say it.
+    own = deployment.Served("http://127.0.0.1:8000", {
+        "max_num_seqs": deployment.Known(128, "exported", "vLLM /server_info scheduler_config.max_num_seqs"),
+        "max_num_batched_tokens": deployment.Known(2048, "exported", "vLLM /server_info scheduler_config.max_num_batched_tokens")})
+    served = levers.served_with(profile, "http://127.0.0.1:8000", "cpu-tiny", own)
+    assert {name: (known.value, known.how.split(" ")[0]) for name, known in served.settings.items()} == {
+        "max_num_seqs": (1, "the"), "prefix_caching": (False, "the"), "max_num_batched_tokens": (2048, "vLLM")}
+
+
+@pytest.mark.parametrize("profile, env, dev_mode", [
+    ({"engine": "vllm"}, {}, "1"),
+    ({"engine": "vllm", "host": "localhost"}, {"X": "1"}, "1"),
+    ({"engine": "vllm", "host": "0.0.0.0"}, {}, None),       # reachable from elsewhere: dev routes stay off
+    ({"engine": "vllm"}, {"VLLM_SERVER_DEV_MODE": "0"}, "0"),  # the profile's own word wins
+    ({"engine": "sglang"}, {}, None),                          # /get_server_info needs no dev mode
+])
+def test_a_vllm_tune_starts_on_this_machine_says_its_defaults_on_server_info(profile, env, dev_mode):
+    assert tuning.engine_env(profile, env).get("VLLM_SERVER_DEV_MODE") == dev_mode
+    assert tuning.engine_env(profile, env).items() >= env.items()
 
 
 def test_a_healthy_diagnosis_and_no_diagnosis_give_no_change():

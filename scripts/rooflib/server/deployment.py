@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import httpx
 
-from rooflib.core import http_client
+from rooflib.core import http_client, printing
 from rooflib.core.errors import ServerError, UsageError
 from rooflib.server import model_listing
 
@@ -151,11 +151,24 @@ def server_settings(url: str, engine: str, api_key: str | None = None, timeout: 
                 found["max_model_len"] = Known(length, EXPORTED, "/v1/models max_model_len")
         except (ServerError, UsageError):
             pass
-        try:
-            if engine == "vllm":
-                found.update(from_vllm(http_client.get_json(http, "/server_info", params={"config_format": "json"})))
-            else:
-                found.update(from_sglang(http_client.get_json(http, "/get_server_info")))
-        except ServerError:  # vLLM without VLLM_SERVER_DEV_MODE=1 answers 404
-            pass
+        found.update(_own_settings(http, engine))
     return Served(url, found)
+
+
+def _own_settings(http: httpx.Client, engine: str) -> dict[str, Known]:
+    """The settings the engine's own route says, asked twice where it did not answer (a server busy
+    starting or serving may miss one timeout); a route the server lacks (vLLM without
+    VLLM_SERVER_DEV_MODE=1 answers 404) is not asked again. Where it still does not answer, stderr
+    says so: the settings it would have said are then inferred or unknown for that reason."""
+    path, params, read = ("/server_info", {"config_format": "json"}, from_vllm) if engine == "vllm" else \
+        ("/get_server_info", None, from_sglang)
+    for attempt in (1, 2):
+        try:
+            return read(http_client.get_json(http, path, params=params))
+        except ServerError as exc:
+            if "answered HTTP 4" in str(exc):
+                return {}
+            if attempt == 2:
+                printing.progress(f"{path} did not answer twice ({exc}): the settings it says are read from the "
+                                  "metrics or inferred")
+    return {}

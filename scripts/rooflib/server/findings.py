@@ -11,6 +11,7 @@ from rooflib.server.deployment import EXPORTED, UNKNOWN, Known
 from rooflib.server.known_settings import (
     EXPLICIT_KV,
     FLAGS,
+    FREE_SLOTS,
     KV_FULL,
     KV_ROOM,
     LARGE_BATCH,
@@ -58,11 +59,18 @@ def _limit(r: Reading, s: Mapping[str, Known]) -> tuple[str | None, str, str]:
     if r.preemptions:
         return "kv_cache", f"{r.preemptions:g} preemptions", "high: the preemption counter cannot miss one"
     held = held_tokens(r)
+    little = ""
     if held is not None and kv_tokens:
         little = (f"the {r.running_mean:.1f} requests running on average (Little's law over the window) held "
                   f"about {held:,.0f} of {kv_tokens:,} KV tokens ({footprint:,.0f} per request)")
         if held >= kv_tokens / 2 or (kv_max or 0) >= KV_FULL:
             return "kv_cache", little, "high: histograms of the window and the exported cache size"
+    taken = _most_running(r)
+    if seqs.source == EXPORTED and seqs.value and taken is not None and seqs.value - taken >= FREE_SLOTS \
+            and (kv_max or 0) < KV_FULL:
+        return "prefill", _budget_evidence(r, s, taken), \
+            "high: the exported cap against every count of requests running at once"
+    if little:
         return "running_limit", little, ("high" if seqs.source == EXPORTED else "medium") + \
             ": Little's law over the window" + ("" if seqs.source == EXPORTED else ", the cap inferred")
     if fit is not None and seqs.value and seqs.source == EXPORTED and seqs.value < fit and (kv_max or 0) < KV_FULL:
@@ -82,6 +90,27 @@ def _limit(r: Reading, s: Mapping[str, Known]) -> tuple[str | None, str, str]:
         return "running_limit", f"KV usage at most {pct(kv_max)} while requests waited", \
             f"low: {r.gauge_samples} gauge samples can miss the peak; measure with WINDOW=30 under load"
     return None, "", ""
+
+
+def _most_running(r: Reading) -> float | None:
+    """The most requests any figure saw running at once: the busiest gauge sample, one where others
+    waited, the mean over the window (Little's law)."""
+    counts = [c for c in (r.running_peak, r.running_while_waiting, r.running_mean) if c is not None]
+    return max(counts) if counts else None
+
+
+def _budget_evidence(r: Reading, s: Mapping[str, Known], taken: float) -> str:
+    """Why requests waited with slots free: the engine starts a waiting request only when its
+    step's token budget has room after the running requests (vLLM's scheduler stops admitting at a
+    budget of 0, vllm/v1/core/sched/scheduler.py; SGLang's PrefillAdder at --chunked-prefill-size
+    and the KV it reserves for the running requests' next tokens), and long prompts fill it."""
+    flags = engine_flags(r, s)
+    budget = f"{flags['batched']} {said(s['max_num_batched_tokens'])}"
+    return (f"requests waited while at most {taken:.0f} ran of the {s['max_num_seqs'].value} that "
+            f"{flags['seqs']} allows ({s['max_num_seqs'].how}) and the KV cache had room: a waiting request "
+            f"starts only when a step's token budget ({budget}) has room left by the prefills of the "
+            "requests ahead of it" + (" (SGLang also while the KV it reserves for the running requests' next "
+                                      "tokens leaves room)" if r.engine == "sglang" else ""))
 
 
 def _kv_finding(r: Reading, s: Mapping[str, Known], evidence: str, confidence: str) -> dict[str, Any]:
@@ -126,19 +155,23 @@ def findings(r: Reading, s: Mapping[str, Known]) -> list[dict[str, Any]]:
                               confidence, setting=flags["seqs"], known=seqs))
     if queued:
         found.append(_finding("queue", (
-            f"requests wait for a slot: queue mean {ms(queue.mean)} = {pct(share)} of e2e (p95 "
+            f"requests wait {'for the prefills ahead' if limit == 'prefill' else 'for a slot'}: queue mean "
+            f"{ms(queue.mean)} = {pct(share)} of e2e (p95 "
             f"{quantile_text(queue, 'p95')}); TTFT p95 {quantile_text(ttft, 'p95')}" + (
                 "" if limit else "; these figures cannot tell the KV cache from the running-requests cap")),
             HIGH if limit else "low: which limit holds the requests is not known", limit))
     found += _prefix_findings(r, s, flags, limit == "kv_cache")
     prefix_root = next((f["kind"] for f in found if f["kind"].startswith("prefix_")), None)
-    if not queued and over_target(ttft, "p95", slo.ttft_p95_ms):
+    # Requests held by prefills (limit "prefill") make the prefill finding whatever the targets say:
+    # it is the cause of their queue.
+    if (limit == "prefill" and queued) or (not queued and over_target(ttft, "p95", slo.ttft_p95_ms)):
         steps = prefill_steps(r, s)
         # Prompts split over several engine steps are a measured cause of their own: it leads a low
         # hit rate whose gain depends on what the prompts share (the cache being off still leads).
         cause = None if steps and prefix_root == "prefix_unstable" else prefix_root
         found.append(_finding("prefill", (
-            f"{above_target(ttft, 'p95', slo.ttft_p95_ms, 'TTFT')} with little queueing (queue {pct(share)} of e2e)"
+            (f"{evidence}; TTFT p95 {quantile_text(ttft, 'p95')}" if limit == "prefill" and queued else
+             f"{above_target(ttft, 'p95', slo.ttft_p95_ms, 'TTFT')} with little queueing (queue {pct(share)} of e2e)")
             + (f": prefill mean {ms(r.prefill_ms.mean)}" if r.prefill_ms.mean is not None else "")
             + f", prompts of {tokens_text(r.prompt_tokens_mean)} tokens on average"
             + (f", {steps} engine steps each under {flags['batched']} {said(s['max_num_batched_tokens'])}"

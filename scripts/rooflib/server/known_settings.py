@@ -20,6 +20,8 @@ PREFIX_LOW = 0.2            # prefix-cache hit rate below which long prompts are
 PREFIX_LONG_PROMPT = 512    # mean prompt tokens from which recomputing a shared prefix costs real prefill
 STALL_RATIO = 4             # an ITL p99 this many times the mean gap: tokens wait behind prefills
 LARGE_BATCH = 64            # running requests from which a smaller batch is a decode lever
+FREE_SLOTS = 2              # slots of an exported cap never taken while requests waited: the cap did not hold
+                            # them (a gauge may read the cap less the one request that just finished)
 KV_HEADROOM = 0.95          # the largest --gpu-memory-utilization a lever proposes
 KV_STEP = 0.03              # how far one lever raises it
 LIGHT_C, LIGHT_N = 2, 16    # a verify bench on a live server: light beside the users' traffic

@@ -63,13 +63,15 @@ DIAGNOSIS_NAMES = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "ma
                    "tensor_parallel_size": "tensor_parallel_size"}
 
 
-def served_with(profile: Mapping[str, Any], url: str, source: str) -> Served:
+def served_with(profile: Mapping[str, Any], url: str, source: str, exported: Served | None = None) -> Served:
     """What an engine started from `profile` runs with, for the diagnosis: each setting the profile
     sets is on the engine's command line, as sure as what a server exports. A setting it leaves out
-    is the engine's default: the diagnosis reads it from /metrics or infers it, as for any server."""
+    is the engine's default: what the engine says of itself (`exported`: its /server_info or
+    /get_server_info), else what the diagnosis reads from /metrics or infers, as for any server."""
     how = f"the engine's command line (profile {source})"
-    return Served(url, {name: Known(profile[key], EXPORTED, how) for key, name in DIAGNOSIS_NAMES.items()
-                        if profile.get(key) is not None})
+    return Served(url, {**(exported.settings if exported else {}),
+                        **{name: Known(profile[key], EXPORTED, how) for key, name in DIAGNOSIS_NAMES.items()
+                           if profile.get(key) is not None}})
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import yaml
 from rooflib.core import cli, fileio, printing, signals
 from rooflib.core.errors import ServerError, UsageError
 from rooflib.load import asyncclient, benchrun, comparison
-from rooflib.server import engine_metrics, metric_sources, snapshots
+from rooflib.server import deployment, engine_metrics, metric_sources, snapshots
 from rooflib.server.deployment import Served
 from rooflib.serving import levers, profiles, trials
 
@@ -96,10 +96,25 @@ def client_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def engine_env(profile: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """The extra environment of an engine tune starts: the profile's `env`, and for a vLLM that
+    listens on this machine only, VLLM_SERVER_DEV_MODE=1 (unless the profile sets it): its
+    /server_info then says the settings the profile leaves to vLLM's defaults (the running cap, the
+    per-step token budget), which no metric exports. Dev mode's other routes would reach beyond
+    this machine where the engine listens beyond it, so there it stays off."""
+    if profile["engine"] == "vllm" and profile.get("host", "127.0.0.1") in LOOPBACK:
+        return {"VLLM_SERVER_DEV_MODE": "1", **env}
+    return dict(env)
+
+
 def start_engine(profile: Mapping[str, Any], port: int, log: Path, timeout_s: float) -> Engine:
     """Start the engine of `profile` in its own process group and wait until /health answers;
     UsageError for a port in use or no engine Python, ServerError when it does not start."""
     argv, env = profiles.render(dict(profile), port)
+    env = engine_env(profile, env)
     host = profile.get("host", "127.0.0.1")
     profiles.check_port_free(host, port)
     began = time.monotonic()
@@ -263,8 +278,9 @@ class Runner:
                   f"requests, {options.warmup} warm-up)")
         began = time.monotonic()
         self.show.runs += 1  # a run the engine crashed in counts against the budget too
+        exported = deployment.server_settings(self.engine.url, profile["engine"], self.api_key, options.timeout_s)
         result = bench_once(self.engine.url, self.api_key, options, self.setup.out / f"{name}.json",
-                            levers.served_with(profile, self.engine.url, self.setup.source))
+                            levers.served_with(profile, self.engine.url, self.setup.source, exported))
         self.show.bench_s.append(time.monotonic() - began)
         return result
 
