@@ -288,12 +288,15 @@ def exported_cap(value: int) -> deployment.Served:
         value, "exported", "vLLM /server_info scheduler_config.max_num_seqs")})
 
 
-def prefill_held(*, plateau: tuple[float, ...], running: tuple[float, float]) -> dict:
+def prefill_held(*, plateau: tuple[float, ...], running: tuple[float, float], kv_requests: float = 155.0) -> dict:
     """Tune's baseline in CI: four users of 2,048-token prompts (1,920 shared) on the CPU build's
-    cap of 128 with prefix caching off; TTFT p95 over 1 s, a third of it queued."""
+    cap of 128 with prefix caching off; TTFT p95 over 1 s, a third of it queued. The KV cache
+    holds `kv_requests` of them (2,064 tokens each)."""
+    kv_tokens = round(kv_requests * 2064)
     return window(n=16, seconds=20.0, queue=0.45, prefill=0.4, decode=0.3, prompt=2048, output=16, hits=0.0,
                   running=running, waiting=(0, 2), plateau=plateau,
-                  cache_config={**CACHE_CONFIG, "enable_prefix_caching": "False"})
+                  cache_config={**CACHE_CONFIG, "enable_prefix_caching": "False", "kv_cache_size_tokens": str(kv_tokens),
+                                "kv_cache_max_concurrency": str(kv_tokens / 4096)})
 
 
 def test_requests_that_wait_with_the_exported_cap_far_from_reached_wait_for_the_prefills_ahead():
@@ -312,14 +315,16 @@ def test_requests_that_wait_with_the_exported_cap_far_from_reached_wait_for_the_
     assert plan_settings[0] == "--enable-prefix-caching" and "--max-num-seqs" not in plan_settings
 
 
-@pytest.mark.parametrize("cap, plateau, running, root", [
-    (128, (3, 2, 3), (2, 4), "prefix_cache_off"),  # 124 slots never taken
-    (6, (3, 2, 3), (2, 4), "prefix_cache_off"),    # 2 never taken: a gauge misses at most one
-    (5, (3, 2, 3), (2, 4), "running_limit"),       # 1 never seen taken: the one that just finished
-    (4, (4, 4, 3), (4, 4), "running_limit"),       # at the cap while others wait
+@pytest.mark.parametrize("cap, plateau, running, kv_requests, root", [
+    (128, (3, 2, 3), (2, 4), 155, "prefix_cache_off"),  # 124 slots never taken
+    (6, (3, 2, 3), (2, 4), 155, "prefix_cache_off"),    # 2 never taken: a gauge misses at most one
+    (5, (3, 2, 3), (2, 4), 155, "running_limit"),       # 1 never seen taken: the one that just finished
+    (4, (4, 4, 3), (4, 4), 155, "running_limit"),       # at the cap while others wait
+    (128, (3, 2, 3), (2, 4), 5, "kv_cache"),            # slots free, but no KV room for two more
 ])
-def test_the_cap_holds_requests_only_where_every_count_of_them_running_comes_near_it(cap, plateau, running, root):
-    r = diagnosed(prefill_held(plateau=plateau, running=running), served=exported_cap(cap))
+def test_the_cap_holds_requests_only_where_every_count_of_them_running_comes_near_it(cap, plateau, running,
+                                                                                     kv_requests, root):
+    r = diagnosed(prefill_held(plateau=plateau, running=running, kv_requests=kv_requests), served=exported_cap(cap))
     assert r["diagnosis"]["root_cause"]["kind"] == root
 
 

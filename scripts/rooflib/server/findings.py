@@ -68,6 +68,12 @@ def _limit(r: Reading, s: Mapping[str, Known]) -> tuple[str | None, str, str]:
     taken = _most_running(r)
     if seqs.source == EXPORTED and seqs.value and taken is not None and seqs.value - taken >= FREE_SLOTS \
             and (kv_max or 0) < KV_FULL:
+        # Slots were free: the KV cache or the step's token budget held them, the cache where it
+        # has no room for the next requests of the mean size.
+        if fit is not None and fit < taken + FREE_SLOTS:
+            return "kv_cache", (f"at most {taken:.0f} ran of the {seqs.value} the cap allows, with no room in the "
+                                "cache for two more"), \
+                "medium: the exported cap and cache size against the finished requests' lengths"
         return "prefill", _budget_evidence(r, s, taken), \
             "high: the exported cap against every count of requests running at once"
     if little:
