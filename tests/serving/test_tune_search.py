@@ -6,6 +6,7 @@ here; the real-vLLM ones start from cpu-tiny with a setting the diagnosis does n
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -180,11 +181,19 @@ def test_a_running_cap_the_diagnosis_does_not_name_is_lowered_and_its_cost_to_th
     p95 39 ms, mean 37 ms with 48 running (0.77 ms a running request), so 10 ms gives a cap of 12,
     and a cap of at least 1 while the mean per running request times p95/mean stays under 10 ms,
     12 times the idle 0.8 ms. A target of 5 ms left no cap on a machine running three tune tests
-    beside two busy loops, and tune rightly went on to the prefill chunks."""
-    case = tune_vs_grid.Case(("max_num_seqs=256",), ("-n", "96", "-c", "48", "--input-tokens", "300",
-                                                     "--output-tokens", "150", "--slo-tpot-p95-ms", "10"),
-                             "max_num_seqs", runs=2)
+    beside two busy loops, and tune rightly went on to the prefill chunks; so did 10 ms once in a
+    fresh-clone run beside two busy loops. Where the model says so, tune is run again at a target
+    taken from that baseline: half its TPOT p95, which it misses and which leaves a cap of about
+    half the requests it ran (fewer_running: target x running / p95)."""
+    load = ("-n", "96", "-c", "48", "--input-tokens", "300", "--output-tokens", "150")
+    case = tune_vs_grid.Case(("max_num_seqs=256",), (*load, "--slo-tpot-p95-ms", "10"), "max_num_seqs", runs=2)
     code, doc = tuned(case, tmp_path)
+    if any(line.startswith("max_num_seqs: no cap below the ") for line in doc["passed_over"]):
+        baseline = json.loads((tmp_path / "out" / "baseline.json").read_text())
+        assert levers.running_mean(baseline, {"max_num_seqs": 256}) >= 2, baseline.get("timeline")
+        case = dataclasses.replace(case, load=(*load, "--slo-tpot-p95-ms", f"{baseline['tpot_ms']['p95'] / 2:.1f}"))
+        tmp_path = tmp_path / "again"
+        code, doc = tuned(case, tmp_path)
     assert code == (0 if doc["slo_holds"] else 1) and doc["runs"] == 2 and not doc["interrupted"]
     plan = json.loads((tmp_path / "out" / "baseline.json").read_text())["server"]["metrics"]["diagnosis"]["plan"]
     assert not [lever for lever in plan if lever["setting"] == "--max-num-seqs" and (lever["proposed"] or 256) < 256]
