@@ -315,6 +315,20 @@ def test_requests_that_wait_with_the_exported_cap_far_from_reached_wait_for_the_
     assert plan_settings[0] == "--enable-prefix-caching" and "--max-num-seqs" not in plan_settings
 
 
+def test_on_sglang_the_same_queue_names_its_flags_and_the_kv_it_reserves():
+    snap = {**prefill_held(plateau=(3, 2, 3), running=(2, 4)), "engine": "sglang"}
+    served = deployment.Served("http://h:30000", {
+        "max_num_seqs": deployment.Known(48, "exported", "SGLang /get_server_info max_running_requests"),
+        "max_num_batched_tokens": deployment.Known(8192, "exported", "SGLang /get_server_info chunked_prefill_size")})
+    r = diagnosed(snap, served=served)
+    prefill = next(f for f in r["diagnosis"]["findings"] if f["kind"] == "prefill")
+    assert prefill["evidence"].startswith("requests waited while at most 4 ran of the 48 that --max-running-requests "
+                                          "allows (SGLang /get_server_info max_running_requests)")
+    assert "(--chunked-prefill-size 8,192 (exported" in prefill["evidence"]
+    assert "SGLang also while the KV it reserves for the running requests' next tokens leaves room" in prefill["evidence"]
+    assert [f["kind"] for f in r["diagnosis"]["findings"]][-2:] == ["prefill", "queue"]
+
+
 @pytest.mark.parametrize("cap, plateau, running, kv_requests, root", [
     (128, (3, 2, 3), (2, 4), 155, "prefix_cache_off"),  # 124 slots never taken
     (6, (3, 2, 3), (2, 4), 155, "prefix_cache_off"),    # 2 never taken: a gauge misses at most one
