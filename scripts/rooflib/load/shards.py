@@ -106,14 +106,20 @@ def kernel_clock() -> dict[str, Any]:
 
 
 def clock() -> dict[str, Any]:
-    """This process's clocks: the offset that turns its monotonic timestamps into wall-clock ones
-    (read back to back), the kernel that keeps them, and the kernel's estimate of their error."""
-    mono, wall = time.perf_counter_ns(), time.time_ns()
+    """This process's clocks: the offset that turns its monotonic timestamps into wall-clock ones,
+    the kernel that keeps them, and the kernel's estimate of their error. The offset is the wall
+    clock read between two monotonic readings, from the closest pair of five: a process preempted
+    between two reads (a busy machine) would otherwise shift every timestamp by the time it lost."""
+    brackets = []
+    for _ in range(5):
+        before, wall, after = time.perf_counter_ns(), time.time_ns(), time.perf_counter_ns()
+        brackets.append((after - before, wall - (before + after) // 2))
+    offset = min(brackets)[1]
     try:
         boot = BOOT_ID.read_text(encoding="ascii").strip()
     except OSError:
         boot = None
-    return {"wall_minus_monotonic_ns": wall - mono, "kernel": boot, **kernel_clock()}
+    return {"wall_minus_monotonic_ns": offset, "kernel": boot, **kernel_clock()}
 
 
 def section(shard: Shard | None, start_at_s: float | None, measured_from_ns: int | None,
