@@ -43,7 +43,7 @@ EXPECTED = {
         "--host 127.0.0.1 --port 8000 --dtype bfloat16 --max-model-len 16384 --gpu-memory-utilization 0.92 "
         "--kv-cache-dtype fp8 --max-num-seqs 32 --enable-prefix-caching --enable-auto-tool-choice --tool-call-parser hermes"),
     "cpu-tiny-sglang": (
-        f"SGLANG_USE_CPU_ENGINE=1 OMP_NUM_THREADS=1 {CACHE}/sglang-cpu/bin/python -m sglang.launch_server "
+        f"SGLANG_USE_CPU_ENGINE=1 {CACHE}/sglang-cpu/bin/python -m sglang.launch_server "
         f"--model-path {CACHE}/models/v2/tiny-qwen3 --served-model-name tiny-qwen3 --host 127.0.0.1 --port 30000 "
         "--dtype bfloat16 --context-length 4096 --mem-fraction-static 0.3 --tool-call-parser qwen25 --enable-metrics "
         "--device cpu --attention-backend torch_native --skip-server-warmup --sleep-on-idle --max-total-tokens 131072 "

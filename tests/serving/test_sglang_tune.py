@@ -23,7 +23,7 @@ from rooflib.serving import profiles
 # busy machine stays small beside them: with 16 tokens a fresh-clone run beside two busy loops
 # measured the raised cap at TTFT p95 +9.8% (95% CI -1.4% .. +187.7%, 8 requests), where an
 # earlier one measured -58.8%. Light otherwise: a busy machine slows SGLang's CPU engine to a few
-# tokens a second (and see the profile's OMP_NUM_THREADS).
+# tokens a second.
 RUNNING_LIMIT = tune_vs_grid.Case(("max_num_seqs=1", "enable_prefix_caching=false"),
                                   ("-n", "8", "-c", "8", "--input-tokens", "128", "--output-tokens", "64",
                                    "--slo-ttft-p95-ms", "500"), "max_num_seqs", runs=3)
