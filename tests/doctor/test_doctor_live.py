@@ -76,10 +76,15 @@ def starved(vllm_factory):
 # --------------------------------------------------------------------------------------------
 # In front of the engine
 
+def first_token_part_ms(result: dict, *names: str) -> float:
+    """The named segments' part of the probe's first token, in ms."""
+    budget = next(b for b in result["budgets"] if b["symptom"] == "first-token")
+    return sum(s["size"] or 0.0 for s in budget["segments"] if s["name"] in names)
+
+
 def engine_part_ms(result: dict) -> float:
     """The engine's own part of the probe's first token (queue + prefill, as its histograms say)."""
-    budget = next(b for b in result["budgets"] if b["symptom"] == "first-token")
-    return sum(s["size"] or 0.0 for s in budget["segments"] if s["name"] in ("queue", "prefill"))
+    return first_token_part_ms(result, "queue", "prefill")
 
 
 def first_token_doctor_behind(server, behaviour: Behaviour, users: int = 0,
@@ -139,8 +144,11 @@ def test_a_buffering_layer_is_delivery_not_the_engine(vllm_server):
 
 @pytest.mark.real_vllm
 def test_an_engine_stream_interval_is_named_with_its_value(shaped):
+    """The user's gap target sits under what the fault makes on any machine: an interval of 32
+    holds text for 32 token times, and a token of this model takes over a millisecond on vLLM's CPU
+    step (its default 100 ms target was missed by 32 tokens at 2.4 ms each beside two busy loops)."""
     with traffic(shaped.url, shaped.model, concurrency=2, prompt_words=100):
-        code, result = doctor(shaped.url, "--symptom", "streaming", "--window", WINDOW)
+        code, result = doctor(shaped.url, "--symptom", "streaming", "--window", WINDOW, "--slo-gap-p95-ms", "20")
     segment, cause, owner, current, proposed = root_of(result)
     assert (code, segment, cause, owner, current, proposed) == (1, "stream_interval", "stream_interval",
                                                                 "--stream-interval", 32, 1), result["first_line"]
@@ -186,10 +194,12 @@ def test_a_healthy_server_has_no_root_cause(vllm_server):
 
 @pytest.mark.real_vllm
 def test_a_queue_behind_the_running_cap_names_the_cap(shaped):
-    """Ten users of 450-word (about 790-token) prompts on a cap of 2: eight wait while two run, so
-    the queue is about four requests' service time against one prefill. (With six, one run in thirty
-    beside two busy loops measured a prefill larger than the queue.)"""
-    with traffic(shaped.url, shaped.model, concurrency=10, prompt_words=450, output_tokens=16, think_s=0.05):
+    """Ten users of 450-word (about 790-token) prompts and 64-token answers on a cap of 2: eight wait
+    while two run, so the queue is about four requests' service time (a prefill and 64 decode steps
+    each) against one prefill. (With six users, one run in thirty beside two busy loops measured a
+    prefill larger than the queue; with 16-token answers a fresh-clone run's TTFT p95 stayed at
+    452 ms, under the target.)"""
+    with traffic(shaped.url, shaped.model, concurrency=10, prompt_words=450, output_tokens=64, think_s=0.05):
         code, result = doctor(shaped.url, "--symptom", "first-token", "--slo-ttft-p95-ms", "500", "--window", WINDOW)
     segment, cause, owner, current, proposed = root_of(result)
     assert (code, segment, cause, owner) == (1, "queue", "running_limit", "--max-num-seqs"), result["first_line"]
@@ -199,8 +209,11 @@ def test_a_queue_behind_the_running_cap_names_the_cap(shaped):
 @pytest.mark.real_vllm
 def test_requests_the_engines_own_queue_limit_turns_away_name_that_limit(shaped):
     """Twenty-four users against at most QUEUED_LIMIT in flight: vLLM answers the rest 503 by design,
-    and counts them by reason. Its value is not exported without dev mode: a value is proposed."""
-    with traffic(shaped.url, shaped.model, concurrency=24, prompt_words=50, output_tokens=16, think_s=0.05) as counts:
+    and counts them by reason. Its value is not exported without dev mode: a value is proposed.
+    Each answer is 128 tokens, so a user spends its time waiting on the engine, not in its own
+    loop: with 16 tokens the users' threads beside two busy loops kept fewer than the limit in
+    flight, and the window held 354 requests and no 503."""
+    with traffic(shaped.url, shaped.model, concurrency=24, prompt_words=50, output_tokens=128, think_s=0.05) as counts:
         code, result = doctor(shaped.url, "--symptom", "errors", "--window", WINDOW)
     assert counts.by_status.get(503), counts.by_status  # the premise: the limit turned users away
     segment, cause, owner, current, proposed = root_of(result)
@@ -227,10 +240,16 @@ def test_a_kv_cache_too_small_names_its_size(starved):
 @pytest.mark.real_vllm
 def test_prefix_caching_off_under_a_shared_prefix_names_the_switch(starved):
     """One user at a time re-sends a 450-word (about 790-token) system prompt: with caching off,
-    prefill is the time."""
-    with traffic(starved.url, starved.model, concurrency=1, prompt_words=450, output_tokens=8, shared=True):
-        code, result = doctor(starved.url, "--symptom", "first-token", "--slo-ttft-p95-ms", "20", "--window", WINDOW,
-                              "--probe-concurrency", "1")
+    prefill is the time. The premise is a machine that hands the first token on faster than the
+    prefill takes: beside two busy loops vLLM's own API server once held it 604 ms of a 750 ms TTFT,
+    and the diagnosis rightly named that. Such an attempt is sent again (3 at most); the test
+    asserts on the last."""
+    for _ in range(3):
+        with traffic(starved.url, starved.model, concurrency=1, prompt_words=450, output_tokens=8, shared=True):
+            code, result = doctor(starved.url, "--symptom", "first-token", "--slo-ttft-p95-ms", "20",
+                                  "--window", WINDOW, "--probe-concurrency", "1")
+        if first_token_part_ms(result, "first_delivery") < first_token_part_ms(result, "prefill"):
+            break
     segment, cause, owner, current, proposed = root_of(result)
     assert (code, segment, cause, owner, current, proposed) == (1, "prefill", "prefix_cache_off",
                                                                 "--enable-prefix-caching", False, True), \
