@@ -313,11 +313,13 @@ def under_way(load: subprocess.Popen) -> None:
 def test_like_reads_the_shape_of_the_traffic_a_live_vllm_serves(vllm_server):
     """--like against a real vLLM under a known load: the prompt and output lengths it serves, and
     about the requests it holds at a time (a closed loop of 3: never more, at most one between
-    requests on the client). The window opens once the loop is under way and bench runs on until
-    it has closed (Ctrl-C then ends bench, which still reports)."""
+    requests on the client). Each request decodes 320 tokens, so the engine holds it far longer
+    than the client takes between two (with 40 a fresh-clone run beside two busy loops read 1 in
+    flight). The window opens once the loop is under way and bench runs on until it has closed
+    (Ctrl-C then ends bench, which still reports)."""
     load = subprocess.Popen([sys.executable, str(REPO / "scripts" / "bench.py"), "--url", vllm_server.url, "--json",
                              "-c", "3", "-n", "1000", "--warmup", "0", "--input-tokens", "300",
-                             "--output-tokens", "40", "--seed", "1"],
+                             "--output-tokens", "320", "--seed", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         under_way(load)
@@ -329,7 +331,7 @@ def test_like_reads_the_shape_of_the_traffic_a_live_vllm_serves(vllm_server):
     run = json.loads(stdout)
     assert run["requests"]["failed"] == 0 and run["requests"]["prompt_tokens"]["mismatched"] == 0
     assert shape["input_tokens"] == round(run["requests"]["prompt_tokens"]["mean"]) == 300
-    assert shape["output_tokens"] == 40
+    assert shape["output_tokens"] == 320
     assert shape["concurrency"] in (2, 3)
 
 
