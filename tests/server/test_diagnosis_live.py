@@ -350,12 +350,22 @@ def known_engine():
         yield server
 
 
+# The premise of every check through a proxy: this process measured its clocks well inside the
+# delay. A run whose own event loop fell further behind than this (p99; fresh-clone runs beside two
+# busy loops met 1.5 s) measured the machine, not the path: it is sent again, 3 times at most, and
+# the tests assert on the last.
+CLIENT_LAG_PREMISE_MS = 0.25 * KNOWN_DELAY_S * 1e3
+
+
 def bench_through(url: str, behaviour: Behaviour, capsys) -> dict:
-    with proxy(url, behaviour) as proxied:
-        bench.main(["--json", "--url", proxied, "-n", "6", "-c", "1", "--warmup", "0", "--input-tokens", "64",
-                    "--output-tokens", "32", "--timeline-interval", "0", "--probe", "/health", *CPU_SLO])
-    result = json.loads(capsys.readouterr().out)
-    assert result["requests"]["completed"] == 6, result["requests"]["first_errors"]
+    for _ in range(3):
+        with proxy(url, behaviour) as proxied:
+            bench.main(["--json", "--url", proxied, "-n", "6", "-c", "1", "--warmup", "0", "--input-tokens", "64",
+                        "--output-tokens", "32", "--timeline-interval", "0", "--probe", "/health", *CPU_SLO])
+        result = json.loads(capsys.readouterr().out)
+        assert result["requests"]["completed"] == 6, result["requests"]["first_errors"]
+        if (result["client"]["loop_lag_ms"]["p99"] or 0.0) < CLIENT_LAG_PREMISE_MS:
+            break
     return result
 
 
