@@ -53,8 +53,12 @@ def test_shards_send_the_run_one_process_sends(runs):
     assert merged["client"]["valid"] == all(shards_valid)
     for run in (single, merged):
         assert run["client"]["valid"] or (run["verdict"] == "INVALID" and run["verdict_reasons"]), run["verdict"]
-    # Both state the lag their figures tolerate, which benchmarks/shard_accuracy.py compares within.
-    assert set(single["client"]["lag_limits_ms"]) == set(merged["client"]["lag_limits_ms"]) >= {f for f, _ in FIGURES}
+    # Both state the lag their figures tolerate, which benchmarks/shard_accuracy.py compares within;
+    # a stalled client that read most streams whole (CI: one stalled 11.7 s) has no token gaps to size
+    # TPOT's and ITL's limits by, and leaves them out.
+    for run in (single, merged):
+        limits = set(run["client"]["lag_limits_ms"])
+        assert limits >= {"ttft_ms", "e2e_ms"} and (limits >= {f for f, _ in FIGURES} or run["requests"]["one_read"])
 
 
 def _run(figures: dict[str, float], limit_ms: float) -> dict:
