@@ -32,6 +32,16 @@ REAL_ENGINE_MARKERS = {"real_vllm": "real-vLLM", "real_sglang": "real-SGLang"}
 # Under `task test` the toolbox's own plumbing variable is already set (empty): go-task does not
 # override a variable the environment has, so the tasks the tests run would not see theirs.
 os.environ.pop("ROOFLINE_TASK_API_KEY", None)
+# The CPU engines the tests start share this machine's cores with each other, the tests' clients
+# and whatever else runs. vLLM's CPU worker binds its threads by default to all the cores but the
+# ones it keeps for its own other processes (VLLM_CPU_OMP_THREADS_BIND=auto, one core kept on x86:
+# vllm/utils/ompmultiprocessing.py), so on 2 cores every engine of the suite computed on core 0
+# ("reserved_cpus=[1]" in each engine's log). A fresh-clone run beside two busy loops (load average
+# 34) then had a new engine's worker spend ten minutes importing torch on that core, until its start
+# timed out. Unbound, with one thread each (a tiny model gains nothing from more), the kernel
+# places them on either core.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config):
