@@ -197,17 +197,17 @@ def flag_of(engine: str, key: str) -> str:
 
 def timeline(run: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """The run's gauge samples during the load: the first and the last scrape (before and after
-    it) read an idle engine."""
-    return ((run.get("timeline") or {}).get("samples") or [])[1:-1]
+    it) read an idle engine, and so does any with nothing running or waiting, a scrape a busy
+    machine delayed past the last request (a closed loop of 48 once had only such samples, so tune
+    placed no cap)."""
+    samples = ((run.get("timeline") or {}).get("samples") or [])[1:-1]
+    return [s for s in samples if s.get("running") or s.get("waiting")]
 
 
 def running_mean(run: Mapping[str, Any], profile: Mapping[str, Any]) -> float | None:
     """Requests running on average during the run: the timeline's gauge (bench's result keeps no
-    window mean of it); without a timeline, the requests in flight at the client, under the cap.
-    A sample with nothing running or waiting was read outside the load: a scrape a busy machine
-    delayed past the last request (a closed loop of 48 once had only such samples, so tune placed
-    no cap)."""
-    samples = [s["running"] for s in timeline(run) if s.get("running") or s.get("waiting")]
+    window mean of it); without a timeline, the requests in flight at the client, under the cap."""
+    samples = [s["running"] for s in timeline(run) if s.get("running") is not None]
     if samples:
         return sum(samples) / len(samples)
     in_flight, cap = (run.get("throughput") or {}).get("effective_concurrency"), profile.get("max_num_seqs")
