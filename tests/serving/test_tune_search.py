@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import tune_vs_grid
@@ -179,8 +180,8 @@ def test_a_running_cap_the_diagnosis_does_not_name_is_lowered_and_its_cost_to_th
     """The issue's case: a closed loop of 48 streams under a cap of 256 and a TPOT target far below
     what 48 running requests get. The diagnosis names no smaller cap (below 64 running it never
     does), so tune searches the figure: the cap the per-token model gives, about a quarter of the
-    running requests, which one server cannot serve the offered load at: said in the row and the
-    answer, the change kept (the user gives queue wait, the default).
+    running requests, the change kept (the user gives queue wait, the default); where one server
+    then falls behind the offered load, that cost is said in the row and the answer.
     The target leaves the model a cap on a busy machine: on an idle one the baseline measured TPOT
     p95 39 ms, mean 37 ms with 48 running (0.77 ms a running request), so 10 ms gives a cap of 12,
     and a cap of at least 1 while the mean per running request times p95/mean stays under 10 ms,
@@ -206,9 +207,18 @@ def test_a_running_cap_the_diagnosis_does_not_name_is_lowered_and_its_cost_to_th
     told = (trial["setting"], trial["from"], trial["to"], trial["decision"], trial["why"], doc["passed_over"])
     assert (trial["setting"], trial["from"], trial["figure"]) == ("max_num_seqs", 256, "tpot_p95_ms"), told
     assert trial["to"] < 48 and trial["decision"] == trials.KEPT, told
-    assert trial["throughput"]["keeps_up"] is False and trial["throughput"]["replicas"] >= 2, trial["throughput"]
-    assert "the queue grows without bound at this load" in trial["why"]
     assert kept(doc) == {"max_num_seqs": (256, trial["to"])}
+    # Whether one server still keeps up at the lower cap is the machine's: on a GPU a decode step
+    # costs about the same at any batch, so fewer running make fewer tokens; on a CPU a step grows
+    # with each running request, so the tokens a second barely move (CI made 2,908 against 2,773
+    # offered at 24 of 48). What tune says must follow what the trial measured.
+    load = trial["throughput"]
+    assert load["keeps_up"] == (load["made_tok_s"] >= trials.KEEPS_UP * load["offered_tok_s"]), load
+    if load["keeps_up"]:
+        assert "the queue grows" not in trial["why"] and doc["trade_off"] is None, (trial["why"], doc["trade_off"])
+        return
+    assert load["replicas"] == math.ceil(load["offered_tok_s"] / load["made_tok_s"]) >= 2, load
+    assert "the queue grows without bound at this load" in trial["why"]
     assert f"at max_num_seqs {trial['to']}, but one server then makes" in doc["trade_off"]
     import tune as tune_cli
     assert "Trade-off: TPOT p95 " in tune_cli.human_text(doc)
