@@ -206,6 +206,28 @@ def test_a_change_within_the_noise_is_reverted():
     assert verdict.decision == trials.REVERTED and "does not lie wholly below 0" in verdict.why
 
 
+@pytest.mark.parametrize("requests, before_stalls, after_base, after_stalls, decision, why", [
+    # 16 or 19 requests place no p95 (it needs one request beyond it, 20): one stall of the machine
+    # would decide it, so the median is judged, and the why says so.
+    (16, 0, 300, 1, trials.KEPT, "TTFT p50 -8"),
+    (19, 0, 300, 1, trials.KEPT, "TTFT p50 -8"),
+    # 20 place it: two stalls of 20 are the tail the p95 measures, and the change is not kept.
+    (20, 0, 300, 2, trials.REVERTED, "TTFT p95 "),
+    # A median three times slower is worse, though the baseline's one stall hides it in the p95.
+    (16, 1, 900, 0, trials.WORSE, "TTFT p50 +1"),
+])
+def test_runs_too_short_to_place_a_p95_are_judged_by_the_median(requests, before_stalls, after_base, after_stalls,
+                                                                decision, why):
+    before = run_doc(spread(300 if before_stalls else 2000, requests - before_stalls) + [5000] * before_stalls,
+                     spread(20, requests))
+    after = run_doc(spread(after_base, requests - after_stalls, seed=1) + [2500] * after_stalls,
+                    spread(20, requests, seed=1))
+    verdict = judged(before, after)
+    assert verdict.decision == decision and verdict.why.startswith(why), verdict
+    said = f"(judged by the median: {requests} requests a side place no p95, which needs 20)"
+    assert (said in verdict.why) == (requests < 20), verdict
+
+
 def test_a_change_that_breaks_another_slo_figure_is_a_trade_off_not_kept():
     verdict = judged(run_doc(spread(4000), spread(20)), run_doc(spread(500, seed=1), spread(80, seed=1)))
     assert verdict.decision == trials.TRADE_OFF

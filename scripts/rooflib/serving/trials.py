@@ -5,7 +5,9 @@ and measured.
 A trial is kept only when the 95% bootstrap interval of the change in the SLO figure it targets
 (compare's, rooflib/load/comparison.py) lies wholly below zero (lower latency is better), no
 request failed, and no other SLO figure that held before misses now; a change that fixes one
-figure and breaks another is a trade-off, reported and not kept. Requests the server rejects as
+figure and breaks another is a trade-off, reported and not kept. Runs too short to place the
+figure's percentile (a p95 needs 20 requests a side) are judged by the median instead, and say so.
+Requests the server rejects as
 longer than its context limit (bench --over-limit) are a figure too: a change that rejects fewer
 is kept. A change is also weighed against the load: one server that makes fewer tokens a second
 than the baseline served (the load offered) lets the queue grow without bound; that is said with
@@ -136,9 +138,31 @@ def judge(comparison: Mapping[str, Any], before: Mapping[str, Any], after: Mappi
         return Verdict(REVERTED, f"{label} cannot be compared (fewer than two requests on a side)")
     if row["ci95_pct"][0] > 0:
         return Verdict(WORSE, f"{label} {_interval(row)}: the interval lies wholly above 0")
+    said = f"{label} {_interval(row)}"
+    median = median_instead(comparison, target)
+    if median is not None:
+        row, said = median
+        if row["ci95_pct"][0] > 0:
+            return Verdict(WORSE, f"{said}: the interval lies wholly above 0")
     if row["ci95_pct"][1] >= 0:
-        return Verdict(REVERTED, f"{label} {_interval(row)}: the interval does not lie wholly below 0")
-    return _unless_broken(before, after, target, f"{label} {_interval(row)}")
+        return Verdict(REVERTED, f"{said}: the interval does not lie wholly below 0")
+    return _unless_broken(before, after, target, said)
+
+
+def median_instead(comparison: Mapping[str, Any], target: str) -> tuple[Mapping[str, Any], str] | None:
+    """The median's row and words, where the runs are too short to place the figure's percentile:
+    a percentile is placed once at least one request lies beyond it (compare reports p99 from 100
+    requests for the same reason). Below that a p95 is about the slowest request, and one stall of
+    the machine decides the trial, so the change is judged by the median, and its why says so; a
+    p95 whose interval lies wholly above zero is still worse."""
+    section, stat, words = FIGURES[target]
+    rows = {row["name"]: row for row in comparison.get("metrics") or []}
+    tail, median = rows.get(f"{section}.{stat}"), rows.get(f"{section}.p50")
+    needs = math.ceil(100 / (100 - float(stat[1:])))
+    if tail is None or median is None or min(tail["n"]) >= needs:
+        return None
+    return median, (f"{words.replace(stat, 'p50')} {_interval(median)} (judged by the median: {min(tail['n'])} "
+                    f"requests a side place no {stat}, which needs {needs})")
 
 
 def _judge_rejected(before: Mapping[str, Any], after: Mapping[str, Any]) -> Verdict:
