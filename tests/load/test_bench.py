@@ -353,6 +353,18 @@ def test_verdicts_and_exit_codes():
     assert none["verdict"] == "NO SLO" and analysis.exit_code(none) == 0
 
 
+@pytest.mark.parametrize("spans_ms, peak", [
+    ([(0, 100), (0, 100), (0, 100)], 3),                  # sent together
+    ([(0, 100), (100, 200), (200, 300)], 1),              # one sent as the last one ends: never two at once
+    ([(0, 300), (50, 100), (150, 200), (250, 400)], 2),   # a long one beside short ones that come and go
+    ([], 0),
+])
+def test_the_peak_in_flight_is_the_most_requests_the_client_had_out_at_once(spans_ms, peak):
+    done = [dataclasses.replace(_done(i, end - start, 0, tokens=1), sent_ns=int(start * 1e6),
+                                token_times=[int(end * 1e6)]) for i, (start, end) in enumerate(spans_ms)]
+    assert analysis.peak_in_flight(done) == peak
+
+
 def test_out_of_file_descriptors_comes_first_when_the_client_also_stalled():
     outcomes = [_done(i, 100, 10) for i in range(10)] + [request_outcome.Outcome(10, error="client_fd_limit")]
     stalled = analysis.analyse(outcomes, _config(), [0.01] * 50 + [300.0] * 5, 1, 1)

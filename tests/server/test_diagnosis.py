@@ -37,6 +37,7 @@ from rooflib.server.reading import Latency, Reading
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 REPO = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
 FINDING_KEYS = {"kind", "evidence", "confidence", "caused_by", "setting", "current", "current_source"}
 LEVER_KEYS = {"setting", "current", "current_source", "proposed", "reason", "effect", "text"}
 
@@ -186,6 +187,26 @@ def test_a_full_kv_cache_never_asks_for_more_running_requests(names, seconds):
     assert not any("make sure prefix caching" in lever["text"] or "raise --max" in lever["text"]
                    for lever in r["diagnosis"]["plan"])
 
+
+
+@pytest.mark.parametrize("client_peak, proposed, said", [
+    # The gauge samples of this window read 0 running and 0 waiting (the load came between them):
+    # without the client's count, the size doubles as a first step.
+    (None, 8 * MIB, "twice the size is a first step"),
+    # A bench that had 16 out at once sizes it for them: 16 x 768 tokens over the 2,048 it holds.
+    (16, 24 * MIB, "the requests in flight (16 at once at the busiest moment of the bench's own requests, 2.3 on "
+                   "average) need about 12,288 KV tokens, the cache holds 2,048"),
+])
+def test_the_kv_cache_is_sized_for_the_most_requests_the_client_had_in_flight(client_peak, proposed, said):
+    snaps = [snapshots.snapshot((FIXTURES / name).read_text(), name)
+             for name in ("vllm-0.32-preempt-before.txt", "vllm-0.32-preempt-after.txt")]
+    snaps[0]["time"], snaps[1]["time"] = 0.0, 11.92
+    r = engine_metrics.report(snapshots.difference(*snaps), client_peak_in_flight=client_peak)
+    assert_one_plan(r)
+    assert (r["running_peak"], r["waiting_peak"]) == (0, 0)
+    lever = r["diagnosis"]["plan"][0]
+    assert (lever["setting"], lever["current"], lever["proposed"]) == ("--kv-cache-memory-bytes", 4 * MIB, proposed)
+    assert said in lever["reason"], lever["reason"]
 
 def test_sglang_low_hits_under_a_full_cache_are_evictions_not_a_switch_to_turn_on():
     r = fixture_report("sglang-0.5-tp2.txt")

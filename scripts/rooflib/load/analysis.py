@@ -273,10 +273,23 @@ def throughput(done: Sequence[Outcome], slo: Targets, latency_slo_ms: float | No
         "input_tok_s": total_in / duration_s if duration_s else None,
         "duration_s": duration_s,
         "effective_concurrency": sum(o.e2e_ms for o in done) / 1e3 / duration_s if duration_s else None,
+        "peak_in_flight": peak_in_flight(done),
         "goodput_req_s": sum(meets_slo(o, slo, latency_slo_ms) for o in done) / duration_s
         if duration_s and slo_set else None,
         "pairs_s": sum(o.items or 0 for o in done) / duration_s if duration_s and pairs else None,
     }
+
+
+def peak_in_flight(done: Sequence[Outcome]) -> int:
+    """The most requests the client had sent and not yet read to their end at one moment: the
+    load's demand on the server at its busiest, which the server's gauge samples, taken seconds
+    apart, can miss."""
+    ends = [(o.sent_ns, 1) for o in done] + [(o.token_times[-1], -1) for o in done]
+    most = now = 0
+    for _, step in sorted(ends):  # at a tie the end (-1) sorts first: a request sent as one ends is not two
+        now += step
+        most = max(most, now)
+    return most
 
 
 def short_outputs(done: Sequence[Outcome], out_tokens: int) -> list[Outcome]:

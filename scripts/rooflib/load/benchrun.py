@@ -46,17 +46,18 @@ def metrics_snapshot(target: Target, timeout: float) -> tuple[dict[str, Any] | N
 
 
 def server_side(delta: dict[str, Any] | None, note: str, completed_tokens: int, slo: Targets,
-                outside: Sequence[dict[str, Any]] = (), served: Served | None = None) -> dict[str, Any]:
+                outside: Sequence[dict[str, Any]] = (), served: Served | None = None,
+                peak_in_flight: int | None = None) -> dict[str, Any]:
     """What the server's own metrics say about the run (`delta`: the scrapes' difference): its
     latency histograms, queue vs prefill time, token counters, preemptions, prefix hits, and
     the diagnosis, led by the time the client saw outside the engine (`outside`: the
-    cross-check's findings) when there was some; `served`: the settings the engine is known to
-    run with (tune knows the profile it started it with)."""
+    cross-check's findings) when there was some; `served`: the settings the engine is known to run
+    with (tune knows its profile); `peak_in_flight`: the client's most at once (the demand)."""
     from rooflib.server import diagnosis, engine_metrics
 
     if delta is None:
         return {"metrics": None, "metrics_note": note or "/metrics unavailable", "summary": []}
-    report = engine_metrics.report(delta, slo=slo, served=served)
+    report = engine_metrics.report(delta, slo=slo, served=served, client_peak_in_flight=peak_in_flight)
     report["diagnosis"] = diagnosis.with_outside(outside, report["diagnosis"],
                                                  (report.get("ttft_ms") or {}).get("mean"))
     generated = delta["counters"].get("generation_tokens", {}).get("value")
@@ -648,8 +649,8 @@ def server_view(target: Target, options: BenchOptions, result: dict[str, Any], d
         else None
     if served is None and delta is not None:  # what the server says of its settings, as metrics reads it
         served = deployment.server_settings(target.base_url, delta["engine"], target.api_key, options.timeout_s)
-    server = {"info": target.info, **server_side(delta, note, all_tokens, options.slo,
-                                                 checked["findings"] if checked else [], served)}
+    server = {"info": target.info, **server_side(delta, note, all_tokens, options.slo, checked["findings"] if checked
+                                                 else [], served, (result.get("throughput") or {}).get("peak_in_flight"))}
     server["probe"] = probed
     if checked:
         server["cross_check"] = checked

@@ -58,9 +58,11 @@ def _latency(hist: dict[str, Any] | None, precomputed: Mapping[str, float | None
 
 
 def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
-           slo: Targets | None = None, served: Served | None = None) -> dict[str, Any]:
+           slo: Targets | None = None, served: Served | None = None,
+           client_peak_in_flight: int | None = None) -> dict[str, Any]:
     """The report of one snapshot (since server start) or of a `difference` (a window), with
-    its diagnosis; `served` is what a live server said about its own settings."""
+    its diagnosis; `served` is what a live server said about its own settings;
+    `client_peak_in_flight` the most requests a bench over the window had in flight at once."""
     windowed = "seconds" in snap
     seconds = snap["seconds"] if windowed else (
         snap["time"] - snap["start_time"] if snap.get("time") and snap.get("start_time") else None)
@@ -125,6 +127,7 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
     queued = snap["histograms"].get("queue")
     result["waiting_mean"] = queued["sum"] / seconds if queued and seconds else None
     result["gauge_samples"] = max((g.get("samples", 1) for g in gauges.values()), default=0)
+    result["client_peak_in_flight"] = client_peak_in_flight
     plateau = snap.get("running_while_waiting") or []
     result["running_while_waiting"] = max(plateau) if plateau else None
     result["running_while_waiting_samples"] = len(plateau)

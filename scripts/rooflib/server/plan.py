@@ -54,8 +54,18 @@ def _in_flight(r: Reading, s: Mapping[str, Known]) -> float | None:
 
 
 def _peak_in_flight(r: Reading) -> float:
-    """Requests running plus waiting at the busiest gauge sample."""
-    return (r.running_peak or 0) + (r.waiting_peak or 0)
+    """Requests in flight at the busiest moment seen: running plus waiting at the busiest gauge
+    sample, or a bench's own count when it saw more (it sees every request start and end; the
+    gauges are sampled seconds apart, and a loaded machine can scrape them after the load)."""
+    return max((r.running_peak or 0) + (r.waiting_peak or 0), r.client_peak_in_flight or 0)
+
+
+def _busiest(r: Reading) -> str:
+    """The peak in flight and where it was seen."""
+    gauges = (r.running_peak or 0) + (r.waiting_peak or 0)
+    if (r.client_peak_in_flight or 0) > gauges:
+        return f"{r.client_peak_in_flight} at once at the busiest moment of the bench's own requests"
+    return f"{gauges:g} at the busiest of {r.gauge_samples} gauge samples"
 
 
 def _service_ms(r: Reading) -> float | None:
@@ -98,7 +108,9 @@ def _outside_levers(f, r, s, flags) -> list[dict[str, Any]]:
 
 def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
     size, per = r.kv_cache_tokens, r.tokens_per_request
-    demand = max(_in_flight(r, s) or 0, _peak_in_flight(r))
+    mean, peak = _in_flight(r, s) or 0, _peak_in_flight(r)
+    demand = max(mean, peak)
+    flight = f"{_busiest(r)}, {mean:.1f} on average" if peak > mean else f"{demand:.1f} on average"
     needed = demand * per if demand and per else None
     fit = _kv_fit(r)
     holds = f"{fit} requests of {per:,.0f} tokens fit now" if fit is not None else "more requests fit"
@@ -107,7 +119,7 @@ def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
     if f["setting"] == flags["kv_bytes"] and f["current"]:
         factor = math.ceil(needed / size) if needed and size and needed > size else 2
         proposed = f["current"] * factor
-        reason = (f"the {demand:.1f} requests in flight need about {needed:,.0f} KV tokens, the cache holds {size:,}"
+        reason = (f"the requests in flight ({flight}) need about {needed:,.0f} KV tokens, the cache holds {size:,}"
                   if factor > 2 or (needed and size and needed > size) else
                   "preemptions show moments when the requests in flight needed more than the cache holds (a mean "
                   "over the interval hides them): twice the size is a first step")
@@ -150,7 +162,7 @@ def _running_levers(f, r, s, flags) -> list[dict[str, Any]]:
     # The cap holds the peak, not the mean: requests that arrive together (a burst, a batch job)
     # wait behind a cap at their mean however short the burst.
     peak = _peak_in_flight(r)
-    busiest = f", {peak:g} at the busiest of {r.gauge_samples} gauge samples" if peak > in_flight else ""
+    busiest = f", {_busiest(r)}" if peak > in_flight else ""
     proposed = power_of_two(max(in_flight, peak))
     capped = fit is not None and fit < proposed
     if capped:

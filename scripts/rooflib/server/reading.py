@@ -93,6 +93,7 @@ class Reading:
     waiting_peak: float | None
     running_while_waiting: float | None  # the most that ran in a sample where others waited
     gauge_samples: int
+    client_peak_in_flight: int | None    # a bench's own count at its busiest (None without one)
     requests_per_step: float | None
     # The KV cache
     kv_cache_tokens: int | None
@@ -117,7 +118,8 @@ class Reading:
                 "queue_ms", "e2e_ms", "ttft_ms", "prefill_ms", "decode_ms", "itl_ms", "tpot_ms")},
             **{name: report.get(name) for name in (
                 "prompt_tokens_mean", "output_tokens_mean", "tokens_per_request", "running_mean", "running_peak",
-                "waiting_mean", "waiting_peak", "running_while_waiting", "requests_per_step", "kv_cache_tokens",
+                "waiting_mean", "waiting_peak", "running_while_waiting", "client_peak_in_flight",
+                "requests_per_step", "kv_cache_tokens",
                 "kv_cache_usage_max", "preemptions", "prefix_cache_hit_rate", "prefix_cache_queries", "gen_tok_s",
                 "bandwidth_util")},
             gauge_samples=report.get("gauge_samples") or 0,
