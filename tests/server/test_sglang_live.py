@@ -236,6 +236,9 @@ def test_a_kv_pool_too_small_is_named_with_its_value(small_kv):
     report = windowed(small_kv.url, lambda: send_load(small_kv.url, small_kv.model, 16, 16, 128, 64, seed=24))
     assert report["kv_cache_tokens"] == 2048 and report["e2e_ms"]["n"] == 16
     diagnosis = diagnosis_of(report)
+    # What the window saw, when it names nothing (a fresh-clone run beside two busy loops once did).
+    assert diagnosis["root_cause"], {key: report.get(key) for key in (
+        "seconds", "gauge_samples", "running_peak", "waiting_peak", "kv_cache_usage_max", "preemptions")}
     assert_root_cause(diagnosis, "kv_cache", "--max-total-tokens", 2048)
     assert diagnosis["root_cause"]["evidence"].startswith(
         "--max-total-tokens is 2,048 (exported: SGLang /get_server_info max_total_tokens): 2,048 KV tokens")

@@ -555,7 +555,13 @@ def assert_fixed(code: int, doc: dict, case: tune_vs_grid.Case) -> tuple:
 
 @pytest.mark.real_vllm
 def test_a_running_limit_far_too_low_is_raised_and_kept(cpu_vllm, tmp_path):
+    """The benchmark's case at a TTFT target of 500 ms, not its 2,000: at a cap of 1 the baseline's
+    TTFT p95 is about 15 services of a request of 128 tokens out, which a fresh-clone run beside two
+    busy loops measured at 1,852 ms, meeting 2,000 (the premise is a baseline that misses). 500 ms
+    leaves the premise to a machine 3.7 times faster than that one."""
     case = in_a_test(tune_vs_grid.CASES["running_limit"])
+    case = dataclasses.replace(case, load=(*case.load[:-1], "500"))
+    assert case.load[-2:] == ("--slo-ttft-p95-ms", "500")
     code, doc = tuned(case, tmp_path)
     start, end = assert_fixed(code, doc, case)
     # Raised to what the traffic keeps in flight (16 offered: the peak, or Little's law's mean; fewer where a busy
