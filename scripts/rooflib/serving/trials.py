@@ -7,9 +7,8 @@ A trial is kept only when the 95% bootstrap interval of the change in the SLO fi
 request failed, and no other SLO figure that held before misses now; a change that fixes one
 figure and breaks another is a trade-off, reported and not kept. Runs too short to place the
 figure's percentile (a p95 needs 20 requests a side) are judged by the median instead, and say so.
-Requests the server rejects as
-longer than its context limit (bench --over-limit) are a figure too: a change that rejects fewer
-is kept. A change is also weighed against the load: one server that makes fewer tokens a second
+Requests the server rejects as longer than its context limit (bench --over-limit) are a figure
+too: a change that rejects fewer is kept. A change is also weighed against the load: one server that makes fewer tokens a second
 than the baseline served (the load offered) lets the queue grow without bound; that is said with
 the change, and is a trade-off when the user gives token speed rather than queue wait.
 
