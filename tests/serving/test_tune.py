@@ -649,7 +649,9 @@ def test_an_engine_that_crashes_mid_trial_is_a_trial_result_and_leaves_nothing_r
     doc = json.loads(stdout)
     assert proc.returncode == 1 and not doc["interrupted"]
     assert [row["decision"] for row in doc["trials"]] == ["baseline", "engine crashed"]
-    assert doc["changes"] == [] and doc["stopped"]["reason"] == "budget"
+    # The loop goes on after the crash: to the budget, or to no lever left (a bisect between the
+    # start and a crashed neighbour has no value between them).
+    assert doc["changes"] == [] and doc["stopped"]["reason"] in ("budget", "no_lever"), doc["stopped"]
     assert_no_engine_left(port, out)
 
 

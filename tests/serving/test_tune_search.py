@@ -70,6 +70,21 @@ FIGURE_SEARCH = [
     pytest.param(lambda: placed("ttft_p95_ms", figure_run(running=1, waiting=7, in_flight=3.6, slo=TTFT_MISSED),
                                 cpu_profile(max_num_seqs=1)),
                  ("max_num_seqs", "--max-num-seqs", 1, 8), id="ttft-cap-holds-a-burst"),
+    # The same burst on a loaded machine whose samples all came after the load: the client's own
+    # count had 4 out at once against a cap of 1 (a fresh-clone run's crash test, where tune then
+    # passed the cap over for "no request waited")
+    pytest.param(lambda: placed("ttft_p95_ms", {**figure_run(in_flight=2.5, slo=TTFT_MISSED),
+                                                "timeline": {"samples": [{"running": 0.0, "waiting": 0.0}] * 2},
+                                                "throughput": {"effective_concurrency": 2.5, "peak_in_flight": 4}},
+                                cpu_profile(max_num_seqs=1)),
+                 ("max_num_seqs", "--max-num-seqs", 1, 4), id="ttft-cap-from-the-clients-peak-when-no-sample-saw-the-load"),
+    pytest.param(lambda: placed("ttft_p95_ms", {**figure_run(in_flight=2.5, slo=TTFT_MISSED),
+                                                "timeline": {"samples": [{"running": 0.0, "waiting": 0.0}] * 2},
+                                                "throughput": {"effective_concurrency": 2.5, "peak_in_flight": 4}},
+                                cpu_profile(max_num_seqs=4, enable_prefix_caching=True)),
+                 "max_num_seqs: no request waited for a slot in the run | max_num_batched_tokens: the profile leaves "
+                 "it to the engine, so its value is not known: set it (--set max_num_batched_tokens=N) to have it "
+                 "searched", id="ttft-the-clients-peak-under-the-cap-waited-for-nothing"),
     pytest.param(lambda: placed("ttft_p95_ms", figure_run(running=4, in_flight=4, slo=TTFT_MISSED),
                                 cpu_profile(max_num_seqs=16, enable_prefix_caching=False)),
                  ("enable_prefix_caching", "--enable-prefix-caching", False, True), id="ttft-prefix-cache-on"),

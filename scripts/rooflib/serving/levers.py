@@ -275,20 +275,23 @@ def smaller_chunks(run: Mapping[str, Any], profile: Mapping[str, Any]) -> Placed
 
 def more_running(run: Mapping[str, Any], profile: Mapping[str, Any]) -> Placed:
     """TTFT: a running cap for what the load keeps in flight (Little's law, at the client), when
-    requests waited for a slot."""
-    in_flight = (run.get("throughput") or {}).get("effective_concurrency")
-    if not in_flight or not any(s.get("waiting") for s in timeline(run)):
+    requests waited for a slot: a gauge sample saw some waiting, or the client had more requests
+    out at once than the cap lets run (its own count sees the whole load; samples seconds apart
+    can all miss it on a loaded machine)."""
+    throughput, samples = run.get("throughput") or {}, timeline(run)
+    in_flight, client_peak = throughput.get("effective_concurrency"), throughput.get("peak_in_flight") or 0
+    cap = profile.get("max_num_seqs") or max((s.get("running") or 0 for s in samples), default=0)
+    if not in_flight or not (any(s.get("waiting") for s in samples) or (cap and client_peak > cap)):
         return Placed(None, "max_num_seqs: no request waited for a slot in the run")
-    cap = profile.get("max_num_seqs") or max(s.get("running") or 0 for s in timeline(run))
     # The peak, not only the mean: requests that arrive together wait behind a cap at their mean.
-    peak = max((s.get("running") or 0) + (s.get("waiting") or 0) for s in timeline(run))
+    gauge_peak = max(((s.get("running") or 0) + (s.get("waiting") or 0) for s in samples), default=0)
+    peak = max(gauge_peak, client_peak)
+    busiest = f"{peak:g} at once at the client" if client_peak > gauge_peak else f"{peak:g} at the busiest gauge sample"
     proposed = power_of_two(max(in_flight, peak))
     if cap >= proposed:
-        return Placed(None, f"max_num_seqs: the {in_flight:.1f} requests in flight ({peak:g} at the busiest) fit "
-                            f"under {cap:g}")
+        return Placed(None, f"max_num_seqs: the {in_flight:.1f} requests in flight ({busiest}) fit under {cap:g}")
     return Placed(proposed, f"requests waited for a slot: the load keeps {in_flight:.1f} requests in flight on "
-                            f"average (Little's law), {peak:g} at the busiest gauge sample, and {proposed} lets all "
-                            "of them run")
+                            f"average (Little's law), {busiest}, and {proposed} lets all of them run")
 
 
 def prefix_cache_on(run: Mapping[str, Any], profile: Mapping[str, Any]) -> Placed:
