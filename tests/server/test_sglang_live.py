@@ -233,7 +233,10 @@ def test_a_running_limit_too_low_is_named_with_its_value(limited):
 
 
 def test_a_kv_pool_too_small_is_named_with_its_value(small_kv):
-    report = windowed(small_kv.url, lambda: send_load(small_kv.url, small_kv.model, 16, 16, 128, 64, seed=24))
+    # 16 requests of 128 + 256 tokens against a pool of 2,048: answers long enough that the load
+    # outlasts the window's scrapes (with 64 tokens a loaded run's window lasted 1.8 s between two
+    # idle samples, and nothing was named).
+    report = windowed(small_kv.url, lambda: send_load(small_kv.url, small_kv.model, 16, 16, 128, 256, seed=24))
     assert report["kv_cache_tokens"] == 2048 and report["e2e_ms"]["n"] == 16
     diagnosis = diagnosis_of(report)
     # What the window saw, when it names nothing (a fresh-clone run beside two busy loops once did).
