@@ -188,7 +188,6 @@ def test_a_full_kv_cache_never_asks_for_more_running_requests(names, seconds):
                    for lever in r["diagnosis"]["plan"])
 
 
-
 @pytest.mark.parametrize("client_peak, proposed, said", [
     # The gauge samples of this window read 0 running and 0 waiting (the load came between them):
     # without the client's count, the size doubles as a first step.
@@ -207,6 +206,7 @@ def test_the_kv_cache_is_sized_for_the_most_requests_the_client_had_in_flight(cl
     lever = r["diagnosis"]["plan"][0]
     assert (lever["setting"], lever["current"], lever["proposed"]) == ("--kv-cache-memory-bytes", 4 * MIB, proposed)
     assert said in lever["reason"], lever["reason"]
+
 
 def test_sglang_low_hits_under_a_full_cache_are_evictions_not_a_switch_to_turn_on():
     r = fixture_report("sglang-0.5-tp2.txt")

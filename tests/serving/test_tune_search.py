@@ -36,6 +36,14 @@ def figure_run(tpot=(30.0, 34.9), running=43.0, waiting=0.0, in_flight=45.0, pro
 TTFT_MISSED = {"ttft_p95_ms": {"target": 2000.0, "measured": 4500.0, "met": False}}
 
 
+def unsampled_burst() -> dict:
+    """4 requests sent at once (2.5 in flight on average) whose gauge samples all came after the
+    load, as on a loaded machine: only the client's own count saw them."""
+    return {**figure_run(in_flight=2.5, slo=TTFT_MISSED),
+            "timeline": {"samples": [{"running": 0.0, "waiting": 0.0}] * 2},
+            "throughput": {"effective_concurrency": 2.5, "peak_in_flight": 4}}
+
+
 def placed(figure: str, run: dict, profile: dict, done=()) -> tuple | str:
     """What figure_change proposes, (key, flag, from, to), or its passed-over lines when nothing."""
     choice = levers.figure_change(figure, run, profile, list(done))
@@ -73,14 +81,10 @@ FIGURE_SEARCH = [
     # The same burst on a loaded machine whose samples all came after the load: the client's own
     # count had 4 out at once against a cap of 1 (a fresh-clone run's crash test, where tune then
     # passed the cap over for "no request waited")
-    pytest.param(lambda: placed("ttft_p95_ms", {**figure_run(in_flight=2.5, slo=TTFT_MISSED),
-                                                "timeline": {"samples": [{"running": 0.0, "waiting": 0.0}] * 2},
-                                                "throughput": {"effective_concurrency": 2.5, "peak_in_flight": 4}},
-                                cpu_profile(max_num_seqs=1)),
-                 ("max_num_seqs", "--max-num-seqs", 1, 4), id="ttft-cap-from-the-clients-peak-when-no-sample-saw-the-load"),
-    pytest.param(lambda: placed("ttft_p95_ms", {**figure_run(in_flight=2.5, slo=TTFT_MISSED),
-                                                "timeline": {"samples": [{"running": 0.0, "waiting": 0.0}] * 2},
-                                                "throughput": {"effective_concurrency": 2.5, "peak_in_flight": 4}},
+    pytest.param(lambda: placed("ttft_p95_ms", unsampled_burst(), cpu_profile(max_num_seqs=1)),
+                 ("max_num_seqs", "--max-num-seqs", 1, 4),
+                 id="ttft-cap-from-the-clients-peak-when-no-sample-saw-the-load"),
+    pytest.param(lambda: placed("ttft_p95_ms", unsampled_burst(),
                                 cpu_profile(max_num_seqs=4, enable_prefix_caching=True)),
                  "max_num_seqs: no request waited for a slot in the run | max_num_batched_tokens: the profile leaves "
                  "it to the engine, so its value is not known: set it (--set max_num_batched_tokens=N) to have it "

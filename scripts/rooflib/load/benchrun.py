@@ -649,8 +649,9 @@ def server_view(target: Target, options: BenchOptions, result: dict[str, Any], d
         else None
     if served is None and delta is not None:  # what the server says of its settings, as metrics reads it
         served = deployment.server_settings(target.base_url, delta["engine"], target.api_key, options.timeout_s)
-    server = {"info": target.info, **server_side(delta, note, all_tokens, options.slo, checked["findings"] if checked
-                                                 else [], served, (result.get("throughput") or {}).get("peak_in_flight"))}
+    client_peak = (result.get("throughput") or {}).get("peak_in_flight")
+    server = {"info": target.info, **server_side(delta, note, all_tokens, options.slo,
+                                                 checked["findings"] if checked else [], served, client_peak)}
     server["probe"] = probed
     if checked:
         server["cross_check"] = checked

@@ -56,6 +56,12 @@ def statistic(values: Sequence[float], stat: str) -> float:
     return sum(values) / len(values) if stat == "mean" else stats.percentile(values, float(stat[1:]))
 
 
+def requests_to_place(stat: str) -> int:
+    """Requests a run needs to place the percentile `stat` ("p95"): one lies beyond it (20 for a
+    p95, 100 for a p99); with fewer it is about the slowest request."""
+    return math.ceil(100 / (100 - float(stat[1:])))
+
+
 def resampled(values: list[float], stat: str, rng: random.Random) -> float:
     """The statistic of one bootstrap resample (values sorted)."""
     n = len(values)
@@ -92,7 +98,7 @@ def metric_rows(a: dict[str, Any], b: dict[str, Any], prefix: str, rng: random.R
         sb = [v for v in b["samples"].get(key) or [] if v is not None]
         if len(sa) < 2 or len(sb) < 2:
             continue
-        stat_names = ["p50", "p95"] + (["p99"] if min(len(sa), len(sb)) >= 100 else [])
+        stat_names = ["p50", "p95"] + (["p99"] if min(len(sa), len(sb)) >= requests_to_place("p99") else [])
         for stat in stat_names:
             if statistic(sorted(sa), stat) <= 0:
                 continue

@@ -8,9 +8,10 @@ request failed, and no other SLO figure that held before misses now; a change th
 figure and breaks another is a trade-off, reported and not kept. Runs too short to place the
 figure's percentile (a p95 needs 20 requests a side) are judged by the median instead, and say so.
 Requests the server rejects as longer than its context limit (bench --over-limit) are a figure
-too: a change that rejects fewer is kept. A change is also weighed against the load: one server that makes fewer tokens a second
-than the baseline served (the load offered) lets the queue grow without bound; that is said with
-the change, and is a trade-off when the user gives token speed rather than queue wait.
+too: a change that rejects fewer is kept. A change is also weighed against the load: one server
+that makes fewer tokens a second than the baseline served (the load offered) lets the queue grow
+without bound; that is said with the change, and is a trade-off when the user gives token speed
+rather than queue wait.
 
 A range setting is searched: the first value given; while a value is kept and the figure still
 misses, the next one further on (bracketing); once a value went too far (a trade-off, a failed
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from rooflib.core import printing
+from rooflib.load.comparison import requests_to_place
 from rooflib.server.slo_targets import Targets
 from rooflib.serving.levers import RANGES, REJECTED
 
@@ -149,19 +151,18 @@ def judge(comparison: Mapping[str, Any], before: Mapping[str, Any], after: Mappi
 
 
 def median_instead(comparison: Mapping[str, Any], target: str) -> tuple[Mapping[str, Any], str] | None:
-    """The median's row and words, where the runs are too short to place the figure's percentile:
-    a percentile is placed once at least one request lies beyond it (compare reports p99 from 100
-    requests for the same reason). Below that a p95 is about the slowest request, and one stall of
-    the machine decides the trial, so the change is judged by the median, and its why says so; a
-    p95 whose interval lies wholly above zero is still worse."""
+    """The median's row and words, where the runs are too short to place the figure's percentile
+    (comparison.requests_to_place, the rule by which compare reports a p99). Below that a p95 is
+    about the slowest request, and one stall of the machine decides the trial, so the change is
+    judged by the median, and its why says so; a p95 whose interval lies wholly above zero is
+    still worse."""
     section, stat, words = FIGURES[target]
     rows = {row["name"]: row for row in comparison.get("metrics") or []}
     tail, median = rows.get(f"{section}.{stat}"), rows.get(f"{section}.p50")
-    needs = math.ceil(100 / (100 - float(stat[1:])))
-    if tail is None or median is None or min(tail["n"]) >= needs:
+    if tail is None or median is None or min(tail["n"]) >= requests_to_place(stat):
         return None
     return median, (f"{words.replace(stat, 'p50')} {_interval(median)} (judged by the median: {min(tail['n'])} "
-                    f"requests a side place no {stat}, which needs {needs})")
+                    f"requests a side place no {stat}, which needs {requests_to_place(stat)})")
 
 
 def _judge_rejected(before: Mapping[str, Any], after: Mapping[str, Any]) -> Verdict:
