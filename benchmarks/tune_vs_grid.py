@@ -46,7 +46,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 from rooflib.core import cli, conf, printing  # noqa: E402
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_OK, ServerError, UsageError  # noqa: E402
-from rooflib.load import benchrun  # noqa: E402
+from rooflib.load import bench_options  # noqa: E402
 from rooflib.serving import profiles, trials  # noqa: E402
 from rooflib.serving import tune as tuning  # noqa: E402
 
@@ -170,7 +170,7 @@ def grid_points(case: Case) -> list[dict[str, Any]]:
     return points
 
 
-def grid_run(case: Case, point: dict[str, Any], options: benchrun.BenchOptions, out: Path, n: int) -> dict | None:
+def grid_run(case: Case, point: dict[str, Any], options: bench_options.BenchOptions, out: Path, n: int) -> dict | None:
     """One grid point: an engine started with it and one bench run; None when it did not start or
     the run could not be made (prompts over its max_model_len)."""
     # the KV size from kv_cache_memory_bytes alone (the CPU build's variable would win over it)
@@ -192,8 +192,8 @@ def grid_run(case: Case, point: dict[str, Any], options: benchrun.BenchOptions, 
 def run_grid(case: Case, tuned: dict[str, Any], out: Path) -> dict[str, Any]:
     """The grid in order until a point is as good as tune's result; the first point that meets
     the SLO (whatever its throughput) is noted on the way."""
-    args = benchrun.build_parser().parse_args([*case.load, *COMMON])
-    options = benchrun.make_options(args, conf.settings_from_args(args))  # as tune.py reads them
+    args = bench_options.build_parser().parse_args([*case.load, *COMMON])
+    options = bench_options.make_options(args, conf.settings_from_args(args))  # as tune.py reads them
     points, answer = grid_points(case), final_run(tuned)
     began, runs, hit, slo_met = time.monotonic(), 0, None, None
     for n, point in enumerate(points, 1):

@@ -88,12 +88,12 @@ from typing import Any, Sequence
 
 from rooflib.core import cli, conf, fileio, signals
 from rooflib.core.errors import UsageError
-from rooflib.load import asyncclient, benchrun
+from rooflib.load import asyncclient, bench_options, benchrun
 from rooflib.render import bench_text
 
 
 def run(args: Any, settings: conf.Settings, server: asyncclient.Target) -> int:
-    options = benchrun.make_options(args, settings)
+    options = bench_options.make_options(args, settings)
     if options.shard and not options.records:
         raise UsageError("--shard needs --records: merge.py takes the run's percentiles from every shard's requests")
     for what, path in (("--records", options.records), ("--log (BENCH_LOG)", options.log)):
@@ -107,7 +107,7 @@ def run(args: Any, settings: conf.Settings, server: asyncclient.Target) -> int:
 
 @cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
-    p = benchrun.build_parser(sharded=True)
+    p = bench_options.build_parser(sharded=True)
     p.description, p.epilog = cli.split_doc(__doc__)
     return benchrun.run_with_settings(p.parse_args(argv), run)
 

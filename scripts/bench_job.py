@@ -29,14 +29,14 @@ from typing import Any, Sequence
 
 from rooflib.core import cli, conf, fileio, printing
 from rooflib.core.errors import UsageError
-from rooflib.load import asyncclient, benchrun, shards
+from rooflib.load import asyncclient, bench_options, benchrun, shards
 from rooflib.render import bench_job
 
 DEFAULT_BENCH_PATH = "/opt/roofline-toolbox/scripts/bench.py"
 
 
 def build_parser():
-    p = benchrun.build_parser(sharded=True)
+    p = bench_options.build_parser(sharded=True)
     p.description, p.epilog = cli.split_doc(__doc__)
     job = p.add_argument_group("the Job")
     job.add_argument("--image", default="", help="the container image: python3 with the toolbox's runtime and scripts")
@@ -59,7 +59,7 @@ def job_spec(args: Any, settings: conf.Settings, server: asyncclient.Target) -> 
     """The Job to render, from the flags and settings; a UsageError for what a Job cannot run."""
     if settings.source("INFER_URL", args.url) == "default":
         raise UsageError("give the server as the pods reach it: --url (INFER_URL), e.g. http://vllm.llm.svc:8000")
-    options = benchrun.read_options(args, settings)
+    options = bench_options.read_options(args, settings)
     set_per_shard = [flag for flag, given in (("--shard", options.shard), ("--records", options.records),
                                               ("--log (BENCH_LOG)", options.log),
                                               ("--prometheus (PROMETHEUS)", options.prometheus)) if given]
@@ -76,7 +76,7 @@ def job_spec(args: Any, settings: conf.Settings, server: asyncclient.Target) -> 
         raise UsageError(f"--start-at {shards.iso(start)} has passed: the pods would start at once, each when it is "
                          "scheduled; give a start they can all make (--start-in, START_IN)")
     # Checked as each shard will check it: the split over the pods, and over --workers in each.
-    benchrun.check_options(dataclasses.replace(options, shard=shards.Shard(0, count), start_at=start))
+    bench_options.check_options(dataclasses.replace(options, shard=shards.Shard(0, count), start_at=start))
     secret, secret_key = bench_job.parse_secret(args.api_key_secret)
     if server.api_key and not secret:
         raise UsageError("INFER_API_KEY is set, and a manifest never holds a key: put it in a Secret (kubectl create "
@@ -87,7 +87,7 @@ def job_spec(args: Any, settings: conf.Settings, server: asyncclient.Target) -> 
         name=bench_job.check_name(args.job_name, "--job-name"),
         namespace=bench_job.check_name(args.namespace, "--namespace") if args.namespace else None,
         image=image, bench_path=args.bench_path, shards=count, start_at=shards.iso(start), url=server.base_url,
-        bench_flags=tuple(benchrun.as_flags(options) + (["--model", model] if model else [])),
+        bench_flags=tuple(bench_options.as_flags(options) + (["--model", model] if model else [])),
         secret=secret, secret_key=secret_key, claim=bench_job.check_name(args.results_claim, "--results-claim", bench_job.SUBDOMAIN),
         cpu=args.cpu or str(options.workers))
 

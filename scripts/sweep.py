@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from rooflib.core import cli, conf, fileio, printing, signals
 from rooflib.core.errors import EXIT_OUTPUT, UsageError
-from rooflib.load import asyncclient, benchrun
+from rooflib.load import asyncclient, bench_options, benchrun
 from rooflib.load.apis import APIS
 from rooflib.load.sweeps import exit_code, knee, knee_caveat, no_knee_reason, parse_levels, point_summary
 
@@ -60,7 +60,7 @@ def human(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def point_options(options: benchrun.BenchOptions, concurrency: int) -> benchrun.BenchOptions:
+def point_options(options: bench_options.BenchOptions, concurrency: int) -> bench_options.BenchOptions:
     """bench's options for one point: its concurrency, and -n (BENCH_N) per point, by default
     4 x C (at least 16), so that each point runs several waves."""
     per_point = options.num_requests if options.num_requests_given else max(16, 4 * concurrency)
@@ -71,7 +71,7 @@ def run(args: Any, settings: conf.Settings, server: asyncclient.Target) -> int:
     if args.concurrency:
         raise UsageError("sweep sets the concurrency itself: use --sweep-c (SWEEP_C), not -c")
     levels = parse_levels(settings.get("SWEEP_C", args.sweep_c, DEFAULT_SWEEP))
-    asked = benchrun.read_options(args, settings)
+    asked = bench_options.read_options(args, settings)
     if not APIS[asked.endpoint].generates:
         raise UsageError(f"sweep finds the knee of TTFT and TPOT, which --endpoint {asked.endpoint} does not have: "
                          "run bench at each concurrency (its latency, requests/s and input tokens/s)")
@@ -125,7 +125,7 @@ def run(args: Any, settings: conf.Settings, server: asyncclient.Target) -> int:
 
 @cli.entry
 def main(argv: Sequence[str] | None = None) -> int:
-    p = benchrun.build_parser()
+    p = bench_options.build_parser()
     p.description, p.epilog = cli.split_doc(__doc__)
     p.add_argument("--sweep-c", default="", help=f"concurrencies to run (else $SWEEP_C, {DEFAULT_SWEEP})")
     return benchrun.run_with_settings(p.parse_args(argv), run)

@@ -58,7 +58,7 @@ from typing import Any, Sequence
 
 from rooflib.core import cli, conf, fileio, printing, signals
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
-from rooflib.load import benchrun
+from rooflib.load import bench_options, benchrun
 from rooflib.render import report_html, report_inputs
 from rooflib.serving import levers, profiles, trials
 from rooflib.serving import tune as tuning
@@ -69,7 +69,7 @@ GIVE = ("queue", "speed")  # what the user gives when token speed and queue wait
 
 
 def build_parser():
-    p = benchrun.build_parser()
+    p = bench_options.build_parser()
     p.description, p.epilog = cli.split_doc(__doc__)
     p.add_argument("--profile", default="", help="profile name or YAML path that tune starts and stops "
                                                  "(else $INFER_PROFILE); without one, --url is measured only")
@@ -95,9 +95,9 @@ def build_parser():
     return p
 
 
-def options_of(args: Any, settings: conf.Settings) -> benchrun.BenchOptions:
+def options_of(args: Any, settings: conf.Settings) -> bench_options.BenchOptions:
     """bench's options (the workload, the SLO), the live traffic's shape with --like."""
-    options = benchrun.make_options(args, settings)
+    options = bench_options.make_options(args, settings)
     if not trials.targets(options.slo):
         raise UsageError("tune needs an SLO to judge changes by: --slo-ttft-p95-ms and/or --slo-tpot-p95-ms "
                          "(SLO_TTFT_P95_MS, SLO_TPOT_P95_MS)")
@@ -106,7 +106,7 @@ def options_of(args: Any, settings: conf.Settings) -> benchrun.BenchOptions:
     return like_traffic(args, settings, options) if args.like else options
 
 
-def like_traffic(args: Any, settings: conf.Settings, options: benchrun.BenchOptions) -> benchrun.BenchOptions:
+def like_traffic(args: Any, settings: conf.Settings, options: bench_options.BenchOptions) -> bench_options.BenchOptions:
     """The options with the live server's traffic shape in place of the lengths and concurrency."""
     given = [flag for flag, value in (("--input-tokens", settings.get("BENCH_IN", args.input_tokens)),
                                       ("--output-tokens", settings.get("BENCH_OUT", args.output_tokens)),
@@ -120,7 +120,7 @@ def like_traffic(args: Any, settings: conf.Settings, options: benchrun.BenchOpti
     shape = tuning.live_traffic_shape(url, conf.api_key(settings), window, options.timeout_s)
     printing.progress(f"tune: the live traffic: {shape['input_tokens']} prompt and {shape['output_tokens']} output "
                       f"tokens a request, {shape['concurrency']} in flight")
-    return benchrun.check_options(dataclasses.replace(
+    return bench_options.check_options(dataclasses.replace(
         options, **shape, warmup=options.warmup if options.warmup_given else shape["concurrency"]))
 
 
@@ -132,7 +132,7 @@ def sizing_of(args: Any, settings: conf.Settings, profile: dict[str, Any]) -> le
     return levers.Sizing(resolve.resolve_model(profiles.expand(profile["model"])), gpu)
 
 
-def setup_of(args: Any, settings: conf.Settings, options: benchrun.BenchOptions, profile_name: str) -> tuning.Setup:
+def setup_of(args: Any, settings: conf.Settings, options: bench_options.BenchOptions, profile_name: str) -> tuning.Setup:
     _, profile = profiles.with_overrides(profile_name, args.set)
     runs = cli.number("--budget-runs (TUNE_RUNS)", settings.get("TUNE_RUNS", args.budget_runs), int, 1, 10_000)
     minutes = cli.number("--budget-minutes (TUNE_MINUTES)", settings.get("TUNE_MINUTES", args.budget_minutes), float)

@@ -25,7 +25,7 @@ from fault_server import MODEL, Action, as_json, fault_server, paced, response, 
 
 from rooflib.core import conf
 from rooflib.core.errors import UsageError
-from rooflib.load import analysis, asyncclient, benchrun, http1, promptgen, request_outcome, runner, sweeps
+from rooflib.load import analysis, asyncclient, bench_options, http1, promptgen, request_outcome, runner, sweeps
 from rooflib.render import bench_text
 from rooflib.server import diagnosis, metric_sources, slo_targets, snapshots
 
@@ -281,19 +281,19 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("BENCH_N", "7")
     monkeypatch.setenv("BENCH_IN", "33")
     (tmp_path / "inference.env").write_text("BENCH_C=3\n")
-    args = benchrun.build_parser().parse_args([])
-    options = benchrun.make_options(args, conf.settings_from_args(args))
+    args = bench_options.build_parser().parse_args([])
+    options = bench_options.make_options(args, conf.settings_from_args(args))
     assert (options.num_requests, options.input_tokens, options.concurrency, options.warmup) == (7, 33, 3, 3)
-    args = benchrun.build_parser().parse_args(["-n", "5"])
-    assert benchrun.make_options(args, conf.settings_from_args(args)).num_requests == 5
+    args = bench_options.build_parser().parse_args(["-n", "5"])
+    assert bench_options.make_options(args, conf.settings_from_args(args)).num_requests == 5
 
 
-def _options(argv: list[str], monkeypatch, tmp_path) -> benchrun.BenchOptions:
+def _options(argv: list[str], monkeypatch, tmp_path) -> bench_options.BenchOptions:
     monkeypatch.chdir(tmp_path)
     for name in ("BENCH_N", "BENCH_C", "BENCH_IN", "BENCH_OUT", "SLO_TTFT_P95_MS", "SLO_TPOT_P95_MS", "BENCH_LOG"):
         monkeypatch.delenv(name, raising=False)
-    args = benchrun.build_parser().parse_args(argv)
-    return benchrun.read_options(args, conf.settings_from_args(args))
+    args = bench_options.build_parser().parse_args(argv)
+    return bench_options.read_options(args, conf.settings_from_args(args))
 
 
 def test_options_are_recorded_as_the_config_saved_results_carry(monkeypatch, tmp_path):

@@ -21,7 +21,7 @@ import yaml
 from kubernetes_validate.utils import latest_version
 
 from rooflib.core import conf
-from rooflib.load import benchrun, shards
+from rooflib.load import bench_options, shards
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-test-0123456789-secret"
@@ -79,11 +79,11 @@ def test_a_pod_runs_the_workload_the_job_was_rendered_for(capsys):
     assert code == 0
     args = yaml.safe_load(doc["manifest"])["spec"]["template"]["spec"]["containers"][0]["args"]
     pod = [a.replace("$(JOB_COMPLETION_INDEX)", "3") for a in args]
-    parsed = benchrun.build_parser(sharded=True).parse_args(pod)
-    options = benchrun.make_options(parsed, conf.settings_from_args(parsed))
-    asked = benchrun.build_parser(sharded=True).parse_args([*JOB[JOB.index("-n"):], "--extra-body", '{"top_k": 1}',
+    parsed = bench_options.build_parser(sharded=True).parse_args(pod)
+    options = bench_options.make_options(parsed, conf.settings_from_args(parsed))
+    asked = bench_options.build_parser(sharded=True).parse_args([*JOB[JOB.index("-n"):], "--extra-body", '{"top_k": 1}',
                                                             "--rate", "50"])
-    expected = benchrun.read_options(asked, conf.settings_from_args(asked))
+    expected = bench_options.read_options(asked, conf.settings_from_args(asked))
     assert options.shard == shards.Shard(3, 4) and options.records.endswith("/shard-3.records.jsonl")
     assert options == expected.__class__(**{**vars(expected), "shard": options.shard, "start_at": options.start_at,
                                             "records": options.records})

@@ -15,7 +15,7 @@ from calibration_server import CalibrationServer, Schedule
 
 from rooflib.core import conf
 from rooflib.core.errors import UsageError
-from rooflib.load import benchrun, promptgen, sessions, workloads
+from rooflib.load import bench_options, benchrun, promptgen, sessions, workloads
 from rooflib.load.request_outcome import Outcome
 
 USER = {"role": "user", "content": "fix the test"}
@@ -180,9 +180,9 @@ def test_without_the_servers_cached_count_the_server_column_is_unknown_not_zero(
 # ---------------------------------------------------------------------------------------------
 # bench's options
 
-def _options(argv: list[str]) -> benchrun.BenchOptions:
-    args = benchrun.build_parser(sharded=True).parse_args(argv)
-    return benchrun.make_options(args, conf.settings_from_args(args))
+def _options(argv: list[str]) -> bench_options.BenchOptions:
+    args = bench_options.build_parser(sharded=True).parse_args(argv)
+    return bench_options.make_options(args, conf.settings_from_args(args))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -205,7 +205,7 @@ def test_session_options_that_do_not_fit_are_usage_errors(argv, message):
 def test_session_options_written_as_flags_read_back_the_same():
     options = _options(["--endpoint", "chat", "--agent-turns", "6", "--tool-tokens", "uniform:100,400",
                         "--turn-gap", "1.5", "--shuffle-history", "-n", "8", "-c", "4", "--seed", "2"])
-    assert options.sessions and _options(benchrun.as_flags(options)) == options
+    assert options.sessions and _options(bench_options.as_flags(options)) == options
 
 
 # ---------------------------------------------------------------------------------------------

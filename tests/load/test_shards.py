@@ -26,7 +26,7 @@ from shard_accuracy import FIGURES, bench, records_of, run_shards, send_both
 
 from rooflib.core import conf, stats
 from rooflib.core.errors import UsageError
-from rooflib.load import benchrun, merging, runner, shards
+from rooflib.load import bench_options, merging, runner, shards
 from rooflib.load.asyncclient import Target
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -236,12 +236,12 @@ def test_share_splits_a_plan_into_disjoint_parts_that_add_up(n, warmup, concurre
     assert [inner.requests.index_of(j) for j in range(len(inner_indices))] == split[1][0][1::2]
 
 
-def _options(argv: list[str], monkeypatch, tmp_path) -> benchrun.BenchOptions:
+def _options(argv: list[str], monkeypatch, tmp_path) -> bench_options.BenchOptions:
     monkeypatch.chdir(tmp_path)
     for name in ("BENCH_N", "BENCH_C", "BENCH_IN", "BENCH_OUT", "SLO_TTFT_P95_MS", "SLO_TPOT_P95_MS", "BENCH_LOG"):
         monkeypatch.delenv(name, raising=False)
-    args = benchrun.build_parser(sharded=True).parse_args(argv)
-    return benchrun.make_options(args, conf.settings_from_args(args))
+    args = bench_options.build_parser(sharded=True).parse_args(argv)
+    return bench_options.make_options(args, conf.settings_from_args(args))
 
 
 @pytest.mark.parametrize("argv", [
@@ -254,7 +254,7 @@ def test_the_options_written_as_flags_read_back_the_same(argv, monkeypatch, tmp_
     if "--trace" in argv:
         argv = [str(Path(__file__).resolve().parents[2] / a) if a.startswith("scripts/") else a for a in argv]
     options = _options(argv, monkeypatch, tmp_path)
-    assert _options(benchrun.as_flags(options), monkeypatch, tmp_path) == options
+    assert _options(bench_options.as_flags(options), monkeypatch, tmp_path) == options
 
 
 @pytest.mark.parametrize("argv, message", [

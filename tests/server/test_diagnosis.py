@@ -20,7 +20,7 @@ import pytest
 from vllm_server import task_exe
 
 from rooflib.core import conf, printing, taskcall
-from rooflib.load import benchrun
+from rooflib.load import bench_options
 from rooflib.server import (
     deployment,
     diagnosis,
@@ -547,8 +547,8 @@ def test_verify_commands_are_real_bench_and_compare_runs():
     before, after, compare = r["diagnosis"]["verify"]
     for line in (before, after):
         argv = task_command(line)
-        args = benchrun.build_parser().parse_args(argv[argv.index(str(REPO / "scripts" / "bench.py")) + 1:])
-        options = benchrun.make_options(args, conf.settings_from_args(args))
+        args = bench_options.build_parser().parse_args(argv[argv.index(str(REPO / "scripts" / "bench.py")) + 1:])
+        options = bench_options.make_options(args, conf.settings_from_args(args))
         assert (options.input_tokens, options.output_tokens, options.slo.ttft_p95_ms) == (1600, 100, 1500)
     assert args.output.file == "after.json" and args.shared_prefix == "800" and args.endpoint == "chat"
     assert task_command(compare)[-2:] == ["before.json", "after.json"]

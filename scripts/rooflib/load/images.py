@@ -55,7 +55,7 @@ class ImageOptions:
                 "directory": self.directory}
 
     def flags(self) -> list[str]:
-        """The options as bench's flags again (benchrun.as_flags)."""
+        """The options as bench's flags again (bench_options.as_flags)."""
         if not self.given:
             return []
         source = ["--image-size", "%dx%d" % self.size] if self.size else ["--image-dir", str(self.directory)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, EXIT_SERVER, UsageError
-from rooflib.load import benchrun
+from rooflib.load import bench_options
 
 
 def parse_levels(text: str) -> list[int]:
@@ -13,8 +13,8 @@ def parse_levels(text: str) -> list[int]:
         levels = [int(part) for part in text.replace(" ", "").split(",") if part]
     except ValueError:
         raise UsageError(f"--sweep-c (SWEEP_C) must be whole numbers separated by commas, got {text!r}")
-    if not levels or any(c < 1 or c > benchrun.LIMITS["concurrency"] for c in levels):
-        raise UsageError(f"--sweep-c (SWEEP_C) needs concurrencies between 1 and {benchrun.LIMITS['concurrency']}, got {text!r}")
+    if not levels or any(c < 1 or c > bench_options.LIMITS["concurrency"] for c in levels):
+        raise UsageError(f"--sweep-c (SWEEP_C) needs concurrencies between 1 and {bench_options.LIMITS['concurrency']}, got {text!r}")
     return sorted(set(levels))
 
 

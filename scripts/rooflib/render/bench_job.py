@@ -39,7 +39,7 @@ class JobSpec:
     shards: int
     start_at: str  # ISO 8601 UTC, as --start-at takes it
     url: str
-    bench_flags: tuple[str, ...]  # the workload, as bench's flags (benchrun.as_flags)
+    bench_flags: tuple[str, ...]  # the workload, as bench's flags (bench_options.as_flags)
     secret: str | None            # the Secret that holds the API key, and the key's name in it
     secret_key: str
     claim: str

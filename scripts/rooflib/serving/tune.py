@@ -30,7 +30,7 @@ import yaml
 
 from rooflib.core import cli, fileio, printing, signals
 from rooflib.core.errors import ServerError, UsageError
-from rooflib.load import asyncclient, benchrun, comparison
+from rooflib.load import asyncclient, bench_options, benchrun, comparison
 from rooflib.server import deployment, engine_metrics, metric_sources, snapshots
 from rooflib.server.deployment import Served
 from rooflib.serving import levers, profiles, trials
@@ -72,7 +72,7 @@ class Setup:
     profile: Mapping[str, Any]   # the start profile, --set overrides applied, validated
     source: str                  # the profile's name or path, as given
     port: int
-    bench: benchrun.BenchOptions  # the workload and the SLO (bench.slo), every run's
+    bench: bench_options.BenchOptions  # the workload and the SLO (bench.slo), every run's
     budget: Budget
     out: Path
     sizing: levers.Sizing | None
@@ -165,7 +165,7 @@ def serving(engine: Engine, within_s: float = 5.0) -> bool:
 # ---------------------------------------------------------------------------------------------
 # One run
 
-def bench_once(url: str, api_key: str | None, options: benchrun.BenchOptions, path: Path,
+def bench_once(url: str, api_key: str | None, options: bench_options.BenchOptions, path: Path,
                served: Served | None = None) -> dict[str, Any]:
     """One bench run against `url`, written to `path` (bench.py --json's document, for compare
     and report) before it is returned; its diagnosis told the settings in `served`. Ctrl-C
@@ -178,7 +178,7 @@ def bench_once(url: str, api_key: str | None, options: benchrun.BenchOptions, pa
     return result
 
 
-def warm_up(url: str, api_key: str | None, options: benchrun.BenchOptions) -> None:
+def warm_up(url: str, api_key: str | None, options: bench_options.BenchOptions) -> None:
     """A fresh engine's first requests pay for its one-time set-up (the CPU build's first
     forward pass takes seconds): a short unmeasured run of the workload at its concurrency first,
     so that neither the measured run nor the /metrics window the diagnosis reads holds it."""
@@ -556,7 +556,7 @@ def profile_diff(start: Mapping[str, Any], winner: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Against a server tune did not start
 
-def measure(url: str, api_key: str | None, options: benchrun.BenchOptions, out: Path,
+def measure(url: str, api_key: str | None, options: bench_options.BenchOptions, out: Path,
             say: Callable[[str], None] = printing.progress) -> dict[str, Any]:
     """One bench run and the change the diagnosis proposes: tune never restarts a server it did
     not start, so the change is a proposal with the commands that verify it."""
