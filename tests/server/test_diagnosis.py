@@ -304,6 +304,20 @@ def test_exported_cap_with_room_in_the_kv_cache_is_the_running_limit():
                                                   "BENCH_C=2 BENCH_N=16 -- ")
 
 
+def test_a_burst_the_gauges_missed_is_sized_by_the_time_it_waited_behind_the_cap():
+    """SGLang's running-limit case in a fresh-clone run beside two busy loops: 12 requests at once
+    against a cap of 2 finished in a 2 s burst inside a 10 s window, and every gauge sample missed
+    it. Over the window 0.8 were in flight on average, which fits under the cap; while the cap held
+    them each waited 2.5 services first, so 2 x (2.5 + 1) = 7 were in the server: 8 lets them run."""
+    r = diagnosed(window(n=12, seconds=10.0, queue=0.5, prefill=0.05, decode=0.15, prompt=512, output=4),
+                  served=exported_cap(2))
+    assert kinds(r)[0] == "running_limit"
+    seqs = r["diagnosis"]["plan"][0]
+    assert (seqs["setting"], seqs["current"], seqs["proposed"]) == ("--max-num-seqs", 2, 8), seqs["text"]
+    assert "the server held about 7.0 requests while the cap made them wait" in seqs["reason"], seqs["reason"]
+    assert "0.8 in the server on average over the whole 10 s window" in seqs["reason"], seqs["reason"]
+
+
 def exported_cap(value: int) -> deployment.Served:
     return deployment.Served("http://h:8000", {"max_num_seqs": deployment.Known(
         value, "exported", "vLLM /server_info scheduler_config.max_num_seqs")})

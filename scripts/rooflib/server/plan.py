@@ -46,26 +46,33 @@ def make_lever(setting: str | None, known: Known | None, proposed: Any, reason: 
 
 def _in_flight(r: Reading, s: Mapping[str, Known]) -> float | None:
     """Requests the traffic keeps in the server (Little's law): running plus waiting over a window;
-    since start, the cap times (queue + service) / service, what the cap runs while busy."""
+    since start, what the cap runs while busy (_in_flight_while_capped)."""
     if r.mode == "window" and r.running_mean is not None and r.waiting_mean is not None:
         return r.running_mean + r.waiting_mean
+    return _in_flight_while_capped(r, s)
+
+
+def _in_flight_while_capped(r: Reading, s: Mapping[str, Known]) -> float | None:
+    """Requests in the server while the running cap held them: it ran `cap` at a time for the mean
+    service each, and each request first waited the mean queue time: cap x (queue + service) /
+    service (Little's law over the busy time). A window's mean counts its idle seconds too, and a
+    window around a short burst has many of them."""
     cap, queue, service = s["max_num_seqs"].value, r.queue_ms.mean, _service_ms(r)
     return cap * (queue + service) / service if cap and queue is not None and service else None
 
 
-def _peak_in_flight(r: Reading) -> float:
-    """Requests in flight at the busiest moment seen: running plus waiting at the busiest gauge
-    sample, or a bench's own count when it saw more (it sees every request start and end; the
-    gauges are sampled seconds apart, and a loaded machine can scrape them after the load)."""
-    return max((r.running_peak or 0) + (r.waiting_peak or 0), r.client_peak_in_flight or 0)
+def busiest(gauge_peak: float, client_peak: int | None, gauge_samples: int | None) -> tuple[float, str]:
+    """Requests in flight at the busiest moment seen, and where it was seen: running plus waiting
+    at the busiest gauge sample, or a bench's own count when it saw more (it sees every request
+    start and end; the gauges are sampled seconds apart, and a loaded machine can scrape them
+    after the load)."""
+    if (client_peak or 0) > gauge_peak:
+        return client_peak, f"{client_peak} at once at the busiest moment of the bench's own requests"
+    return gauge_peak, f"{gauge_peak:g} at the busiest of {gauge_samples} gauge samples"
 
 
-def _busiest(r: Reading) -> str:
-    """The peak in flight and where it was seen."""
-    gauges = (r.running_peak or 0) + (r.waiting_peak or 0)
-    if (r.client_peak_in_flight or 0) > gauges:
-        return f"{r.client_peak_in_flight} at once at the busiest moment of the bench's own requests"
-    return f"{gauges:g} at the busiest of {r.gauge_samples} gauge samples"
+def _busiest(r: Reading) -> tuple[float, str]:
+    return busiest((r.running_peak or 0) + (r.waiting_peak or 0), r.client_peak_in_flight, r.gauge_samples)
 
 
 def _service_ms(r: Reading) -> float | None:
@@ -108,9 +115,9 @@ def _outside_levers(f, r, s, flags) -> list[dict[str, Any]]:
 
 def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
     size, per = r.kv_cache_tokens, r.tokens_per_request
-    mean, peak = _in_flight(r, s) or 0, _peak_in_flight(r)
+    mean, (peak, where) = _in_flight(r, s) or 0, _busiest(r)
     demand = max(mean, peak)
-    flight = f"{_busiest(r)}, {mean:.1f} on average" if peak > mean else f"{demand:.1f} on average"
+    flight = f"{where}, {mean:.1f} on average" if peak > mean else f"{demand:.1f} on average"
     needed = demand * per if demand and per else None
     fit = _kv_fit(r)
     holds = f"{fit} requests of {per:,.0f} tokens fit now" if fit is not None else "more requests fit"
@@ -154,29 +161,38 @@ def _kv_levers(f, r, s, flags) -> list[dict[str, Any]]:
 
 def _running_levers(f, r, s, flags) -> list[dict[str, Any]]:
     seqs = s["max_num_seqs"]
-    in_flight = _in_flight(r, s)
+    window_mean = in_flight = _in_flight(r, s)
     fit = _kv_fit(r)
     if not in_flight:
         return [make_lever(flags["seqs"], seqs, None, "the cap holds requests while the KV cache has room",
                            "less queueing; WINDOW=30 under load measures how many requests are in flight")]
     # The cap holds the peak, not the mean: requests that arrive together (a burst, a batch job)
     # wait behind a cap at their mean however short the burst.
-    peak = _peak_in_flight(r)
-    busiest = f", {_busiest(r)}" if peak > in_flight else ""
+    peak, where = _busiest(r)
+    if seqs.value and seqs.value >= power_of_two(max(in_flight, peak)):
+        # Requests waited behind a cap their mean fits under: a window's mean counts its idle
+        # seconds too (a window around a short burst has many), the time they waited does not.
+        in_flight = max(in_flight, _in_flight_while_capped(r, s) or 0)
+    at_busiest = f", {where}" if peak > in_flight else ""
     proposed = power_of_two(max(in_flight, peak))
     capped = fit is not None and fit < proposed
     if capped:
         proposed = fit
     if seqs.value and seqs.value >= proposed:
-        return [make_lever(None, None, None, f"the {in_flight:.1f} requests in flight on average{busiest} fit "
+        return [make_lever(None, None, None, f"the {in_flight:.1f} requests in flight on average{at_busiest} fit "
                            f"under the cap of {current_text(seqs)}: requests wait in bursts the gauge samples missed",
                            "the peak the cap meets, and whether the bursts are the traffic's norm",
                            action=_task("metrics", [("WINDOW", 30)]) + " while the load peaks")]
     queue, service = r.queue_ms.mean, _service_ms(r)
     rate = f"{r.requests / r.seconds:.2g} req/s x {ms(r.e2e_ms.mean)} each, queue included" \
         if r.mode == "window" and r.seconds and r.requests and r.e2e_ms.mean else "the cap while busy"
+    kept = f"the traffic keeps about {in_flight:.1f} requests in the server (Little's law: {rate})"
+    if in_flight > window_mean:
+        kept = (f"the server held about {in_flight:.1f} requests while the cap made them wait (it ran "
+                f"{current_text(seqs)} at a time for {ms(service)} each, and each request waited {ms(queue)} first; "
+                f"{window_mean:.1f} in the server on average over the whole {r.seconds:.0f} s window)")
     result = [make_lever(flags["seqs"], seqs, proposed, (
-        f"the traffic keeps about {in_flight:.1f} requests in the server (Little's law: {rate}){busiest}; "
+        f"{kept}{at_busiest}; "
         + (f"the KV cache holds {fit} of {r.tokens_per_request:,.0f} tokens" if capped else
            "the next power of two lets all of them run" + (f", and the KV cache holds {fit:,} of "
                                                             f"{r.tokens_per_request:,.0f} tokens" if fit else ""))),

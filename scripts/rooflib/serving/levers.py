@@ -25,7 +25,7 @@ from rooflib.doctor import tradeoff
 from rooflib.doctor.evidence import Fit
 from rooflib.load import workloads
 from rooflib.server.deployment import EXPORTED, Known, Served
-from rooflib.server.plan import power_of_two
+from rooflib.server.plan import busiest, power_of_two
 from rooflib.serving import profiles
 from rooflib.sizing import estimate, memory_budget, model_shape
 
@@ -285,13 +285,12 @@ def more_running(run: Mapping[str, Any], profile: Mapping[str, Any]) -> Placed:
         return Placed(None, "max_num_seqs: no request waited for a slot in the run")
     # The peak, not only the mean: requests that arrive together wait behind a cap at their mean.
     gauge_peak = max(((s.get("running") or 0) + (s.get("waiting") or 0) for s in samples), default=0)
-    peak = max(gauge_peak, client_peak)
-    busiest = f"{peak:g} at once at the client" if client_peak > gauge_peak else f"{peak:g} at the busiest gauge sample"
+    peak, seen = busiest(gauge_peak, client_peak, len(samples))
     proposed = power_of_two(max(in_flight, peak))
     if cap >= proposed:
-        return Placed(None, f"max_num_seqs: the {in_flight:.1f} requests in flight ({busiest}) fit under {cap:g}")
+        return Placed(None, f"max_num_seqs: the {in_flight:.1f} requests in flight ({seen}) fit under {cap:g}")
     return Placed(proposed, f"requests waited for a slot: the load keeps {in_flight:.1f} requests in flight on "
-                            f"average (Little's law), {busiest}, and {proposed} lets all of them run")
+                            f"average (Little's law), {seen}, and {proposed} lets all of them run")
 
 
 def prefix_cache_on(run: Mapping[str, Any], profile: Mapping[str, Any]) -> Placed:
