@@ -261,17 +261,22 @@ def test_signal_during_the_last_scrape_keeps_the_whole_result(tmp_path, script, 
 
 
 def test_ctrl_c_as_the_timeline_starts_leaves_no_traceback(server):
-    """bench starts its /metrics timeline, a spawned child, as the run starts: a Ctrl-C to the
-    process group at that moment reaches a child still starting up, before it can ignore Ctrl-C
-    itself. It must neither die nor print a traceback: the parent stops it and takes its pages."""
+    """bench starts its /metrics timeline, a spawned child, as the run starts, and waits for its
+    first sample: a Ctrl-C to the process group meanwhile reaches a child still starting up,
+    before it can ignore Ctrl-C itself. It must neither die nor print a traceback: the parent
+    stops it and takes its pages."""
     script = textwrap.dedent(f"""
-        import os, signal, sys, time
+        import os, signal, sys, threading, time
         sys.path.insert(0, {str(SCRIPTS)!r})
         from rooflib.server import watch
         timeline = watch.Timeline({server!r}, None, 0.1)
+        def interrupt():  # at once once the child is spawned: it is not yet up
+            while timeline._process is None:
+                time.sleep(0.001)
+            os.killpg(0, signal.SIGINT)
+        threading.Thread(target=interrupt, daemon=True).start()
         try:
             timeline.start({{}})
-            os.killpg(0, signal.SIGINT)  # at once: the child is not yet up
             time.sleep(30)
             raise SystemExit("the parent missed its Ctrl-C")
         except KeyboardInterrupt:

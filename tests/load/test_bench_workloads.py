@@ -13,6 +13,7 @@ import bench
 import compare
 import pytest
 from calibration_server import CalibrationServer, Schedule
+from fault_server import fault_server
 
 from rooflib.core.errors import UsageError
 from rooflib.load import analysis, comparison, http1, promptgen, request_outcome, workloads
@@ -273,7 +274,7 @@ def test_a_stream_received_in_one_read_is_flagged():
 
 
 # ---------------------------------------------------------------------------------------------
-# Timeline and cross-check (pure)
+# Timeline and cross-check
 
 def _snap(running, waiting, kv, preempt, hits, queries, prompt, gen, ttft=None):
     counters = {"preemptions": preempt, "prefix_hits": hits, "prefix_queries": queries,
@@ -292,6 +293,17 @@ def test_timeline_samples_follow_the_contract():
                           "prefix_cache_hit_rate": 0.5, "prompt_tok_s": 200.0, "generation_tok_s": 100.0}
     assert samples[2]["preemptions"] == 2 and samples[2]["prefix_cache_hit_rate"] is None
     assert samples[2]["generation_tok_s"] == 200.0
+
+
+def test_the_timeline_has_a_sample_of_its_own_when_start_returns():
+    """The run starts when start returns: by then the scraping process (a spawned interpreter,
+    seconds to start on a loaded machine) has taken its first sample, so a load shorter than its
+    start-up is not left without one. The interval of a minute leaves that first sample alone."""
+    with fault_server() as url:
+        timeline = watch.Timeline(url, None, 60.0).start(_snap(0, 0, 0.0, 0, 0, 0, 0, 0))
+        timeline.stop()
+    assert timeline.errors == [] and len(timeline.snapshots) == 2, (timeline.errors, timeline.snapshots)
+    assert timeline.snapshots[1][1]["gauges"]["running"]["value"] is not None
 
 
 def _hist(le_s: list[float], counts: list[int], mean_s: float) -> dict:

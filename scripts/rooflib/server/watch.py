@@ -11,6 +11,7 @@ any value may be null (not exported by this engine).
 """
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import signal
@@ -25,6 +26,8 @@ from rooflib.core.errors import ServerError, UsageError
 from rooflib.server import metric_sources, prometheus_text, quantiles, snapshots
 
 PERCENTILES = ("p50", "p95", "p99")
+# The longest bench waits for the timeline's first sample before it sends the load.
+READY_TIMEOUT_S = 30.0
 
 
 class Timeline:
@@ -32,14 +35,16 @@ class Timeline:
     pages after the run: a scrape parsed in the client's process would hold the interpreter
     lock for milliseconds and delay the timestamps of arriving tokens. The scrape before the
     run opens the timeline and the scrape after it (once the server has counted the last
-    tokens) closes it, so its rates add up to the run's server-side window exactly."""
+    tokens) closes it, so its rates add up to the run's server-side window exactly. start returns
+    once the child has taken its first sample: a loaded machine can take seconds to start an
+    interpreter, and a load shorter than that would otherwise run with no sample during it."""
 
     def __init__(self, base_url: str, api_key: str | None, interval_s: float):
         self.base_url, self.api_key, self.interval_s = base_url, api_key, interval_s
         self.snapshots: list[tuple[float, dict[str, Any]]] = []
         self.errors: list[str] = []
         context = multiprocessing.get_context("spawn")
-        self._stop, self._pages = context.Event(), context.Queue()
+        self._stop, self._ready, self._pages = context.Event(), context.Event(), context.Queue()
         self._process: Any = None
         self._context = context
         self._start = 0.0
@@ -49,10 +54,16 @@ class Timeline:
         self.snapshots.append((0.0, first))
         process = self._context.Process(
             target=scrape_pages, daemon=True, name="metrics-timeline",
-            args=(self.base_url, self.api_key, self.interval_s, self._start, self._stop, self._pages))
+            args=(self.base_url, self.api_key, self.interval_s, self._start, self._stop, self._ready, self._pages))
         with signals.signals_blocked(*signals.STOP_SIGNALS):  # until the child ignores them
             process.start()
             self._process = process
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._ready.wait(0.5) and process.is_alive() and time.monotonic() < deadline:
+            pass
+        if not self._ready.is_set():
+            self.errors.append(f"the scraping process took no sample in {READY_TIMEOUT_S:g} s: the run started "
+                               "without it")
         return self
 
     def stop(self) -> None:
@@ -89,9 +100,10 @@ class Timeline:
         return [snap for _, snap in self.snapshots]
 
 
-def scrape_pages(base_url: str, api_key: str | None, interval_s: float, start: float, stop, pages) -> None:
-    """The child process: GET /metrics every interval until `stop`, then send the pages
-    [(t since start, text, unix time, error)] back at once."""
+def scrape_pages(base_url: str, api_key: str | None, interval_s: float, start: float, stop, ready,
+                 pages) -> None:
+    """The child process: GET /metrics at once (then set `ready`) and every interval after until
+    `stop`, then send the pages [(t since start, text, unix time, error)] back at once."""
     # Ctrl-C or SIGTERM to the process group stops the run; the parent then stops us and takes
     # the pages. A parent that is gone (killed) leaves us an orphan: stop then too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -99,16 +111,22 @@ def scrape_pages(base_url: str, api_key: str | None, interval_s: float, start: f
     # Blocked since Timeline.start: one that came while we started up is dropped now.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, signals.STOP_SIGNALS)
     parent = os.getppid()
-    got, tick = [], 1
+    got = [_scrape_page(base_url, api_key, interval_s, start)]
+    ready.set()
+    tick = math.floor((time.monotonic() - start) / interval_s) + 1  # the next tick still ahead
     while not stop.wait(max(0.0, start + tick * interval_s - time.monotonic())) and os.getppid() == parent:
-        at = time.monotonic() - start
-        try:
-            text, wall = metric_sources.scrape(base_url, api_key, timeout=max(1.0, interval_s))
-            got.append((at, text, wall, None))
-        except (ServerError, UsageError) as exc:
-            got.append((at, "", None, str(exc)))
+        got.append(_scrape_page(base_url, api_key, interval_s, start))
         tick += 1
     pages.put(got)
+
+
+def _scrape_page(base_url: str, api_key: str | None, interval_s: float, start: float) -> tuple:
+    at = time.monotonic() - start
+    try:
+        text, wall = metric_sources.scrape(base_url, api_key, timeout=max(1.0, interval_s))
+        return at, text, wall, None
+    except (ServerError, UsageError) as exc:
+        return at, "", None, str(exc)
 
 
 def _value(snap: dict[str, Any], kind: str, concept: str) -> float | None:
