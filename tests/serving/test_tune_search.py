@@ -199,8 +199,9 @@ def test_a_running_cap_the_diagnosis_does_not_name_is_lowered_and_its_cost_to_th
     """The issue's case: a closed loop of 48 streams under a cap of 256 and a TPOT target far below
     what 48 running requests get. The diagnosis names no smaller cap (below 64 running it never
     does), so tune searches the figure: the cap the per-token model gives, about a quarter of the
-    running requests, the change kept (the user gives queue wait, the default); where one server
-    then falls behind the offered load, that cost is said in the row and the answer.
+    running requests, the change kept where the trial measures it faster (the user gives queue wait,
+    the default); where one server then falls behind the offered load, that cost is said in the row
+    and the answer.
     The target leaves the model a cap on a busy machine: on an idle one the baseline measured TPOT
     p95 39 ms, mean 37 ms with 48 running (0.77 ms a running request), so 10 ms gives a cap of 12,
     and a cap of at least 1 while the mean per running request times p95/mean stays under 10 ms,
@@ -225,8 +226,19 @@ def test_a_running_cap_the_diagnosis_does_not_name_is_lowered_and_its_cost_to_th
     trial = doc["trials"][1]
     told = (trial["setting"], trial["from"], trial["to"], trial["decision"], trial["why"], doc["passed_over"])
     assert (trial["setting"], trial["from"], trial["figure"]) == ("max_num_seqs", 256, "tpot_p95_ms"), told
-    assert trial["to"] < 48 and trial["decision"] == trials.KEPT, told
-    assert kept(doc) == {"max_num_seqs": (256, trial["to"])}
+    assert trial["to"] < 48, told
+    # Whether the lower cap's TPOT is measured lower is the machine's: fresh-clone run v1, beside two
+    # busy loops and two other test workers, measured 256 -> 39 at TPOT p95 +24.7% (95% CI +12.5% ..
+    # +29.7%), the other workers' engines starting during the trial. The benchmark (tune_vs_grid)
+    # holds the figures; here the decision must follow what the two runs measured.
+    p95 = {name: json.loads((tmp_path / "out" / name).read_text())["tpot_ms"]["p95"]
+           for name in ("baseline.json", trial["run"])}
+    lower = p95[trial["run"]] < p95["baseline.json"]
+    if trial["decision"] != trials.KEPT:
+        assert trial["decision"] in (trials.WORSE, trials.REVERTED) and kept(doc) == {}, told
+        assert trial["decision"] != trials.WORSE or not lower, (p95, told)
+        return
+    assert lower and kept(doc) == {"max_num_seqs": (256, trial["to"])}, (p95, told)
     # Whether one server still keeps up at the lower cap is the machine's: on a GPU a decode step
     # costs about the same at any batch, so fewer running make fewer tokens; on a CPU a step grows
     # with each running request, so the tokens a second barely move (CI made 2,908 against 2,773
