@@ -9,7 +9,7 @@ import pytest
 
 from rooflib.core.taskcall import TaskCall
 from rooflib.doctor import examine, failures, tradeoff
-from rooflib.doctor.budget import Facts, setup_ms
+from rooflib.doctor.budget import Facts, setup_ms, tokens_per_event
 from rooflib.doctor.evidence import Engine, Failures, Fit, Probe, Route, Setting, StatusCount, Stream, Targets
 from rooflib.server import prometheus_text
 
@@ -329,3 +329,11 @@ def test_several_windows_failures_combine_field_by_field():
         (StatusCount("/v1/completions", "5xx", 3), StatusCount("/v1/completions", "2xx", 4)),
         finished={"stop": 6.0, "abort": 1.0}, engine_counts=True, request_bytes=100.0, sized_requests=2.0,
         admission={"max_num_queued_reqs": 3.0, "max_num_queued_tokens": 1.0})
+
+
+def test_events_an_api_server_merged_do_not_hide_the_stream_interval():
+    """The flake finder's second round: a loaded vLLM merged events its client had not read yet
+    (RequestOutputCollector), so middle events of 32, 32, 64, 64 said an interval of 48 (their
+    median). The interval is the fewest tokens a middle event carries."""
+    streams = [stream(tokens=(1, 32, 32, 31)), stream(tokens=(1, 64, 64, 7))]
+    assert tokens_per_event(streams) == 32

@@ -265,6 +265,7 @@ def test_prefix_caching_off_under_a_shared_prefix_names_the_switch(starved):
         if largest_first_token_part(result) == "prefill":
             break
     switch = ("prefill", "prefix_cache_off", "--enable-prefix-caching", False, True)
-    assert code == 1 and root_of(result)[0] == largest_first_token_part(result), result["first_line"]
     named = [root_of({"root": cause, "first_line": result["first_line"]}) for cause in [result["root"], *result["also"]]]
-    assert switch == named[0] if root_of(result)[0] == "prefill" else switch in named, (result["first_line"], named)
+    assert code == 1 and switch in named, (result["first_line"], named)
+    if named[0] != switch:  # another part led: the one that holds the most of the first token
+        assert root_of(result)[0] == largest_first_token_part(result), result["first_line"]
