@@ -91,23 +91,29 @@ def change(a: list[float], b: list[float], stat: str, rng: random.Random) -> tup
     return point, [stats.percentile(rounds, 2.5), stats.percentile(rounds, 97.5)]
 
 
+def samples(doc: dict[str, Any], key: str) -> list[float]:
+    """A run's measured values of the latency `key` (a request that never reached it has none)."""
+    return [v for v in doc["samples"].get(key) or [] if v is not None]
+
+
+def metric_row(name: str, sa: list[float], sb: list[float], stat: str, rng: random.Random) -> dict[str, Any]:
+    """One latency row: the statistic in A and B, the change with its interval, and the verdict."""
+    pct, ci = change(sa, sb, stat, rng)
+    verdict = ("no significant difference" if ci[0] <= 0 <= ci[1]
+               else "better" if ci[1] < 0 else "worse")  # lower latency is better
+    return {"name": name, "a": statistic(sorted(sa), stat), "b": statistic(sorted(sb), stat), "change_pct": pct,
+            "ci95_pct": ci, "verdict": verdict, "n": [len(sa), len(sb)]}
+
+
 def metric_rows(a: dict[str, Any], b: dict[str, Any], prefix: str, rng: random.Random) -> list[dict[str, Any]]:
     rows = []
     for key in LATENCIES:
-        sa = [v for v in a["samples"].get(key) or [] if v is not None]
-        sb = [v for v in b["samples"].get(key) or [] if v is not None]
+        sa, sb = samples(a, key), samples(b, key)
         if len(sa) < 2 or len(sb) < 2:
             continue
         stat_names = ["p50", "p95"] + (["p99"] if min(len(sa), len(sb)) >= requests_to_place("p99") else [])
-        for stat in stat_names:
-            if statistic(sorted(sa), stat) <= 0:
-                continue
-            pct, ci = change(sa, sb, stat, rng)
-            verdict = ("no significant difference" if ci[0] <= 0 <= ci[1]
-                       else "better" if ci[1] < 0 else "worse")  # lower latency is better
-            rows.append({"name": f"{prefix}{key}.{stat}", "a": statistic(sorted(sa), stat),
-                         "b": statistic(sorted(sb), stat), "change_pct": pct, "ci95_pct": ci,
-                         "verdict": verdict, "n": [len(sa), len(sb)]})
+        rows += [metric_row(f"{prefix}{key}.{stat}", sa, sb, stat, rng)
+                 for stat in stat_names if statistic(sorted(sa), stat) > 0]
     for key in THROUGHPUT:
         va, vb = a.get("throughput", a).get(key), b.get("throughput", b).get(key)  # sweep points: flat
         if va and vb is not None:
