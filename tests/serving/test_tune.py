@@ -250,6 +250,76 @@ def test_a_change_that_breaks_another_slo_figure_is_a_trade_off_not_kept():
     assert "but TPOT p95" in verdict.why and "> target 50 ms" in verdict.why
 
 
+def stalled_run(share: float | None, interrupted: bool = False, failed: int = 0) -> dict:
+    """A run whose client stalled `share` of it (bench's INVALID), or measured cleanly (None)."""
+    run = run_doc(spread(500), spread(20), failed=failed)
+    run["interrupted"] = interrupted
+    run["client"] = {"valid": share is None, "stalls": {"share": share or 0.0, "worst_ms": 900.0},
+                     "invalid_reasons": [] if share is None else [f"the client stalled {share:.0%} of the run"]}
+    return run
+
+
+@pytest.mark.parametrize("tries, rerun, chosen", [
+    ([None], [False], 0),                         # measured cleanly: judged as it is
+    ([0.87, 0.4, None], [True, True, False], 2),  # stalled, then stalled less, then clean
+    ([0.87, 0.9, 0.95], [True, True, True], 0),   # stalled every time: the least stalled is judged
+    ([0.5, None], [True, False], 1),
+])
+def test_a_run_whose_client_stalled_is_measured_again_and_the_least_stalled_is_judged(tries, rerun, chosen):
+    runs = [stalled_run(share) for share in tries]
+    assert [trials.worth_rerunning(run) for run in runs] == rerun
+    assert trials.least_stalled(runs) is runs[chosen]
+
+
+def test_a_stalled_run_that_failed_or_was_interrupted_is_not_measured_again():
+    assert not trials.worth_rerunning(stalled_run(0.8, interrupted=True))
+    assert not trials.worth_rerunning(stalled_run(0.8, failed=2))
+
+
+def test_a_verdict_on_runs_the_client_stalled_in_says_so():
+    """The flake finder's KV case (round 2): the trial's client stalled 87% of its run, worst 2.6 s,
+    and twelve of its sixteen first tokens were read at the run's end; the verdict says what it
+    was judged on."""
+    assert trials.stalled_words(stalled_run(None), stalled_run(None)) is None
+    said = trials.stalled_words(stalled_run(0.65), stalled_run(0.87))
+    assert said.startswith("judged on runs the client stalled in (the run judged against: the client stalled 65% "
+                           "of the run (worst 900 ms); this run: the client stalled 87% of the run (worst 900 ms))")
+
+
+@pytest.mark.parametrize("shares, calls, judged", [
+    ([None], 1, 0),
+    ([0.87, 0.4, None], 3, 2),
+    ([0.87, 0.9, 0.95, None], 1 + tuning.RERUNS, 0),  # RERUNS more at most
+])
+def test_tune_benches_a_stalled_run_again_on_the_same_engine(tmp_path, monkeypatch, shares, calls, judged):
+    runs = [stalled_run(share) for share in shares]
+    for n, run in enumerate(runs):
+        run["seed_of_try"] = n
+    written = []
+
+    def bench_once(url, api_key, options, path, served=None):
+        written.append(path.name)
+        run = runs[len(written) - 1]
+        path.write_text(json.dumps(run))
+        return run
+
+    monkeypatch.setattr(tuning, "bench_once", bench_once)
+    monkeypatch.setattr(deployment, "server_settings", lambda *args, **kwargs: None)
+    monkeypatch.setattr(levers, "served_with", lambda *args, **kwargs: None)
+    options = dataclasses.make_dataclass("Options", ["num_requests", "warmup", "timeout_s"])(16, 16, 5.0)
+    setup = tuning.Setup({"engine": "vllm"}, "p.yaml", 0, options, tuning.Budget(3, None), tmp_path, None, 5.0)
+    runner = tuning.Runner(setup, lambda line: None)
+    runner.engine = tuning.Engine(None, "http://127.0.0.1:1", tmp_path / "engine.log", 1.0)
+    result = runner.bench("trial-1", {"engine": "vllm"})
+    assert written == ["trial-1.json"] + [f"trial-1.try-{n}.json" for n in range(2, calls + 1)]
+    assert result is runs[judged] and json.loads((tmp_path / "trial-1.json").read_text())["seed_of_try"] == judged
+    kept = sorted(path.name for path in tmp_path.glob("trial-1.try-*.json"))
+    assert kept == ([f"trial-1.try-{n}.json" for n in range(1, calls + 1)] if judged else written[1:])
+    if judged:  # the first try, which trial-1.json held until another was judged, is kept beside it
+        assert json.loads((tmp_path / "trial-1.try-1.json").read_text())["seed_of_try"] == 0
+    assert runner.show.runs == 1  # the reruns measure the same configuration: one run of the budget
+
+
 def test_a_run_with_failed_requests_is_never_kept_and_says_what_failed():
     after = run_doc(spread(500, seed=1), spread(20, seed=1), failed=3)
     after["requests"] |= {"errors": {"http_5xx": 2, "stream_cut": 1},
@@ -502,12 +572,40 @@ def process_groups() -> set[int]:
     return groups
 
 
+def listeners(port: int) -> set[int]:
+    """The processes with a TCP socket listening on `port` (Linux: /proc/net/tcp and tcp6, state
+    0A, and each process's file descriptors)."""
+    sockets = {f"socket:[{fields[9]}]" for table in ("tcp", "tcp6")
+               for fields in (line.split() for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:])
+               if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port}
+    found = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir()):
+                found.add(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def writes_to(pid: int, out: Path) -> bool:
+    """Whether the process's output goes to a file under `out` (tune's engine logs; an engine's
+    children inherit it)."""
+    try:
+        return os.readlink(f"/proc/{pid}/fd/1").startswith(str(out))
+    except OSError:
+        return False
+
+
 def assert_no_engine_left(port: int, out: Path) -> None:
-    """Nothing listens on the port, and no process is left of any engine tune started: each ran in
-    its own process group, led by the API server whose pid its log names. A process SIGKILL
-    reached as tune ended may take a moment to go (60 s: a hang guard, not a bound on how long)."""
-    with socket.socket() as sock:
-        assert sock.connect_ex(("127.0.0.1", port)) != 0, f"something still listens on {port}"
+    """No engine tune started listens on the port, and no process is left of any: each ran in its
+    own process group, led by the API server whose pid its log names. A process SIGKILL reached as
+    tune ended may take a moment to go (60 s: a hang guard, not a bound on how long). The port alone
+    is not the evidence: once tune freed it, another test's server may take it (the flake finder's
+    round 3: a profile that never started, and something listened on its port), so a listener
+    counts when its output goes to one of tune's engine logs."""
+    left = [pid for pid in listeners(port) if writes_to(pid, out)]
+    assert not left, f"an engine tune started still listens on {port}: {left}"
     leaders = {int(pid) for log in out.glob("engine-*.log")
                for pid in re.findall(r"Started server process \[(\d+)\]", log.read_text(errors="replace"))}
     deadline = time.monotonic() + 60

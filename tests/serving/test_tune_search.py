@@ -213,6 +213,13 @@ def test_a_running_cap_the_diagnosis_does_not_name_is_lowered_and_its_cost_to_th
     load = ("-n", "96", "-c", "48", "--input-tokens", "300", "--output-tokens", "150")
     case = tune_vs_grid.Case(("max_num_seqs=256",), (*load, "--slo-tpot-p95-ms", "10"), "max_num_seqs", runs=2)
     code, doc = tuned(case, tmp_path)
+    if doc["slo_holds"] and doc["runs"] == 1:
+        # The baseline met 10 ms only with its client stalled (the flake finder's round 2: stalled 76%
+        # of its run, TPOT p95 9.95 ms, the tokens read in bursts, late): tune says so, and the
+        # premise is measured once more.
+        assert "the client stalled" in doc["trials"][0]["why"], doc["trials"][0]
+        tmp_path = tmp_path / "quieter"
+        code, doc = tuned(case, tmp_path)
     # The figure's search passed the cap over (no cap below the requests running, by this run's model).
     if any(line.startswith("max_num_seqs: ") for line in doc["passed_over"]):
         baseline = json.loads((tmp_path / "out" / "baseline.json").read_text())

@@ -172,6 +172,39 @@ def upper_quartile_instead(before: Mapping[str, Any], after: Mapping[str, Any],
                  f"{n} requests a side place no {stat}, which needs {needed})")
 
 
+def client_stalled(run: Mapping[str, Any]) -> str | None:
+    """What distorted the run's client-side figures (bench's INVALID reasons about its client: a
+    stalled client times its requests late), or None where the client measured the engine."""
+    client = run.get("client") or {}
+    if client.get("valid", True):
+        return None
+    stalls = client.get("stalls") or {}
+    if stalls.get("share"):
+        return f"the client stalled {stalls['share']:.0%} of the run (worst {stalls['worst_ms']:.0f} ms)"
+    return (client.get("invalid_reasons") or ["the client distorted its figures"])[0]
+
+
+def worth_rerunning(run: Mapping[str, Any]) -> bool:
+    """A finished run whose client stalled: measuring the same engine again may find it quieter."""
+    return client_stalled(run) is not None and not run["interrupted"] and not run["requests"]["failed"]
+
+
+def least_stalled(runs: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """Of runs of one engine, the one whose client measured it best: valid, else stalled least."""
+    def stalled(run: Mapping[str, Any]) -> tuple[bool, float]:
+        return client_stalled(run) is not None, ((run.get("client") or {}).get("stalls") or {}).get("share") or 0.0
+    return min(runs, key=stalled)
+
+
+def stalled_words(before: Mapping[str, Any], after: Mapping[str, Any]) -> str | None:
+    """What a verdict was judged on, where a client stall distorted either run (after its reruns):
+    the figures then hold the machine's stalls as well as the engine's times."""
+    said = [f"{which}: {why}" for which, why in (("the run judged against", client_stalled(before)),
+                                                 ("this run", client_stalled(after))) if why]
+    return ("judged on runs the client stalled in (" + "; ".join(said) + "): a busy machine's stalls are in "
+            "these figures; measure on a quieter one to be sure") if said else None
+
+
 def _judge_rejected(before: Mapping[str, Any], after: Mapping[str, Any]) -> Verdict:
     """Fewer requests rejected as too long: kept, unless an SLO figure that held now misses."""
     then, now = rejected(before), rejected(after)
