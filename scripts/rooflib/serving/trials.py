@@ -178,10 +178,14 @@ def client_stalled(run: Mapping[str, Any]) -> str | None:
     client = run.get("client") or {}
     if client.get("valid", True):
         return None
-    stalls = client.get("stalls") or {}
-    if stalls.get("share"):
-        return f"the client stalled {stalls['share']:.0%} of the run (worst {stalls['worst_ms']:.0f} ms)"
+    if stall_share(run):
+        return f"the client stalled {stall_share(run):.0%} of the run (worst {client['stalls']['worst_ms']:.0f} ms)"
     return (client.get("invalid_reasons") or ["the client distorted its figures"])[0]
+
+
+def stall_share(run: Mapping[str, Any]) -> float:
+    """The share of the run its client spent stalled (bench's client.stalls), 0 where none."""
+    return (((run.get("client") or {}).get("stalls") or {}).get("share")) or 0.0
 
 
 def worth_rerunning(run: Mapping[str, Any]) -> bool:
@@ -191,9 +195,7 @@ def worth_rerunning(run: Mapping[str, Any]) -> bool:
 
 def least_stalled(runs: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     """Of runs of one engine, the one whose client measured it best: valid, else stalled least."""
-    def stalled(run: Mapping[str, Any]) -> tuple[bool, float]:
-        return client_stalled(run) is not None, ((run.get("client") or {}).get("stalls") or {}).get("share") or 0.0
-    return min(runs, key=stalled)
+    return min(runs, key=lambda run: (client_stalled(run) is not None, stall_share(run)))
 
 
 def stalled_words(before: Mapping[str, Any], after: Mapping[str, Any]) -> str | None:
