@@ -75,7 +75,8 @@ def build_parser():
                                                  "(else $INFER_PROFILE); without one, --url is measured only")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a profile key before the baseline, e.g. --set max_num_seqs=2 (repeatable)")
-    p.add_argument("--port", default="", help="port the engine serves on (default: a free one)")
+    p.add_argument("--port", default="",
+                   help="port the engine serves on (default: a free one below the ephemeral range)")
     p.add_argument("--budget-runs", default="", help=f"bench runs at most, the baseline included (else $TUNE_RUNS; "
                                                      f"default {DEFAULT_RUNS} when no --budget-minutes)")
     p.add_argument("--budget-minutes", default="", help="minutes at most, engine starts included (else $TUNE_MINUTES)")

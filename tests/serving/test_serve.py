@@ -8,6 +8,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,7 @@ import serve
 from vllm_server import REPO, TOOLBOX, task_exe
 
 from rooflib.core import conf
+from rooflib.serving import profiles
 
 CACHE = conf.cache_dir()
 
@@ -149,6 +151,44 @@ def test_port_in_use_is_one_line(capsys):
         assert serve.main(["--profile", "cpu-tiny", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"port {port} on 127.0.0.1 is already in use" in err and err.count("\n") == 1
+
+
+def test_an_engines_port_is_drawn_outside_the_ephemeral_range_and_claimed(tmp_path, monkeypatch):
+    """An outgoing connection can take a free ephemeral port before the engine binds it (CI: SGLang
+    bound 27 s after the draw, "[Errno 98] ... address already in use"); another Roofline process
+    drawing at the same time must not get the same port."""
+    monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path))
+    ephemeral = profiles.ephemeral_ports()
+    ports = [profiles.free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(profiles.PORTS_FROM <= port < 65536 and port not in ephemeral for port in ports)
+    assert all((tmp_path / "ports" / str(port)).exists() and profiles.can_bind(port) for port in ports)
+
+
+def test_a_port_claim_holds_until_it_is_stale(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROOFLINE_CACHE_DIR", str(tmp_path))
+    assert profiles.claimed(20001) and not profiles.claimed(20001)
+    stale = time.time() - profiles.PORT_CLAIM_S - 1
+    os.utime(tmp_path / "ports" / "20001", (stale, stale))
+    assert profiles.claimed(20001) and not profiles.claimed(20001)
+
+
+def test_a_listening_port_is_not_bindable():
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        assert not profiles.can_bind(busy.getsockname()[1])
+
+
+@pytest.mark.parametrize("text, ports", [
+    ("32768\t60999\n", range(32768, 61000)),
+    ("1024 65535", range(1024, 65536)),
+    ("not numbers", range(49152, 65536)),
+    (None, range(49152, 65536)),
+])
+def test_the_ephemeral_range_is_the_kernels_else_ianas(tmp_path, text, ports):
+    path = tmp_path / "ip_local_port_range"
+    if text is not None:
+        path.write_text(text)
+    assert profiles.ephemeral_ports(path) == ports
 
 
 def test_task_list_shows_every_task_with_description():

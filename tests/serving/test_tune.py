@@ -822,3 +822,11 @@ def test_a_failed_start_is_told_by_the_engines_first_exception_not_its_last_warn
     assert profiles.why_it_stopped(log).startswith("ValueError: To serve at least one request")
     log.write_text("usage: api_server.py ...\napi_server.py: error: unrecognized arguments: --no-such-flag\n")
     assert profiles.why_it_stopped(log) == "api_server.py: error: unrecognized arguments: --no-such-flag"
+    # SGLang's uvicorn could not bind; the timeout after it is the warm-up's request to whatever held the port.
+    log.write_text("[2026-12-05 07:36:05] INFO:     Application startup complete.\n"
+                   "[2026-12-05 07:36:05] ERROR:    [Errno 98] error while attempting to bind on address "
+                   "('127.0.0.1', 40871): address already in use\n"
+                   "[2026-12-05 07:36:15] post-warmup freeze_gc failed\nTraceback (most recent call last):\n"
+                   "TimeoutError: timed out\n")
+    assert profiles.why_it_stopped(log) == ("[Errno 98] error while attempting to bind on address "
+                                           "('127.0.0.1', 40871): address already in use")

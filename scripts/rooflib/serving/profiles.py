@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -303,22 +304,81 @@ def check_port_free(host: str, port: int) -> None:
             raise UsageError(f"port {port} on {host} is already in use: stop what runs there or pass PORT=<free port>")
 
 
+# Engines get a port below the kernel's ephemeral range: a port in it that was free when drawn can
+# be the local end of any outgoing connection before the engine binds it (SGLang bound 27 s after
+# the draw, and failed "[Errno 98] ... address already in use"). Below 20000 lie the well-known
+# services' ports (8000, 8080, 9090).
+PORTS_FROM = 20000
+# A drawn port is claimed (a file in the cache) for this long against other Roofline processes on
+# the machine, which draw from the same ports: longer than an engine takes to start.
+PORT_CLAIM_S = 900.0
+
+
+def ephemeral_ports(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> range:
+    """The ports the kernel gives outgoing connections (Linux's setting; else IANA's 49152-65535)."""
+    try:
+        low, high = map(int, path.read_text().split())
+    except (OSError, ValueError):
+        low, high = 49152, 65535
+    return range(low, high + 1)
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on, outside the ephemeral range, claimed for this process."""
+    ephemeral = ephemeral_ports()
+    ports = [port for port in range(PORTS_FROM, 65536) if port not in ephemeral] or list(range(1024, 65536))
+    for port in random.SystemRandom().sample(ports, min(len(ports), 200)):
+        if can_bind(port) and claimed(port):
+            return port
+    raise ServerError(f"no free loopback port among 200 drawn from {PORTS_FROM}-65535 outside the ephemeral "
+                      f"{ephemeral.start}-{ephemeral.stop - 1}: pass --port <free port>")
+
+
+def can_bind(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def claimed(port: int) -> bool:
+    """Claim `port` (a file in the cache, made only if absent or stale); True when this call got it."""
+    claims = conf.cache_dir() / "ports"
+    claim = claims / str(port)
+    try:
+        claims.mkdir(parents=True, exist_ok=True)
+        if claim.exists() and time.time() - claim.stat().st_mtime > PORT_CLAIM_S:
+            claim.unlink(missing_ok=True)
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # no cache to claim in: the draw alone keeps collisions rare
+    return True
 
 
 # A Python exception's own line, `ValueError: To serve at least one request ...`: the first one in an
 # engine's log is the root cause (vLLM's front end re-raises it as "Engine core initialization
 # failed. See root cause above."), while the last line is often a shutdown warning.
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception): ")
+# uvicorn's own error with the system's error number (both engines' API servers run on it), logged,
+# not raised: `ERROR:    [Errno 98] error while attempting to bind on address (...): address already
+# in use`. The exceptions after it are the shutdown's.
+OS_ERROR_LOGGED = re.compile(r"\bERROR:\s+(\[Errno \d+\] .*)")
 
 
 def why_it_stopped(log_path: Path) -> str:
-    """The line of an engine's log that says why it stopped: its first exception, else its last line."""
+    """The line of an engine's log that says why it stopped: its first exception or logged system
+    error, else its last line."""
     lines = log_path.read_text(errors="replace").strip().splitlines() or ["no output"]
-    return next((line for line in lines if EXCEPTION_LINE.match(line)), lines[-1])
+    for line in lines:
+        if EXCEPTION_LINE.match(line):
+            return line
+        if logged := OS_ERROR_LOGGED.search(line):
+            return logged.group(1)
+    return lines[-1]
 
 
 def answers_health(url: str, timeout_s: float) -> bool:
