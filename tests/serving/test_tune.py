@@ -638,6 +638,22 @@ def tuned(case: tune_vs_grid.Case, tmp_path: Path, *extra: str) -> tuple[int, di
     return done.returncode, json.loads(done.stdout)
 
 
+def tuned_to_fix(case: tune_vs_grid.Case, tmp_path: Path) -> tuple[int, dict, Path]:
+    """tune on a case with one setting made wrong: (exit code, document, the folder whose out/ holds
+    it). Where the trial of that setting was not kept and tune says it judged runs the client stalled
+    in, the machine blurred the premise (a fix far larger than a quiet machine's noise): tune said so,
+    and it is measured once more. A fresh-clone run on 3e435e6 beside two busy loops: prefix caching
+    on read TTFT p75 +6.8% (95% CI -50.0% .. +171.0%), its engine up in 68 s against the baseline's
+    38 while other workers' engines started, and the least stalled of three tries stalled 35% of its
+    run; another run of the case read TTFT p95 -73.2% (95% CI -77.6% .. -69.8%)."""
+    code, doc = tuned(case, tmp_path)
+    trial = next((row for row in doc["trials"] if row["setting"] == case.wrong), None)
+    if trial and trial["decision"] != trials.KEPT and "judged on runs the client stalled in" in trial["why"]:
+        tmp_path = tmp_path / "quieter"
+        code, doc = tuned(case, tmp_path)
+    return code, doc, tmp_path
+
+
 def in_a_test(case: tune_vs_grid.Case) -> tune_vs_grid.Case:
     """The benchmark's case on a budget of 3 runs: what a test reads is the first change kept (the
     baseline, the fix, one more try if a busy machine blurs it); a machine too busy for the SLO even
@@ -676,7 +692,7 @@ def test_a_running_limit_far_too_low_is_raised_and_kept(cpu_vllm, tmp_path):
     case = in_a_test(tune_vs_grid.CASES["running_limit"])
     case = dataclasses.replace(case, load=(*case.load[:-1], "500"))
     assert case.load[-2:] == ("--slo-ttft-p95-ms", "500")
-    code, doc = tuned(case, tmp_path)
+    code, doc, tmp_path = tuned_to_fix(case, tmp_path)
     start, end = assert_fixed(code, doc, case)
     # Raised to what the traffic keeps in flight (16 offered: the peak, or Little's law's mean; fewer where a busy
     # machine's window is slow): far enough that the SLO holds, or at least half the offered load.
@@ -692,7 +708,7 @@ def test_a_running_limit_far_too_low_is_raised_and_kept(cpu_vllm, tmp_path):
 @pytest.mark.real_vllm
 def test_a_kv_cache_far_too_small_is_grown_and_kept(cpu_vllm, tmp_path):
     case = in_a_test(tune_vs_grid.CASES["kv_cache"])
-    code, doc = tuned(case, tmp_path)
+    code, doc, _ = tuned_to_fix(case, tmp_path)
     start, end = assert_fixed(code, doc, case)
     assert start == 4 * MIB and end >= 8 * MIB
 
@@ -700,7 +716,7 @@ def test_a_kv_cache_far_too_small_is_grown_and_kept(cpu_vllm, tmp_path):
 @pytest.mark.real_vllm
 def test_prefix_caching_off_under_a_shared_prefix_is_turned_on_and_kept(cpu_vllm, tmp_path):
     case = in_a_test(tune_vs_grid.CASES["prefix_cache_off"])
-    code, doc = tuned(case, tmp_path)
+    code, doc, _ = tuned_to_fix(case, tmp_path)
     assert assert_fixed(code, doc, case) == (False, True)
 
 
