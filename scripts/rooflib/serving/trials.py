@@ -178,8 +178,8 @@ def client_stalled(run: Mapping[str, Any]) -> str | None:
     client = run.get("client") or {}
     if client.get("valid", True):
         return None
-    if stall_share(run):
-        return f"the client stalled {stall_share(run):.0%} of the run (worst {client['stalls']['worst_ms']:.0f} ms)"
+    if share := stall_share(run):
+        return f"the client stalled {share:.0%} of the run (worst {client['stalls']['worst_ms']:.0f} ms)"
     return (client.get("invalid_reasons") or ["the client distorted its figures"])[0]
 
 
