@@ -282,8 +282,9 @@ async def run_plan(plan: Plan, timeout_s: float,
     sending = _Sending(plan, client, interrupt, on_done)
     lag: list[float] = []
     # A full garbage collection over a heap of stored reads takes tens of ms and stalls every
-    # stream; refcounting frees what the run drops, so the collector waits until the end.
-    gc.collect()
+    # stream; refcounting frees what the run drops, so the collector waits until the end. No
+    # collection here either: in a long-lived caller (sweep's levels, an agent's process) its
+    # cost is the caller's whole heap, and freezing sets that heap aside at no cost.
     gc.freeze()
     gc.disable()
     cpu0, wall0 = time.process_time(), time.perf_counter()
