@@ -418,6 +418,20 @@ def test_gauges_sampled_in_long_prefills_read_the_cap_less_the_finished_ones():
     assert r["diagnosis"]["plan"][0]["text"].startswith("--max-num-seqs: at least 2 -> 16 (current: inferred)")
 
 
+def test_requests_that_queued_a_share_of_their_time_put_a_floor_under_the_cap():
+    """A fresh-clone run beside two busy loops: 16 requests against --max-num-seqs 2 queued a
+    third of their time, yet the window's idle seconds left fewer than one waiting on average, and
+    no gauge sample caught one running. The queue histogram says they waited, so Little's law
+    over the window (2.3 s running each, 16 in 20 s: 1.84 at a time) is the floor: at least 2."""
+    snap = window(n=16, seconds=20.0, queue=1.0, prefill=0.3, decode=2.0, prompt=3072, output=16)
+    del snap["histograms"]["step_tokens"]
+    r = diagnosed(snap)
+    assert r["waiting_mean"] < 1 and r["running_peak"] == 0
+    root = r["diagnosis"]["root_cause"]
+    assert (root["kind"], root["current"], root["current_source"]) == ("running_limit", 2, "inferred")
+    assert "1.8 requests ran at a time on average while 0.8 waited (Little's law over the window)" in root["evidence"]
+
+
 def test_draft_tokens_accepted_by_speculative_decoding_are_not_requests():
     """Three tokens a request per step, two of them accepted drafts: two requests a step, not six."""
     snap = window(queue=6.0, prompt=200, running=(1, 1), waiting=(9, 9), plateau=(1,), steps=[6.0] * 1000)

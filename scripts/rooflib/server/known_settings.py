@@ -196,7 +196,7 @@ def _infer_max_num_seqs(r: Reading) -> Known:
     next step admits others (vllm/v1/core/sched/scheduler.py, make_stats at the end of
     update_from_output), so a sample that falls in a long prefill step reads the cap less the
     requests that just finished; and a step spent prefilling lowers the requests per step."""
-    waited = r.running_while_waiting or (r.mode == "window" and (r.waiting_mean or 0) >= 1)
+    waited = r.running_while_waiting or (r.mode == "window" and ((r.waiting_mean or 0) >= 1 or _queued(r)))
     floors = _running_floors(r) if waited and _kv_room(r) else []
     if floors:
         value, how = max(floors, key=lambda floor: floor[0])
@@ -212,6 +212,12 @@ def _infer_max_num_seqs(r: Reading) -> Known:
                                     "vLLM defaults: " + "/".join(map(str, VLLM_DEFAULT_MAX_NUM_SEQS)) + " by platform")
     return Known(None, UNKNOWN, "no metric exports it; SGLang's /get_server_info does (read with --url on a "
                                 "live server)")
+
+
+def _queued(r: Reading) -> bool:
+    """Requests spent QUEUE_SHARE or more of their time waiting (the queue histogram): they
+    waited, though on average fewer than one at a time where the window also holds idle time."""
+    return bool(r.queue_ms.mean and r.e2e_ms.mean and r.queue_ms.mean / r.e2e_ms.mean >= QUEUE_SHARE)
 
 
 def _running_floors(r: Reading) -> list[tuple[int, str]]:
