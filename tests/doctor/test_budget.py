@@ -222,6 +222,21 @@ def test_the_probes_own_loop_lag_is_said_beside_the_root_never_as_it():
     assert "client" in [found.segment for found in verdict.also]
 
 
+def test_the_probes_own_loop_lag_does_not_hide_the_users_parts_from_also():
+    """A fresh-clone run beside two busy loops: the probe's loop ran 400 ms late in a 520 ms TTFT,
+    the inference route held 59 ms and the engine's prefill 45. The prefill is 9% of the figure
+    but 37% of what users wait (the figure less the probe's lag): it is listed beside the root."""
+    late = replace(probe([stream(head=60.0, ttft=520.0)] * 6), loop_lag_p95_ms=400.0)
+    made = facts("first-token", probed=late, targets=replace(TARGETS, ttft_p95_ms=20),
+                 eng=engine(ttft_mean=45.0, ttft_p95=46.0, queue_mean=1.0, prefill_mean=44.0))
+    verdict = examine.decide(options("first-token"), made)
+    budget = verdict.budgets[0]
+    prefill = next(s for s in budget.segments if s.name == "prefill")
+    assert prefill.share < examine.ALSO_SHARE <= budget.users_share(prefill), (prefill, budget.value)
+    assert verdict.root is not None and verdict.root.segment == "route", examine.first_line(verdict)
+    assert [found.segment for found in verdict.also] == ["prefill", "client"]
+
+
 def first_token_parts(made: Facts) -> tuple[examine.Verdict, dict[str, float]]:
     """The verdict and its first-token parts by name, which add up to the figure they divide."""
     verdict = examine.decide(options("first-token"), made)

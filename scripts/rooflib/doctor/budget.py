@@ -66,6 +66,13 @@ class Budget:
         users = [s for s in self.segments if s.name != "client" and s.size > 0]
         return max(users or self.segments, key=lambda s: s.size, default=None)
 
+    def users_share(self, segment: Segment) -> float:
+        """A part's share of what users wait: the figure less the probe's own loop lag, so that a
+        busy machine's stalls in the doctor do not shrink the parts that are the users'."""
+        lag = sum(s.size for s in self.segments if s.name == "client")
+        users = (self.value or 0.0) - lag
+        return segment.size / users if segment.name != "client" and users > 0 else segment.share
+
 
 def median(values: Sequence[float | None]) -> float | None:
     known = [v for v in values if v is not None]

@@ -205,7 +205,7 @@ def decide(opts: Options, facts: budgets.Facts) -> Verdict:
     also: list[Finding] = []
     if lead.misses and lead.largest is not None:
         root = causes.explain(facts, lead, lead.largest, opts.prompt_tokens)
-        others = [s for s in lead.segments if s is not lead.largest and s.share >= ALSO_SHARE]
+        others = [s for s in lead.segments if s is not lead.largest and lead.users_share(s) >= ALSO_SHARE]
         also += [causes.explain(facts, lead, s, opts.prompt_tokens) for s in others]
     for other in found[1:]:
         if other.misses and other.largest is not None:
