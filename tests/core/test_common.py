@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
+import threading
 
 import httpx
 import pytest
@@ -195,6 +197,41 @@ def output_of(argv: list[str]) -> printing.Output:
     p = cli.parser("Does a thing.\n")
     printing.add_output_args(p)
     return p.parse_args(argv).output
+
+
+def closing_on_the_second_request() -> tuple[socket.socket, list[int]]:
+    """A server that answers the first request on each connection and closes the connection,
+    unanswered, when the next request arrives on it: uvicorn's keep-alive close meeting a request.
+    Returns its socket and the requests it answered per connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    answered: list[int] = []
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+            answered.append(1)
+            conn.recv(65536)  # the next request: closed without an answer
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener, answered
+
+
+def test_a_kept_alive_connection_closed_as_a_request_goes_out_is_sent_once_more():
+    listener, answered = closing_on_the_second_request()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    with listener, http_client.client(url, timeout=5) as http:
+        assert http_client.get_json(http, "/v1/models") == {}
+        assert http_client.get_json(http, "/v1/models") == {}  # on the kept-alive one, then a new one
+    assert len(answered) == 2
 
 
 def test_json_and_json_out_fill_one_output(tmp_path):

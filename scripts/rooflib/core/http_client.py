@@ -21,6 +21,12 @@ from rooflib.core.fileio import parse_json
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("deadline", default=None)
 STREAM_DEADLINE_FACTOR = 10  # a streamed answer may take ten times --timeout in all
 CONNECT_TIMEOUT_S = 10.0  # at most, to open a connection: a server that listens accepts at once
+# A kept-alive connection the server closed as the request went out on it: uvicorn, which both
+# engines' API servers run on, closes one idle for 5 s (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+# SGLang's SGLANG_TIMEOUT_KEEP_ALIVE), and the pool can pick it in the instant before the close
+# arrives. The server answered nothing, so the request goes once more, on a new connection (as Go's
+# net/http does for a request on a reused connection).
+CLOSED_UNANSWERED = "Server disconnected without sending a response"
 
 
 class _DeadlineStream(httpcore.NetworkStream):
@@ -66,6 +72,14 @@ class _Client(httpx.Client):
         self.total_s = total_s
 
     def send(self, request: httpx.Request, *, stream: bool = False, **kwargs: Any) -> httpx.Response:
+        try:
+            return self._send_once(request, stream, **kwargs)
+        except httpx.RemoteProtocolError as exc:
+            if not str(exc).startswith(CLOSED_UNANSWERED):
+                raise
+            return self._send_once(request, stream, **kwargs)
+
+    def _send_once(self, request: httpx.Request, stream: bool, **kwargs: Any) -> httpx.Response:
         _DEADLINE.set(time.monotonic() + self.total_s)  # the head (and a whole body not streamed)
         response = super().send(request, stream=stream, **kwargs)
         if stream:  # the streamed body, read after this returns
