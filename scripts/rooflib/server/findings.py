@@ -28,6 +28,7 @@ from rooflib.server.known_settings import (
     over_target,
     pct,
     quantile_text,
+    queue_share,
     said,
     tokens_text,
 )
@@ -140,7 +141,7 @@ def findings(r: Reading, s: Mapping[str, Known]) -> list[dict[str, Any]]:
     """Every finding with its cause, unordered (see `ordered`)."""
     flags, slo = engine_flags(r, s), r.slo
     queue, e2e, ttft = r.queue_ms, r.e2e_ms, r.ttft_ms
-    share = queue.mean / e2e.mean if queue.mean is not None and e2e.mean else None
+    share = queue_share(r)
     queued = (share is not None and share >= QUEUE_SHARE) or (not e2e.n and (r.waiting_peak or 0) > 0)
     found = []
     limit, evidence, confidence = _limit(r, s) if queued or r.preemptions or (r.waiting_peak or 0) > 0 \

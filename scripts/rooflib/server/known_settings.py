@@ -214,10 +214,15 @@ def _infer_max_num_seqs(r: Reading) -> Known:
                                 "live server)")
 
 
+def queue_share(r: Reading) -> float | None:
+    """The share of the finished requests' e2e they spent queued (the histograms' means)."""
+    return r.queue_ms.mean / r.e2e_ms.mean if r.queue_ms.mean is not None and r.e2e_ms.mean else None
+
+
 def _queued(r: Reading) -> bool:
     """Requests spent QUEUE_SHARE or more of their time waiting (the queue histogram): they
     waited, though on average fewer than one at a time where the window also holds idle time."""
-    return bool(r.queue_ms.mean and r.e2e_ms.mean and r.queue_ms.mean / r.e2e_ms.mean >= QUEUE_SHARE)
+    return (queue_share(r) or 0.0) >= QUEUE_SHARE
 
 
 def _running_floors(r: Reading) -> list[tuple[int, str]]:
