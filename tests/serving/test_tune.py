@@ -640,18 +640,32 @@ def tuned(case: tune_vs_grid.Case, tmp_path: Path, *extra: str) -> tuple[int, di
 
 def tuned_to_fix(case: tune_vs_grid.Case, tmp_path: Path) -> tuple[int, dict, Path]:
     """tune on a case with one setting made wrong: (exit code, document, the folder whose out/ holds
-    it). Where the trial of that setting was not kept and tune says it judged runs the client stalled
-    in, the machine blurred the premise (a fix far larger than a quiet machine's noise): tune said so,
-    and it is measured once more. A fresh-clone run on 3e435e6 beside two busy loops: prefix caching
-    on read TTFT p75 +6.8% (95% CI -50.0% .. +171.0%), its engine up in 68 s against the baseline's
-    38 while other workers' engines started, and the least stalled of three tries stalled 35% of its
-    run; another run of the case read TTFT p95 -73.2% (95% CI -77.6% .. -69.8%)."""
+    it). Where the trial of that setting was not kept and its client stalled, the machine blurred the
+    premise (a fix far larger than a quiet machine's noise): tune said so, and it is measured once
+    more. A fresh-clone run on 3e435e6 beside two busy loops: prefix caching on read TTFT p75 +6.8%
+    (95% CI -50.0% .. +171.0%), its engine up in 68 s against the baseline's 38 while other workers'
+    engines started, and the least stalled of three tries stalled 35% of its run; another run of the
+    case read TTFT p95 -73.2% (95% CI -77.6% .. -69.8%)."""
     code, doc = tuned(case, tmp_path)
-    trial = next((row for row in doc["trials"] if row["setting"] == case.wrong), None)
-    if trial and trial["decision"] != trials.KEPT and "judged on runs the client stalled in" in trial["why"]:
+    if blurred_by_stalls(doc, case.wrong, tmp_path / "out"):
         tmp_path = tmp_path / "quieter"
         code, doc = tuned(case, tmp_path)
     return code, doc, tmp_path
+
+
+def client_stalled(out: Path, run_file: str) -> bool:
+    """Whether the client of a run tune judged stalled (bench's client.valid false: it timed its
+    requests late, so the figures hold the machine's stalls as well as the engine's times)."""
+    return not (json.loads((out / run_file).read_text()).get("client") or {}).get("valid", True)
+
+
+def blurred_by_stalls(doc: dict, setting: str, out: Path) -> bool:
+    """The first trial of `setting` was not kept, and a run it was judged on (its own or the
+    baseline's) had a stalled client, which tune's row says."""
+    trial = next((row for row in doc["trials"] if row["setting"] == setting), None)
+    return (trial is not None and trial["decision"] != trials.KEPT and trial["run"] is not None
+            and any(client_stalled(out, run) for run in (doc["trials"][0]["run"], trial["run"]))
+            and "judged on runs the client stalled in" in trial["why"])
 
 
 def in_a_test(case: tune_vs_grid.Case) -> tune_vs_grid.Case:
@@ -665,22 +679,38 @@ def kept(doc: dict) -> dict:
     return {c["setting"]: (c["from"], c["to"]) for c in doc["changes"]}
 
 
-def assert_fixed(code: int, doc: dict, case: tune_vs_grid.Case) -> tuple:
+def assert_fixed(code: int, doc: dict, case: tune_vs_grid.Case, out: Path) -> tuple:
     """The setting made wrong is the first change tune kept, within the budget; the exit code says
     whether the SLO holds (on a busier machine the fixed setting may still miss it: the issue asks
     for the fix, the SLO is the machine's). Another setting is kept only where the SLO was still
     missed with the fix in place (tune then rightly goes on to the next lever), never once it held.
-    The (start, kept) values of the setting made wrong."""
+    The (start, kept) values of the setting made wrong.
+
+    Where the machine blurred the fix's trial (blurred_by_stalls), kept is None: no client can
+    measure the gain then, and what tune must do is say so and keep nothing before it. Fresh-clone
+    run e2 on 32c3665 beside two busy loops, both tries of the prefix-caching case: prefix caching on
+    read TTFT p75 -86.6% (95% CI -89.9% .. +55.5%) and -9.6% (-37.5% .. +70.6%), the clients
+    stalled 39% to 57% of their runs (worst 342 to 926 ms) against TTFTs of 100 to 900 ms. Whether
+    tune keeps the fix is a timing a loaded machine changes: `task bench:tune` measures it."""
     assert code == (0 if doc["slo_holds"] else 1) and doc["runs"] <= case.runs and not doc["interrupted"]
     assert doc["trials"][0]["figures"]["ttft_p95_ms"]["met"] is False
     told = [(row["setting"], row["to"], row["decision"], row["why"]) for row in doc["trials"]]
     kept_rows = [row for row in doc["trials"] if row["decision"] == trials.KEPT]
+    if case.wrong not in kept(doc) and blurred_by_stalls(doc, case.wrong, out):
+        first = next(row["n"] for row in doc["trials"] if row["setting"] == case.wrong)
+        assert not [row for row in kept_rows if row["n"] < first], told
+        return kept_from(doc, case.wrong), None
     assert [row["setting"] for row in kept_rows][:1] == [case.wrong], told
     for before, row in zip(kept_rows, kept_rows[1:]):
         if row["setting"] != case.wrong:
             assert not all(figure["met"] for figure in before["figures"].values()), told
     assert case.wrong in kept(doc), told
     return kept(doc)[case.wrong]
+
+
+def kept_from(doc: dict, setting: str) -> object:
+    """The value a setting had before tune's first trial of it."""
+    return next(row["from"] for row in doc["trials"] if row["setting"] == setting)
 
 
 @pytest.mark.real_vllm
@@ -693,31 +723,71 @@ def test_a_running_limit_far_too_low_is_raised_and_kept(cpu_vllm, tmp_path):
     case = dataclasses.replace(case, load=(*case.load[:-1], "500"))
     assert case.load[-2:] == ("--slo-ttft-p95-ms", "500")
     code, doc, tmp_path = tuned_to_fix(case, tmp_path)
-    start, end = assert_fixed(code, doc, case)
+    start, end = assert_fixed(code, doc, case, tmp_path / "out")
     # Raised to what the traffic keeps in flight (16 offered: the peak, or Little's law's mean; fewer where a busy
     # machine's window is slow): far enough that the SLO holds, or at least half the offered load.
-    assert start == 1 and (end >= 8 or (end >= 2 and doc["slo_holds"])), doc["stopped"]
+    assert start == 1 and (end is None or end >= 8 or (end >= 2 and doc["slo_holds"])), doc["stopped"]
     # The diagnosis knew the cap from the profile, not by inference from the metrics.
     root = json.loads((tmp_path / "out" / "baseline.json").read_text())["server"]["metrics"]["diagnosis"]["root_cause"]
     assert (root["kind"], root["current"], root["current_source"]) == ("running_limit", 1, "exported")
     assert (tmp_path / "out" / "profile.yaml").read_text().count("max_num_seqs: ") == 1
-    assert "+max_num_seqs: " in (tmp_path / "out" / "profile.diff").read_text()
+    assert ("+max_num_seqs: " in (tmp_path / "out" / "profile.diff").read_text()) == (end is not None)
     assert "Tune: one change at a time" in (tmp_path / "out" / "report.html").read_text()
 
 
 @pytest.mark.real_vllm
 def test_a_kv_cache_far_too_small_is_grown_and_kept(cpu_vllm, tmp_path):
     case = in_a_test(tune_vs_grid.CASES["kv_cache"])
-    code, doc, _ = tuned_to_fix(case, tmp_path)
-    start, end = assert_fixed(code, doc, case)
-    assert start == 4 * MIB and end >= 8 * MIB
+    code, doc, tmp_path = tuned_to_fix(case, tmp_path)
+    start, end = assert_fixed(code, doc, case, tmp_path / "out")
+    assert start == 4 * MIB and (end is None or end >= 8 * MIB)
 
 
 @pytest.mark.real_vllm
 def test_prefix_caching_off_under_a_shared_prefix_is_turned_on_and_kept(cpu_vllm, tmp_path):
     case = in_a_test(tune_vs_grid.CASES["prefix_cache_off"])
-    code, doc, _ = tuned_to_fix(case, tmp_path)
-    assert assert_fixed(code, doc, case) == (False, True)
+    code, doc, tmp_path = tuned_to_fix(case, tmp_path)
+    assert assert_fixed(code, doc, case, tmp_path / "out") in ((False, True), (False, None))
+
+
+STALLED_WHY = ("TTFT p75 -9.6% (95% CI -37.5% .. +70.6%): the interval does not lie wholly below 0; judged on runs "
+               "the client stalled in (this run: the client stalled 52% of the run (worst 622 ms)): a busy machine's "
+               "stalls are in these figures; measure on a quieter one to be sure")
+
+
+@pytest.mark.parametrize("rows, stalled_runs, expected", [
+    # e2's shape: the fix reverted on runs whose client stalled, tune saying so
+    ([("enable_prefix_caching", trials.REVERTED, STALLED_WHY), ("max_num_seqs", trials.REVERTED, "")],
+     {"baseline", "trial-1"}, (False, None)),
+    # reverted on runs no stall touched: tune missed the fix
+    ([("enable_prefix_caching", trials.REVERTED, "the interval does not lie wholly below 0")], set(), AssertionError),
+    # a stalled client, but the row does not say so
+    ([("enable_prefix_caching", trials.REVERTED, "the interval does not lie wholly below 0")], {"trial-1"},
+     AssertionError),
+    # another setting kept before the blurred fix
+    ([("max_num_seqs", trials.KEPT, ""), ("enable_prefix_caching", trials.REVERTED, STALLED_WHY)],
+     {"baseline", "trial-1", "trial-2"}, AssertionError),
+    ([("enable_prefix_caching", trials.KEPT, STALLED_WHY)], {"trial-1"}, (False, True)),
+])
+def test_a_fix_blurred_by_the_clients_stalls_is_said_not_kept(tmp_path, rows, stalled_runs, expected):
+    names = ["baseline", *[f"trial-{n}" for n in range(1, len(rows) + 1)]]
+    for name in names:
+        (tmp_path / f"{name}.json").write_text(json.dumps({"client": {"valid": name not in stalled_runs}}))
+    missed = {"ttft_p95_ms": {"met": False}}
+    doc = {"slo_holds": False, "runs": len(names), "interrupted": False,
+           "trials": [{"n": 0, "setting": None, "from": None, "to": None, "decision": "baseline", "why": "",
+                       "run": "baseline.json", "figures": missed}]
+           + [{"n": n, "setting": setting, "from": False if setting == "enable_prefix_caching" else 1,
+               "to": True if setting == "enable_prefix_caching" else 8, "decision": decision, "why": why,
+               "run": f"trial-{n}.json", "figures": missed} for n, (setting, decision, why) in enumerate(rows, 1)],
+           "changes": [{"setting": setting, "from": False, "to": True} for setting, decision, _ in rows
+                       if decision == trials.KEPT and setting == "enable_prefix_caching"]}
+    case = dataclasses.replace(tune_vs_grid.CASES["prefix_cache_off"], runs=len(names))
+    if expected is AssertionError:
+        with pytest.raises(AssertionError):
+            assert_fixed(1, doc, case, tmp_path)
+    else:
+        assert assert_fixed(1, doc, case, tmp_path) == expected
 
 
 @pytest.mark.real_vllm
