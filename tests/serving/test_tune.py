@@ -653,18 +653,19 @@ def tuned_to_fix(case: tune_vs_grid.Case, tmp_path: Path) -> tuple[int, dict, Pa
     return code, doc, tmp_path
 
 
-def client_stalled(out: Path, run_file: str) -> bool:
-    """Whether the client of a run tune judged stalled (bench's client.valid false: it timed its
-    requests late, so the figures hold the machine's stalls as well as the engine's times)."""
-    return not (json.loads((out / run_file).read_text()).get("client") or {}).get("valid", True)
+def first_trial(doc: dict, setting: str) -> dict | None:
+    """tune's first trial row of `setting`, None where it never tried it."""
+    return next((row for row in doc["trials"] if row["setting"] == setting), None)
 
 
 def blurred_by_stalls(doc: dict, setting: str, out: Path) -> bool:
     """The first trial of `setting` was not kept, and a run it was judged on (its own or the
-    baseline's) had a stalled client, which tune's row says."""
-    trial = next((row for row in doc["trials"] if row["setting"] == setting), None)
+    baseline's) had a stalled client (trials.client_stalled: bench's client.valid false, its
+    requests timed late), which tune's row says."""
+    trial = first_trial(doc, setting)
     return (trial is not None and trial["decision"] != trials.KEPT and trial["run"] is not None
-            and any(client_stalled(out, run) for run in (doc["trials"][0]["run"], trial["run"]))
+            and any(trials.client_stalled(json.loads((out / run).read_text())) is not None
+                    for run in (doc["trials"][0]["run"], trial["run"]))
             and "judged on runs the client stalled in" in trial["why"])
 
 
@@ -697,20 +698,15 @@ def assert_fixed(code: int, doc: dict, case: tune_vs_grid.Case, out: Path) -> tu
     told = [(row["setting"], row["to"], row["decision"], row["why"]) for row in doc["trials"]]
     kept_rows = [row for row in doc["trials"] if row["decision"] == trials.KEPT]
     if case.wrong not in kept(doc) and blurred_by_stalls(doc, case.wrong, out):
-        first = next(row["n"] for row in doc["trials"] if row["setting"] == case.wrong)
-        assert not [row for row in kept_rows if row["n"] < first], told
-        return kept_from(doc, case.wrong), None
+        trial = first_trial(doc, case.wrong)
+        assert not [row for row in kept_rows if row["n"] < trial["n"]], told
+        return trial["from"], None
     assert [row["setting"] for row in kept_rows][:1] == [case.wrong], told
     for before, row in zip(kept_rows, kept_rows[1:]):
         if row["setting"] != case.wrong:
             assert not all(figure["met"] for figure in before["figures"].values()), told
     assert case.wrong in kept(doc), told
     return kept(doc)[case.wrong]
-
-
-def kept_from(doc: dict, setting: str) -> object:
-    """The value a setting had before tune's first trial of it."""
-    return next(row["from"] for row in doc["trials"] if row["setting"] == setting)
 
 
 @pytest.mark.real_vllm
