@@ -81,11 +81,19 @@ def server_side(delta: dict[str, Any] | None, note: str, completed_tokens: int, 
 VERIFY_SAMPLE = 16
 
 
+def run_head(run_id: str) -> str:
+    """The words every prompt of a run starts with: drawn from the run id, so new for every run
+    (one in a million alike) and the same in every shard of one (their prompts, a shared prefix
+    too, are one run's). One generator draws all three: a generator per word repeats its first
+    draw, a hundred heads in all, and two runs of one seed then meet each other's prefix cache."""
+    draw = random.Random(run_id)
+    return " ".join(draw.choice(WORDS) for _ in range(3))
+
+
 def calibrate_maker(counter: TokenCounter, seed: int, run_id: str) -> workloads.PromptMaker | None:
     """Find the words that are one token each after the run's head (one tokenizer call per
-    word); None when too few are, or they do not add up. The head is drawn from the run id: new
-    for every run, the same in every shard of one (their prompts, a shared prefix too, are one run's)."""
-    head = " ".join(random.Random(run_id).choice(WORDS) for _ in range(3))
+    word); None when too few are, or they do not add up."""
+    head = run_head(run_id)
     base = counter.count(head)
     with ThreadPoolExecutor(8 if counter.exact else 1) as pool:
         counts = list(pool.map(lambda word: counter.count(f"{head} {word}"), WORDS))
