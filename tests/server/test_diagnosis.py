@@ -441,6 +441,17 @@ def test_draft_tokens_accepted_by_speculative_decoding_are_not_requests():
     assert r["requests_per_step"] == 2.0 and r["diagnosis"]["root_cause"]["current"] == 2
 
 
+def test_requests_per_step_a_hair_over_the_cap_are_the_cap():
+    """A fresh-clone run of --max-num-seqs 2 under load read 2.00 requests per engine step, a hair
+    above 2 (vLLM makes one token a request a step without drafts): the floor is 2, not 3."""
+    snap = window(queue=6.0, prompt=200, running=(1, 1), waiting=(9, 9), plateau=(1,), steps=[2.0] * 1000)
+    snap["counters"]["generation_tokens"]["value"] = 2003.0
+    r = diagnosed(snap)
+    root = r["diagnosis"]["root_cause"]
+    assert r["requests_per_step"] == 2.003 and (root["current"], root["current_source"]) == (2, "inferred")
+    assert "at least 2 (inferred: 2.00 requests per engine step" in root["evidence"]
+
+
 def test_requests_filling_the_kv_cache_are_the_kv_limit_not_the_cap():
     r = diagnosed(window(queue=6.0, prompt=8000, output=1000, running=(30, 30), waiting=(10, 10), kv=0.95))
     assert kinds(r)[:2] == ["kv_cache", "queue"]

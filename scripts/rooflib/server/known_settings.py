@@ -21,6 +21,7 @@ PREFIX_LONG_PROMPT = 512    # mean prompt tokens from which recomputing a shared
 STALL_RATIO = 4             # an ITL p99 this many times the mean gap: tokens wait behind prefills
 LARGE_BATCH = 64            # running requests from which a smaller batch is a decode lever
 FREE_SLOTS = 2              # slots of an exported cap never taken while requests waited: the cap did not hold
+HAIR = 0.05                 # a mean of requests this little above a whole number is that number (a floor, never over the cap)
                             # them (a gauge may read the cap less the one request that just finished)
 KV_HEADROOM = 0.95          # the largest --gpu-memory-utilization a lever proposes
 KV_STEP = 0.03              # how far one lever raises it
@@ -237,12 +238,14 @@ def _running_floors(r: Reading) -> list[tuple[int, str]]:
             f"{pct(r.kv_cache_usage_max)}; a sample misses the requests admitted in the step it falls in")))
     per_step = r.requests_per_step
     if per_step:
-        floors.append((math.ceil(per_step), (
+        # At most one token a request a step, yet a fresh-clone run of --max-num-seqs 2 read 2.00
+        # (a hair above 2) over a window under load: rounded up whole, that was "at least 3".
+        floors.append((math.ceil(per_step - HAIR), (
             f"{per_step:.2f} requests per engine step on average, one generated token each by "
             "vllm:generation_tokens_total over the steps of vllm:iteration_tokens_total; a step that only prefilled "
             "lowers it")))
     if not floors and r.mode == "window" and r.running_mean and r.waiting_mean:
-        floors.append((math.ceil(r.running_mean - 0.05), (
+        floors.append((math.ceil(r.running_mean - HAIR), (
             f"{r.running_mean:.1f} requests ran at a time on average while {r.waiting_mean:.1f} waited "
             "(Little's law over the window)")))
     return floors
