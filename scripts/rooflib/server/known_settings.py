@@ -21,8 +21,8 @@ PREFIX_LONG_PROMPT = 512    # mean prompt tokens from which recomputing a shared
 STALL_RATIO = 4             # an ITL p99 this many times the mean gap: tokens wait behind prefills
 LARGE_BATCH = 64            # running requests from which a smaller batch is a decode lever
 FREE_SLOTS = 2              # slots of an exported cap never taken while requests waited: the cap did not hold
-HAIR = 0.05                 # a mean of requests this little above a whole number is that number (a floor, never over the cap)
                             # them (a gauge may read the cap less the one request that just finished)
+HAIR = 0.05                 # a mean of requests this little above a whole number is that number (a floor, never over the cap)
 KV_HEADROOM = 0.95          # the largest --gpu-memory-utilization a lever proposes
 KV_STEP = 0.03              # how far one lever raises it
 LIGHT_C, LIGHT_N = 2, 16    # a verify bench on a live server: light beside the users' traffic
