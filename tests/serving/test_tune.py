@@ -406,6 +406,22 @@ def test_like_the_live_traffic_takes_lengths_and_in_flight_from_a_metrics_window
     assert shape["output_tokens"] >= 1
     with pytest.raises(Exception, match="no request finished in the window"):
         tuning.traffic_shape(engine_metrics.report(snaps[1]))
+    # Sampled each second (four samples between the scrapes here), the gauges give the figure.
+    sampled = engine_metrics.window(*snaps, [snaps[1]] * 4)
+    gauges = [snap["gauges"][name]["value"] for snap in (snaps[0], *[snaps[1]] * 5) for name in ("running", "waiting")]
+    assert sampled["running_sampled_mean"] + sampled["waiting_sampled_mean"] == pytest.approx(sum(gauges) / 6)
+    assert tuning.traffic_shape(sampled)["concurrency"] == max(1, round(sum(gauges) / 6))
+
+
+@pytest.mark.parametrize("samples, concurrency", [(16, 3), (4, 1)])
+def test_like_counts_requests_in_flight_by_the_gauges_sampled_through_the_window(samples, concurrency):
+    """Fresh-clone run h1's shape: a closed loop of 3 with 320-token answers, longer than the 15 s
+    window beside two busy loops, so few finished in it and Little's law over them read 1; the
+    gauges, sampled each second, count the 3. Too few samples leave Little's law."""
+    report = {"mode": "window", "requests": 2, "prompt_tokens_mean": 300.0, "output_tokens_mean": 320.0,
+              "running_mean": 1.2, "waiting_mean": 0.0, "running_sampled_mean": 2.9, "waiting_sampled_mean": 0.1,
+              "gauge_samples": samples}
+    assert tuning.traffic_shape(report)["concurrency"] == concurrency
 
 
 def under_way(load: subprocess.Popen) -> None:

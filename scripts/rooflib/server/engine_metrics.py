@@ -90,6 +90,7 @@ def report(snap: dict[str, Any], gpu: Mapping[str, Any] | None = None,
         gauge = gauges.get(concept)
         result[concept] = gauge["value"] if gauge else None
         result[f"{concept}_peak"] = gauge.get("peak_value", gauge["value"]) if gauge else None
+        result[f"{concept}_sampled_mean"] = gauge.get("mean") if gauge else None
     kv = gauges.get("kv_cache_usage")
     result["kv_cache_usage"] = kv["value"] if kv else None
     result["kv_cache_usage_max"] = kv["max"] if kv else None

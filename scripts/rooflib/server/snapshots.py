@@ -191,7 +191,7 @@ def _add_histograms(parts: Sequence[dict[str, Any]], warnings: list[str]) -> dic
 def difference(before: dict[str, Any], after: dict[str, Any],
                during: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """What happened between two snapshots of the same server(s): counters and buckets as
-    increases, gauges as at the end with their peak over `before`, `during` and `after`.
+    increases, gauges as at the end with their peak and mean over `before`, `during` and `after`.
 
     A counter that went down, or a new start time, means the server restarted in between:
     then, as Prometheus does for a counter reset, the increase is the value after the restart
@@ -231,7 +231,8 @@ def difference(before: dict[str, Any], after: dict[str, Any],
     for concept, gauge in after["gauges"].items():
         peak = max(s["gauges"][concept]["max"] for s in sampled if concept in s["gauges"])
         running = [s["gauges"][concept]["value"] for s in sampled if concept in s["gauges"]]
-        delta["gauges"][concept] = {**gauge, "max": peak, "peak_value": max(running), "samples": len(running)}
+        delta["gauges"][concept] = {**gauge, "max": peak, "peak_value": max(running), "samples": len(running),
+                                    "mean": sum(running) / len(running)}
     # The running count of each sample in which requests waited: its plateau is the running cap.
     delta["running_while_waiting"] = [s["gauges"]["running"]["value"] for s in sampled
                                       if "running" in s["gauges"] and s["gauges"].get("waiting", {}).get("value", 0) > 0]

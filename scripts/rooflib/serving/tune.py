@@ -42,6 +42,7 @@ BASELINE = "baseline"
 # A run whose client stalled is measured again on the same engine, at most this many more times:
 # on a machine whose other work starves the client, a later try often finds it quieter.
 RERUNS = 2
+SAMPLED_ENOUGH = 5  # gauge samples of a --like window from which their mean is the requests in flight
 
 
 @dataclass(frozen=True)
@@ -626,11 +627,16 @@ def proposal(run: Mapping[str, Any], profile: Mapping[str, Any]) -> levers.Choic
 def live_traffic_shape(url: str, api_key: str | None, window_s: float, timeout_s: float) -> dict[str, int]:
     """The traffic shape (traffic_shape) of the live server at `url` over `window_s` seconds of its
     /metrics, which are only read."""
-    text, began = metric_sources.scrape(url, api_key, timeout_s)
-    before = snapshots.snapshot(text, url, began)
-    time.sleep(window_s)
-    text, ended = metric_sources.scrape(url, api_key, timeout_s)
-    return traffic_shape(engine_metrics.window(before, snapshots.snapshot(text, url, ended)))
+    def scraped() -> dict[str, Any]:
+        text, at = metric_sources.scrape(url, api_key, timeout_s)
+        return snapshots.snapshot(text, url, at)
+    before, during = scraped(), []
+    deadline = time.monotonic() + window_s
+    while time.monotonic() < deadline - 1:  # the gauges once a second, as metrics.py samples them
+        time.sleep(1)
+        during.append(scraped())
+    time.sleep(max(0.0, deadline - time.monotonic()))
+    return traffic_shape(engine_metrics.window(before, scraped(), during))
 
 
 def traffic_shape(report: Mapping[str, Any]) -> dict[str, int]:
@@ -642,7 +648,18 @@ def traffic_shape(report: Mapping[str, Any]) -> dict[str, int]:
     if not report.get("requests") or prompt is None or report.get("mode") != "window":
         raise UsageError(f"{report.get('source')}: no request finished in the window, so its traffic has no "
                          "shape: measure a longer window (--like-window) while it serves")
-    in_flight = (report.get("running_mean") or 0) + (report.get("waiting_mean") or 0)
     return {"input_tokens": max(1, round(prompt)),
             "output_tokens": max(1, round(output)) if output else 1,
-            "concurrency": max(1, round(in_flight))}
+            "concurrency": max(1, round(in_flight(report)))}
+
+
+def in_flight(report: Mapping[str, Any]) -> float:
+    """Requests in flight over a metrics window: the mean of the running and waiting gauges over
+    their samples, which count them; with fewer than SAMPLED_ENOUGH samples, Little's law over the
+    requests that finished in the window. That law rests on the few that finished: with answers
+    longer than the window, one or two, and a fresh-clone run beside two busy loops read a closed
+    loop of 3 as 1 in flight."""
+    running, waiting = report.get("running_sampled_mean"), report.get("waiting_sampled_mean")
+    if running is not None and (report.get("gauge_samples") or 0) >= SAMPLED_ENOUGH:
+        return running + (waiting or 0)
+    return (report.get("running_mean") or 0) + (report.get("waiting_mean") or 0)
