@@ -49,10 +49,11 @@ def scrape(url: str, api_key: str | None, timeout: float) -> Scrape:
 
 
 def collect(urls: Sequence[str], api_key: str | None, timeout: float, seconds: float,
-            during: Callable[[], Any]) -> tuple[list[Window], Any, BaseException | None, bool]:
+            during: Callable[[], Any], doing: str = "while the probe runs"
+            ) -> tuple[list[Window], Any, BaseException | None, bool]:
     """Scrape every URL, run `during()` in a thread, scrape once a second until `seconds` have
     passed and it returned, scrape again. Returns the windows, what `during` returned (or the
-    exception it raised) and whether Ctrl-C ended the window early."""
+    exception it raised) and whether Ctrl-C ended the window early; `doing` ends the progress line."""
     firsts = [scrape(url, api_key, timeout) for url in urls]
     series: list[list[dict[str, Any]]] = [[f.snap] for f in firsts]
     outcome: dict[str, Any] = {}
@@ -65,7 +66,7 @@ def collect(urls: Sequence[str], api_key: str | None, timeout: float, seconds: f
     worker = threading.Thread(target=work, daemon=True)
     worker.start()
     deadline = time.monotonic() + seconds
-    printing.progress(f"measuring for {seconds:g} s while the probe runs (Ctrl-C ends early and still reports)...")
+    printing.progress(f"measuring for {seconds:g} s {doing} (Ctrl-C ends early and still reports)...")
     interrupted = False
     lasts = firsts
     missed = 0

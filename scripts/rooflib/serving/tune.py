@@ -30,8 +30,9 @@ import yaml
 
 from rooflib.core import cli, fileio, printing, signals
 from rooflib.core.errors import ServerError, UsageError
+from rooflib.doctor import window
 from rooflib.load import asyncclient, bench_options, benchrun, comparison
-from rooflib.server import deployment, engine_metrics, metric_sources, snapshots
+from rooflib.server import deployment, engine_metrics
 from rooflib.server.deployment import Served
 from rooflib.serving import levers, profiles, trials
 
@@ -626,17 +627,12 @@ def proposal(run: Mapping[str, Any], profile: Mapping[str, Any]) -> levers.Choic
 
 def live_traffic_shape(url: str, api_key: str | None, window_s: float, timeout_s: float) -> dict[str, int]:
     """The traffic shape (traffic_shape) of the live server at `url` over `window_s` seconds of its
-    /metrics, which are only read."""
-    def scraped() -> dict[str, Any]:
-        text, at = metric_sources.scrape(url, api_key, timeout_s)
-        return snapshots.snapshot(text, url, at)
-    before, during = scraped(), []
-    deadline = time.monotonic() + window_s
-    while time.monotonic() < deadline - 1:  # the gauges once a second, as metrics.py samples them
-        time.sleep(1)
-        during.append(scraped())
-    time.sleep(max(0.0, deadline - time.monotonic()))
-    return traffic_shape(engine_metrics.window(before, scraped(), during))
+    /metrics, which are only read, its gauges once a second (doctor's window)."""
+    (live,), _, _, interrupted = window.collect([url], api_key, timeout_s, window_s, lambda: None,
+                                                "of the live traffic (--like)")
+    if interrupted:
+        raise KeyboardInterrupt
+    return traffic_shape(engine_metrics.report(live.delta()))
 
 
 def traffic_shape(report: Mapping[str, Any]) -> dict[str, int]:
