@@ -19,6 +19,7 @@ error, 130 interrupted (the rounds run so far are still reported).
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -38,6 +39,8 @@ from rooflib.core.errors import EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, Us
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SELECTION = "-m 'real_vllm or real_sglang'"
 SLOWEST = 20
+# pytest-xdist's --dist loadgroup appends "@<group>" to a test's name; a parameter's "@" sits inside [].
+XDIST_GROUP = re.compile(r"@[^\[\]]*$")
 
 
 @dataclass
@@ -50,13 +53,24 @@ class Round:
     durations: dict[str, float] = field(default_factory=dict)
 
 
+def node_id(classname: str, name: str, root: Path = REPO) -> str:
+    """The test's pytest node id, runnable as printed, from a JUnit case: the classname is the module's
+    dotted path and then its class, if any (tests.server.test_fleet.TestRealFleet), so the module is
+    the longest prefix that names a file."""
+    parts, test = classname.split("."), XDIST_GROUP.sub("", name)
+    for cut in range(len(parts), 0, -1):
+        if (root / Path(*parts[:cut])).with_suffix(".py").is_file():
+            return "::".join(["/".join(parts[:cut]) + ".py", *parts[cut:], test])
+    return f"{'/'.join(parts)}.py::{test}"
+
+
 def read_junit(path: Path) -> tuple[int, dict[str, str], list[str], dict[str, float]]:
     """(tests, failed id -> first line, skipped ids, id -> seconds) of one JUnit XML report."""
     failed, skipped, durations = {}, [], {}
     tests = 0
     for case in ET.parse(path).getroot().iter("testcase"):
         tests += 1
-        test_id = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        test_id = node_id(case.get("classname", ""), case.get("name", ""))
         durations[test_id] = float(case.get("time") or 0)
         for tag in ("failure", "error"):
             bad = case.find(tag)
