@@ -379,9 +379,12 @@ def causes(result: dict) -> dict[str, dict]:
     return found
 
 
-def told(result: dict) -> str:
-    """What the fixed-latency gate read, for a failure's message."""
-    return (f"TTFT {excess_ms(result, 'ttft_ms'):.1f} ms and e2e {excess_ms(result, 'e2e_ms'):.1f} ms over the engine, "
+def told(result: dict, found: dict[str, dict] | None = None) -> str:
+    """What the fixed-latency gate read (and the causes found), for a failure's message: short, as
+    pytest cuts a long one."""
+    sizes = ", ".join(f"{cause} {finding['size_ms'] or 0:.0f} ms" for cause, finding in (found or {}).items())
+    named = f"found {sizes or 'nothing'}; " if found is not None else ""
+    return (named + f"TTFT {excess_ms(result, 'ttft_ms'):.1f} ms and e2e {excess_ms(result, 'e2e_ms'):.1f} ms over the engine, "
             f"client loop lag p99 {result['client']['loop_lag_ms']['p99']} ms, {result['requests']['one_read']} "
             f"streams in one read, percentiles {result['server']['cross_check']['percentiles']}")
 
@@ -418,7 +421,7 @@ def test_a_proxy_delaying_every_request_is_a_fixed_latency_of_the_network(known_
     # itself must still be the network's, never the gateway's. A gateway part is the excess less
     # the probe's p50, so the asserts below (probe >= the delay, the network's part >= the delay)
     # keep the delay out of it: a probe that missed the delay would leave all of it to the gateway.
-    assert set(found) - {"gateway"} == {"fixed_latency", "network"}, (found, told(result))
+    assert set(found) - {"gateway"} == {"fixed_latency", "network"}, told(result, found)
     assert_about_the_delay(result, found["fixed_latency"]["size_ms"])
     # The trivial request pays all of the delay: the network's part is its measured round trip.
     assert_about_the_delay(result, found["network"]["size_ms"])
