@@ -457,7 +457,7 @@ def test_a_gateway_delaying_inference_routes_is_named_apart_from_the_network(kno
                            KNOWN_SCHEDULE)
     probe_ms = result["server"]["probe"]["p50_ms"]
     found = causes(result)
-    assert set(found) == {"fixed_latency", "gateway"}, (found, probe_ms, told(result))
+    assert set(found) == {"fixed_latency", "gateway"}, f"probe p50 {probe_ms:.0f} ms, {told(result, found)}"
     assert_about_the_delay(result, found["fixed_latency"]["size_ms"])
     assert_about_the_delay(result, found["gateway"]["size_ms"], less_ms=probe_ms)  # the trivial round trip is not its
     assert_outside_engine_is_the_root_cause(result, "fixed_latency")
