@@ -53,13 +53,13 @@ class Round:
     durations: dict[str, float] = field(default_factory=dict)
 
 
-def node_id(classname: str, name: str, root: Path = REPO) -> str:
+def node_id(classname: str, name: str) -> str:
     """The test's pytest node id, runnable as printed, from a JUnit case: the classname is the module's
     dotted path and then its class, if any (tests.server.test_fleet.TestRealFleet), so the module is
     the longest prefix that names a file."""
     parts, test = classname.split("."), XDIST_GROUP.sub("", name)
     for cut in range(len(parts), 0, -1):
-        if (root / Path(*parts[:cut])).with_suffix(".py").is_file():
+        if (REPO / Path(*parts[:cut])).with_suffix(".py").is_file():
             return "::".join(["/".join(parts[:cut]) + ".py", *parts[cut:], test])
     return f"{'/'.join(parts)}.py::{test}"
 
