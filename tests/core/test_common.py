@@ -5,6 +5,7 @@ import json
 import signal
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -232,6 +233,65 @@ def test_a_kept_alive_connection_closed_as_a_request_goes_out_is_sent_once_more(
         assert http_client.get_json(http, "/v1/models") == {}
         assert http_client.get_json(http, "/v1/models") == {}  # on the kept-alive one, then a new one
     assert len(answered) == 2
+
+
+def keeping_alive() -> tuple[socket.socket, dict[int, bool]]:
+    """A server that answers every request on a connection, keeping it open, with the number of
+    its connection. Returns its socket and, per connection, whether the client has closed it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    closed: dict[int, bool] = {}
+
+    def serve(conn: socket.socket, number: int) -> None:
+        with conn:
+            while conn.recv(65536):  # one small GET a read
+                body = json.dumps({"connection": number}).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+            closed[number] = True
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            closed[len(closed)] = False
+            threading.Thread(target=serve, args=(conn, len(closed) - 1), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener, closed
+
+
+def test_each_thread_sends_on_connections_of_its_own_and_closing_the_client_closes_them_all():
+    """httpcore's pool is not safe to share between threads (encode/httpcore#1110): a request
+    from another thread goes through that thread's own pool, kept alive there, closed with the
+    client."""
+    listener, closed = keeping_alive()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    used: dict[str, list[int]] = {}
+    together = threading.Barrier(2, timeout=30)  # both threads alive at once (an ended thread's id is reused)
+
+    def twice(name: str) -> None:
+        if name != "main":
+            together.wait()
+        used[name] = [http_client.get_json(http, "/v1/models")["connection"] for _ in range(2)]
+        if name != "main":
+            together.wait()
+
+    with listener:
+        with http_client.client(url, timeout=5) as http:
+            workers = [threading.Thread(target=twice, args=(name,)) for name in ("a", "b")]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+            twice("main")
+        deadline = time.monotonic() + 30  # the server's threads see each close as they get to it
+        while not all(closed.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert all(len(set(numbers)) == 1 for numbers in used.values()), used  # kept alive in its thread
+    assert len({numbers[0] for numbers in used.values()}) == 3, used  # and never another thread's
+    assert closed == {0: True, 1: True, 2: True}
 
 
 def test_json_and_json_out_fill_one_output(tmp_path):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpcore
@@ -65,13 +67,43 @@ class _DeadlineBackend(httpcore.SyncBackend):
 
 class _Client(httpx.Client):
     """httpx.Client with a deadline on each request in all: --timeout for the head and a body
-    read at once, ten times that for a streamed body, whatever the server drips."""
+    read at once, ten times that for a streamed body, whatever the server drips.
 
-    def __init__(self, total_s: float, **kwargs: Any):
-        super().__init__(**kwargs)
+    A request from a thread other than the one that made the client goes through a client of that
+    thread's own, made alike and closed with this one: httpcore's pool is not safe to share between
+    threads (one thread's pass over it can close a connection it has just handed to another, under
+    its request: encode/httpcore#1110). Bench's eight prompt-counting threads met it as
+    "ReadError: [Errno 9] Bad file descriptor" on /tokenize."""
+
+    def __init__(self, total_s: float, make_transport: Callable[[], httpx.BaseTransport], **kwargs: Any):
+        super().__init__(transport=make_transport(), **kwargs)
         self.total_s = total_s
+        self._make_transport = make_transport
+        self._owner = threading.get_ident()
+        self._per_thread: dict[int, _Client] = {}
+        self._per_thread_lock = threading.Lock()
+
+    def _this_threads(self) -> _Client:
+        with self._per_thread_lock:
+            own = self._per_thread.get(threading.get_ident())
+            if own is None:  # a thread id is reused only once its thread has ended
+                own = _Client(self.total_s, self._make_transport, timeout=self.timeout)
+                self._per_thread[threading.get_ident()] = own
+            return own
+
+    def close(self) -> None:
+        with self._per_thread_lock:
+            others, self._per_thread = list(self._per_thread.values()), {}
+        for other in others:
+            other.close()
+        super().close()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def send(self, request: httpx.Request, *, stream: bool = False, **kwargs: Any) -> httpx.Response:
+        if threading.get_ident() != self._owner:  # the request is whole: URL, headers and timeouts
+            return self._this_threads().send(request, stream=stream, **kwargs)
         try:
             return self._send_once(request, stream, **kwargs)
         except httpx.RemoteProtocolError as exc:
@@ -91,12 +123,16 @@ def client(base_url: str, api_key: str | None = None, timeout: float = 30.0,
            max_connections: int = 16, transport: httpx.BaseTransport | None = None) -> httpx.Client:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    if transport is None:
-        transport = httpx.HTTPTransport(limits=limits)
+
+    def make_transport() -> httpx.BaseTransport:
+        if transport is not None:  # a given transport (a test's) serves every thread as it is
+            return transport
+        made = httpx.HTTPTransport(limits=limits)
         # httpx has no public way to give its pool a network backend; the pool reads this one.
-        transport._pool._network_backend = _DeadlineBackend()  # noqa: SLF001
+        made._pool._network_backend = _DeadlineBackend()  # noqa: SLF001
+        return made
     return _Client(
-        timeout, base_url=base_url, headers=headers, transport=transport,
+        timeout, make_transport, base_url=base_url, headers=headers,
         timeout=httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S)), limits=limits,
     )
 
