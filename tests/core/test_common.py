@@ -1,6 +1,7 @@
 """rooflib.core (conf, cli, http_client, errors): settings precedence, inference.env parsing, URL checks, error mapping."""
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import socket
@@ -207,23 +208,29 @@ def closing_on_the_second_request() -> tuple[socket.socket, list[int]]:
     listener = socket.create_server(("127.0.0.1", 0))
     answered: list[int] = []
 
-    def serve(conn: socket.socket) -> None:
+    def serve(conn: socket.socket, _: int) -> None:
         with conn:
             conn.recv(65536)
             answered.append(1)  # before the answer: the client may read it and the test count at once
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
             conn.recv(65536)  # the next request: closed without an answer
 
+    serve_each_connection(listener, serve)
+    return listener, answered
+
+
+def serve_each_connection(listener: socket.socket, serve) -> None:
+    """Accept connections until the listener closes; each served by `serve(conn, number)` in a
+    thread of its own, numbered from 0 in the order they came."""
     def accept() -> None:
-        while True:
+        for number in itertools.count():
             try:
                 conn, _ = listener.accept()
             except OSError:
                 return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+            threading.Thread(target=serve, args=(conn, number), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
-    return listener, answered
 
 
 def test_a_kept_alive_connection_closed_as_a_request_goes_out_is_sent_once_more():
@@ -242,6 +249,7 @@ def keeping_alive() -> tuple[socket.socket, dict[int, bool]]:
     closed: dict[int, bool] = {}
 
     def serve(conn: socket.socket, number: int) -> None:
+        closed[number] = False
         with conn:
             while conn.recv(65536):  # one small GET a read
                 body = json.dumps({"connection": number}).encode()
@@ -249,16 +257,7 @@ def keeping_alive() -> tuple[socket.socket, dict[int, bool]]:
                              + str(len(body)).encode() + b"\r\n\r\n" + body)
             closed[number] = True
 
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            closed[len(closed)] = False
-            threading.Thread(target=serve, args=(conn, len(closed) - 1), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
+    serve_each_connection(listener, serve)
     return listener, closed
 
 
@@ -287,7 +286,7 @@ def test_each_thread_sends_on_connections_of_its_own_and_closing_the_client_clos
                 worker.join()
             twice("main")
         deadline = time.monotonic() + 30  # the server's threads see each close as they get to it
-        while not all(closed.values()) and time.monotonic() < deadline:
+        while closed != {0: True, 1: True, 2: True} and time.monotonic() < deadline:
             time.sleep(0.05)
     assert all(len(set(numbers)) == 1 for numbers in used.values()), used  # kept alive in its thread
     assert len({numbers[0] for numbers in used.values()}) == 3, used  # and never another thread's
