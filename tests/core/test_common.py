@@ -271,15 +271,16 @@ def test_each_thread_sends_on_connections_of_its_own_and_closing_the_client_clos
     together = threading.Barrier(2, timeout=30)  # both threads alive at once (an ended thread's id is reused)
 
     def twice(name: str) -> None:
-        if name != "main":
-            together.wait()
         used[name] = [http_client.get_json(http, "/v1/models")["connection"] for _ in range(2)]
-        if name != "main":
-            together.wait()
+
+    def twice_beside_the_other(name: str) -> None:
+        together.wait()
+        twice(name)
+        together.wait()
 
     with listener:
         with http_client.client(url, timeout=5) as http:
-            workers = [threading.Thread(target=twice, args=(name,)) for name in ("a", "b")]
+            workers = [threading.Thread(target=twice_beside_the_other, args=(name,)) for name in ("a", "b")]
             for worker in workers:
                 worker.start()
             for worker in workers:
