@@ -366,9 +366,22 @@ def bench_through(url: str, behaviour: Behaviour, capsys, schedule: Schedule | N
                         *CPU_SLO])
         result = json.loads(capsys.readouterr().out)
         assert result["requests"]["completed"] == 6, result["requests"]["first_errors"]
-        if machine_lag_ms(result, schedule) < CLIENT_LAG_PREMISE_MS:
+        if machine_lag_ms(result, schedule) < CLIENT_LAG_PREMISE_MS and not (
+                schedule is not None and engine_buckets_hide_the_delay(result)):
             break
     return result
+
+
+def engine_buckets_hide_the_delay(result: dict) -> bool:
+    """Whether the engine's own times fell in a bucket as wide as the delay at some percentile. The
+    client's figure is the engine's plus the delay, so it clears the engine's bucket only where that
+    bucket is narrower than the delay: the CI run on 7c45e9d met one stream of six whose engine TTFT
+    went past 1 s (p95 and p99 in vLLM's bucket of 1 to 2.5 s, the client's 2,048 and 2,313 ms within
+    it), so the fixed latency was not named though the exact means agreed (TTFT 1,006 ms and e2e
+    1,060 ms over the engine). That run measured the engine stalling on a busy machine, not the path:
+    it is sent again, as a lagging client is."""
+    rows = [row for key in result["server"]["cross_check"]["percentiles"].values() for row in key.values()]
+    return any(high is None or high - low >= KNOWN_DELAY_S * 1e3 for low, high in (r["server_bucket_ms"] for r in rows))
 
 
 def machine_lag_ms(result: dict, schedule: Schedule | None) -> float:
