@@ -4,9 +4,15 @@
 SGLang on CPU needs its CPU kernel package (`sgl_kernel`: C++ with AVX-512 and AMX intrinsics,
 imported at start by sglang/srt/mem_cache/memory_pool.py). No registry publishes a CPU build of it
 (PyPI's sglang-kernel and sgl-kernel wheels are CUDA builds), so it is built from SGLang's source
-tree. The steps, each skipped when done (a lock keeps parallel runs apart):
-  1. the machine: x86-64 with AVX-512 (the kernel is compiled for x86-64-v4, its
-     csrc/cpu/CMakeLists.txt), a C++ compiler, cmake and libnuma's header (Debian:
+tree, for what the CPU runs. SGLang calls the kernel's ops only where it finds AMX
+(cpu_has_amx_support gates each call: sglang/srt/layers/layernorm.py, activation.py,
+rotary_embedding/, distributed/bootstrap.py) and runs its torch-native layers elsewhere, importing
+the kernel only. So the kernel is built for SGLang's own target (x86-64-v4 with AVX-512 BF16 and
+VNNI and AMX, its csrc/cpu/CMakeLists.txt) on a CPU with all of them, else for x86-64-v3 (AVX2),
+which its sources build to through their CPU_CAPABILITY_AVX512 guards: an x86-64-v4 build stops
+the import with an illegal instruction on a CPU without AVX-512 (an AMD EPYC without it, 2026-12).
+The steps, each skipped when done (a lock keeps parallel runs apart):
+  1. the machine: x86-64-v3 at least (AVX2), a C++ compiler, cmake and libnuma's header (Debian:
      build-essential cmake ninja-build libnuma-dev);
   2. the source, $ROOFLINE_SGLANG_SOURCE: a source tree, a tarball of one, or a git URL (cloned
      with git); default the upstream repository https://github.com/sgl-project/sglang.git;
@@ -18,7 +24,9 @@ tree. The steps, each skipped when done (a lock keeps parallel runs apart):
      torchvision/_meta_registrations.py is patched here so that its fake-op registrations apply
      only when the ops loaded (torchvision.extension._has_ops()), as its register_meta already does;
   5. the kernel, from the source's CPU kernel folder (python/sglang/kernels/aot in 2026 trees,
-     sgl-kernel before) and its pyproject_cpu.toml, on every core; its build's progress on stderr;
+     sgl-kernel before) and its pyproject_cpu.toml, for the CPU's target (above), on every core;
+     its build's progress on stderr. A cached kernel built for another target (a cache moved
+     between machines) is built again;
   6. SGLang: the released sglang==0.5.23 from the registry, without its (CUDA) requirements; with
      --from-source, or where the registry lacks it, the same tree's python/ package
      (pyproject_cpu.toml): the matched pair, which reports version 0.0.0.dev0;
@@ -71,9 +79,18 @@ REQUIREMENTS = Path(__file__).resolve().parent / "data" / "sglang-cpu-requiremen
 TINY_MODEL = Path(__file__).resolve().parent / "tiny_model.py"
 # Where a source tree keeps the CPU kernel (the first one that has pyproject_cpu.toml).
 KERNEL_FOLDERS = ("python/sglang/kernels/aot", "sgl-kernel")
-# x86-64-v4, what the kernel is compiled for (-march=x86-64-v4 in its csrc/cpu/CMakeLists.txt).
-KERNEL_CPU_FLAGS = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
+# SGLang's target for the kernel and what it takes: x86-64-v4 (AVX-512 F, BW, CD, DQ, VL) and the
+# -mavx512bf16 -mavx512vnni -mamx-tile -mamx-bf16 -mamx-int8 of csrc/cpu/CMakeLists.txt.
+UPSTREAM_MARCH = "x86-64-v4"
+UPSTREAM_CPU_FLAGS = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni",
+                      "amx_tile", "amx_bf16", "amx_int8")
+# Elsewhere the kernel is built for x86-64-v3 (https://gitlab.com/x86-psABIs/x86-64-ABI, its
+# micro-architecture levels; as /proc/cpuinfo names them, abm being LZCNT).
+PORTABLE_MARCH = "x86-64-v3"
+PORTABLE_CPU_FLAGS = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
+# The options of csrc/cpu/CMakeLists.txt that x86-64-v3 goes without, one to a line there.
+UPSTREAM_ONLY_OPTION = re.compile(r"^\s*-m(?:avx512\w+|amx-[\w-]+)\s*$")
 APT_PACKAGES = "build-essential cmake ninja-build libnuma-dev"
 NUMA_HEADERS = (Path("/usr/include/numa.h"), Path("/usr/local/include/numa.h"))
 BUILD_TOOLS = ["scikit-build-core>=0.10", "wheel", "setuptools>=61", "setuptools-scm>=8"]
@@ -101,14 +118,20 @@ def has_amx() -> bool:
     return all(flag in flags for flag in AMX_CPU_FLAGS)
 
 
+def kernel_march(flags: set[str]) -> str:
+    """What the kernel is compiled for on a CPU with these /proc/cpuinfo flags (the module's doc)."""
+    return UPSTREAM_MARCH if all(flag in flags for flag in UPSTREAM_CPU_FLAGS) else PORTABLE_MARCH
+
+
 def check_machine(source: str) -> None:
     """A ServerError naming the first things the build lacks."""
     if platform.machine() not in ("x86_64", "AMD64"):
         raise ServerError(f"this set-up builds SGLang's CPU kernel for x86-64; this machine is {platform.machine()}")
     flags = cpu_flags()
-    lacking = [flag for flag in KERNEL_CPU_FLAGS if flag not in flags]
+    lacking = [flag for flag in PORTABLE_CPU_FLAGS if flag not in flags]
     if lacking:
-        raise ServerError(f"this CPU lacks {', '.join(lacking)}: SGLang's CPU kernel is built for x86-64-v4 (AVX-512)")
+        raise ServerError(f"this CPU lacks {', '.join(lacking)}: SGLang's CPU kernel is built for "
+                          f"{PORTABLE_MARCH} (AVX2) at least")
     tools = {"a C++ compiler (g++)": shutil.which("g++") or shutil.which("c++"), "cmake": shutil.which("cmake"),
              "libnuma's header (libnuma-dev)": any(path.exists() for path in NUMA_HEADERS)}
     if is_git_url(source):
@@ -228,19 +251,42 @@ def patch_torchvision(python: Path) -> None:
     run([str(python), "-c", "import torchvision.transforms"], "checking the torchvision import")
 
 
-def build_kernel(python: Path, folder: Path) -> None:
-    """Build `folder` (the kernel's source) from a copy under the venv: the user's tree stays as it is."""
-    if succeeds(python, "import sgl_kernel"):
+def lower_march(cmake_lists: str) -> str:
+    """The kernel's CMakeLists.txt with SGLang's x86-64-v4 and AMX options as one -march=x86-64-v3."""
+    if f"-march={UPSTREAM_MARCH}" not in cmake_lists:
+        raise ServerError(f"this CPU needs the kernel built for {PORTABLE_MARCH}, and this source's "
+                          f"csrc/cpu/CMakeLists.txt has no -march={UPSTREAM_MARCH} to lower: use an SGLang "
+                          "source tree of 2026, or a CPU with AVX-512 and AMX")
+    kept = [line for line in cmake_lists.splitlines(keepends=True) if not UPSTREAM_ONLY_OPTION.match(line)]
+    return "".join(kept).replace(f"-march={UPSTREAM_MARCH}", f"-march={PORTABLE_MARCH}")
+
+
+def kernel_march_file() -> Path:
+    return venv_dir() / ".roofline-kernel-march"
+
+
+def build_kernel(python: Path, folder: Path, march: str) -> None:
+    """Build `folder` (the kernel's source) for `march` from a copy under the venv: the user's tree
+    stays as it is."""
+    built_for = kernel_march_file().read_text().strip() if kernel_march_file().is_file() else UPSTREAM_MARCH
+    if built_for == march and succeeds(python, "import sgl_kernel"):
         return
     build = venv_dir() / "build" / "kernel"
     shutil.rmtree(build, ignore_errors=True)
     shutil.copytree(folder, build, ignore=shutil.ignore_patterns("build", "dist", "*.egg-info"))
     shutil.copyfile(build / "pyproject_cpu.toml", build / "pyproject.toml")
+    if march != UPSTREAM_MARCH:
+        cmake_lists = build / "csrc" / "cpu" / "CMakeLists.txt"
+        cmake_lists.write_text(lower_march(cmake_lists.read_text()))
     cores = str(os.cpu_count() or 1)
-    printing.progress(f"building SGLang's CPU kernel {project_version(build / 'pyproject.toml')} on {cores} cores "
-                      "(a few minutes on 2 idle cores; the compiler's progress follows)")
+    printing.progress(f"building SGLang's CPU kernel {project_version(build / 'pyproject.toml')} for {march} on "
+                      f"{cores} cores (a few minutes on 2 idle cores; the compiler's progress follows)")
     env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": cores, "VIRTUAL_ENV": str(venv_dir())}
-    run(pip(python, "-v", "--no-build-isolation", str(build)), "building the kernel", env=env)
+    # --force-reinstall: a kernel of the same version built for the other target gives way; without
+    # its requirements, which install_runtime put there under the CPU torch's constraint.
+    run(pip(python, "-v", "--no-build-isolation", "--force-reinstall", "--no-deps", str(build)), "building the kernel",
+        env=env)
+    kernel_march_file().write_text(march + "\n")
     shutil.rmtree(build, ignore_errors=True)
 
 
@@ -273,7 +319,7 @@ def ready_record() -> dict[str, Any] | None:
         return None
 
 
-def build(source: str, from_source: bool) -> dict[str, Any]:
+def build(source: str, from_source: bool, march: str) -> dict[str, Any]:
     """Every step of the module's doc, into a fresh or half-built venv; what was built."""
     started = time.monotonic()
     root = source_tree(source)
@@ -283,13 +329,14 @@ def build(source: str, from_source: bool) -> dict[str, Any]:
     python = venv_python()
     install_runtime(python)
     patch_torchvision(python)
-    build_kernel(python, folder)
+    build_kernel(python, folder, march)
     built_from = install_sglang(python, root, from_source)
     version = subprocess.run([str(python), "-c", "import sglang; print(sglang.__version__)"],
                              capture_output=True, text=True).stdout.strip()
-    run([str(python), "-c", "import sglang.launch_server"], "checking the SGLang import")
+    # The kernel too: SGLang's launcher imports it only when the server starts.
+    run([str(python), "-c", "import sgl_kernel, sglang.launch_server"], "checking the SGLang import")
     record = {"sglang": version or "unknown", "built_from": built_from, "source": source,
-              "kernel": project_version(folder / "pyproject_cpu.toml"),
+              "kernel": project_version(folder / "pyproject_cpu.toml"), "kernel_march": march,
               "build_seconds": round(time.monotonic() - started)}
     (venv_dir() / ".roofline-ready").write_text(json.dumps(record))
     return record
@@ -300,17 +347,20 @@ def ensure_engine(source: str, from_source: bool, rebuild: bool) -> tuple[dict[s
     if rebuild:
         shutil.rmtree(venv_dir(), ignore_errors=True)
     record = ready_record()
-    if record:
+    march = kernel_march(cpu_flags())
+    # A record from before the target was recorded is SGLang's own target's.
+    if record and record.get("kernel_march", UPSTREAM_MARCH) == march:
         return {**record, "amx": has_amx()}, False
     check_machine(source)
-    return {**build(source, from_source), "amx": has_amx()}, True
+    return {**build(source, from_source, march), "amx": has_amx()}, True
 
 
 def summary(result: dict[str, Any], built_now: bool) -> str:
     minutes, seconds = divmod(result["build_seconds"], 60)
     when = f"built in {minutes} min {seconds:02d} s" if built_now else f"cached (built in {minutes} min {seconds:02d} s)"
     amx = "AMX present" if result["amx"] else "no AMX: SGLang runs its torch-native layers"
-    return (f"SGLang {result['sglang']} ({result['built_from']}, kernel {result['kernel']}; {amx}) {when}: "
+    return (f"SGLang {result['sglang']} ({result['built_from']}, kernel {result['kernel']} for "
+            f"{result.get('kernel_march', UPSTREAM_MARCH)}; {amx}) {when}: "
             f"{result['python']}\n  source: {result['source']}\n"
             + "\n".join(f"  {name}: {path}" for name, path in result["models"].items()))
 

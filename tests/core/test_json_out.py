@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import setup_cpu_sglang
 from as_a_user import as_a_user
 from fault_server import fault_server, refused_url
 from vllm_server import REPO
@@ -68,7 +69,8 @@ def run(script: str, args: list[str], tmp: Path) -> subprocess.CompletedProcess:
     (cache / "vllm-cpu-0.32.0" / ".roofline-ready").write_text("0.32.0")
     (cache / "sglang-cpu").mkdir(parents=True, exist_ok=True)
     (cache / "sglang-cpu" / ".roofline-ready").write_text(json.dumps(
-        {"sglang": "0.5.23", "built_from": "release", "source": "sglang.tar.gz", "kernel": "0.4.6.post1", "build_seconds": 1}))
+        {"sglang": "0.5.23", "built_from": "release", "source": "sglang.tar.gz", "kernel": "0.4.6.post1",
+         "kernel_march": setup_cpu_sglang.kernel_march(setup_cpu_sglang.cpu_flags()), "build_seconds": 1}))
     (cache / "models" / "v2" / "tiny-qwen3").mkdir(parents=True, exist_ok=True)
     (cache / "models" / "v2" / "tiny-qwen3" / "config.json").write_text("{}")
     folder = REPO / "tools" if script in ("install_skills", "flake_finder") else SCRIPTS
