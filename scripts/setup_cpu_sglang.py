@@ -261,15 +261,10 @@ def lower_march(cmake_lists: str) -> str:
     return "".join(kept).replace(f"-march={UPSTREAM_MARCH}", f"-march={PORTABLE_MARCH}")
 
 
-def kernel_march_file() -> Path:
-    return venv_dir() / ".roofline-kernel-march"
-
-
 def build_kernel(python: Path, folder: Path, march: str) -> None:
     """Build `folder` (the kernel's source) for `march` from a copy under the venv: the user's tree
     stays as it is."""
-    built_for = kernel_march_file().read_text().strip() if kernel_march_file().is_file() else UPSTREAM_MARCH
-    if built_for == march and succeeds(python, "import sgl_kernel"):
+    if built_march(ready_record()) == march and succeeds(python, "import sgl_kernel"):
         return
     build = venv_dir() / "build" / "kernel"
     shutil.rmtree(build, ignore_errors=True)
@@ -286,7 +281,6 @@ def build_kernel(python: Path, folder: Path, march: str) -> None:
     # its requirements, which install_runtime put there under the CPU torch's constraint.
     run(pip(python, "-v", "--no-build-isolation", "--force-reinstall", "--no-deps", str(build)), "building the kernel",
         env=env)
-    kernel_march_file().write_text(march + "\n")
     shutil.rmtree(build, ignore_errors=True)
 
 
@@ -309,6 +303,12 @@ def install_sglang(python: Path, root: Path, from_source: bool) -> str:
     run(pip(python, "-q", "--no-deps", "--no-build-isolation", str(build)), "installing SGLang from the source tree", env=env)
     shutil.rmtree(build, ignore_errors=True)
     return "source"
+
+
+def built_march(record: dict[str, Any] | None) -> str:
+    """The target a ready record's kernel was built for; records from before it was recorded (and a
+    venv with none yet) are SGLang's own target's."""
+    return (record or {}).get("kernel_march", UPSTREAM_MARCH)
 
 
 def ready_record() -> dict[str, Any] | None:
@@ -348,8 +348,7 @@ def ensure_engine(source: str, from_source: bool, rebuild: bool) -> tuple[dict[s
         shutil.rmtree(venv_dir(), ignore_errors=True)
     record = ready_record()
     march = kernel_march(cpu_flags())
-    # A record from before the target was recorded is SGLang's own target's.
-    if record and record.get("kernel_march", UPSTREAM_MARCH) == march:
+    if record and built_march(record) == march:
         return {**record, "amx": has_amx()}, False
     check_machine(source)
     return {**build(source, from_source, march), "amx": has_amx()}, True
@@ -360,7 +359,7 @@ def summary(result: dict[str, Any], built_now: bool) -> str:
     when = f"built in {minutes} min {seconds:02d} s" if built_now else f"cached (built in {minutes} min {seconds:02d} s)"
     amx = "AMX present" if result["amx"] else "no AMX: SGLang runs its torch-native layers"
     return (f"SGLang {result['sglang']} ({result['built_from']}, kernel {result['kernel']} for "
-            f"{result.get('kernel_march', UPSTREAM_MARCH)}; {amx}) {when}: "
+            f"{built_march(result)}; {amx}) {when}: "
             f"{result['python']}\n  source: {result['source']}\n"
             + "\n".join(f"  {name}: {path}" for name, path in result["models"].items()))
 
