@@ -646,10 +646,17 @@ def tune_command(case: tune_vs_grid.Case, out: Path, port: int, *extra: str) -> 
             *[arg for item in case.sets for arg in ("--set", item)], *case.load, *tune_vs_grid.COMMON, *extra]
 
 
+# A hang guard, not a figure: tune bounds itself by runs, and each run may be measured three times
+# where the client stalled (RERUNS). A fresh-clone run beside two busy loops on a 2-core AMD EPYC
+# without AVX-512 took 3 to 7 minutes a bench and 90 s a start there: a two-run tune measured six
+# times needs about 33 minutes, over the 30 this guard was.
+TUNE_GUARD_S = 3600
+
+
 def tuned(case: tune_vs_grid.Case, tmp_path: Path, *extra: str) -> tuple[int, dict]:
     port = profiles.free_port()
     done = subprocess.run(tune_command(case, tmp_path / "out", port, *extra), stdout=subprocess.PIPE, text=True,
-                          timeout=1800)
+                          timeout=TUNE_GUARD_S)
     assert_no_engine_left(port, tmp_path / "out")
     return done.returncode, json.loads(done.stdout)
 
