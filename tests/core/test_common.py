@@ -242,6 +242,22 @@ def test_a_kept_alive_connection_closed_as_a_request_goes_out_is_sent_once_more(
     assert len(answered) == 2
 
 
+def test_a_new_connection_closed_unanswered_is_one_error_and_not_sent_again():
+    """A proxy that drops a request it may have passed on: sending it again could run it twice."""
+    listener, received = socket.create_server(("127.0.0.1", 0)), []
+
+    def drop(conn: socket.socket, _: int) -> None:
+        with conn:
+            received.append(conn.recv(65536).split(b"\r\n", 1)[0])
+
+    serve_each_connection(listener, drop)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    with listener, http_client.client(url, timeout=5) as http, pytest.raises(ServerError) as caught:
+        http_client.get_json(http, "/v1/completions", json={"prompt": "hi"})
+    assert str(caught.value) == f"cannot reach {url}/v1/completions: RemoteProtocolError: {http_client.CLOSED_UNANSWERED}."
+    assert received == [b"POST /v1/completions HTTP/1.1"]
+
+
 def keeping_alive() -> tuple[socket.socket, dict[int, bool]]:
     """A server that answers every request on a connection, keeping it open, with the number of
     its connection. Returns its socket and, per connection, whether the client has closed it."""

@@ -27,8 +27,11 @@ CONNECT_TIMEOUT_S = 10.0  # at most, to open a connection: a server that listens
 # engines' API servers run on, closes one idle for 5 s (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
 # SGLang's SGLANG_TIMEOUT_KEEP_ALIVE), and the pool can pick it in the instant before the close
 # arrives. The server answered nothing, so the request goes once more, on a new connection (as Go's
-# net/http does for a request on a reused connection).
+# net/http does for a request on a reused connection). A new connection closed unanswered is a server
+# or proxy that dropped the request, perhaps after running it: that is an error, not sent again.
 CLOSED_UNANSWERED = "Server disconnected without sending a response"
+# Whether the current request (per thread) went out on a connection that had answered one before.
+_ON_KEPT_ALIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("on_kept_alive", default=False)
 
 
 class _DeadlineStream(httpcore.NetworkStream):
@@ -37,6 +40,7 @@ class _DeadlineStream(httpcore.NetworkStream):
 
     def __init__(self, stream: httpcore.NetworkStream):
         self.stream = stream
+        self.answered = False  # bytes came back on it: a request written now reuses it
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
         deadline = _DEADLINE.get()
@@ -45,9 +49,12 @@ class _DeadlineStream(httpcore.NetworkStream):
             if left <= 0:
                 raise httpcore.ReadTimeout("the answer took longer than its deadline in all")
             timeout = left if timeout is None else min(timeout, left)
-        return self.stream.read(max_bytes, timeout)
+        data = self.stream.read(max_bytes, timeout)
+        self.answered = self.answered or bool(data)
+        return data
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        _ON_KEPT_ALIVE.set(self.answered)
         self.stream.write(buffer, timeout)
 
     def close(self) -> None:
@@ -104,10 +111,11 @@ class _Client(httpx.Client):
     def send(self, request: httpx.Request, *, stream: bool = False, **kwargs: Any) -> httpx.Response:
         if threading.get_ident() != self._owner:  # the request is whole: URL, headers and timeouts
             return self._this_threads().send(request, stream=stream, **kwargs)
+        _ON_KEPT_ALIVE.set(False)
         try:
             return self._send_once(request, stream, **kwargs)
         except httpx.RemoteProtocolError as exc:
-            if not str(exc).startswith(CLOSED_UNANSWERED):
+            if not (str(exc).startswith(CLOSED_UNANSWERED) and _ON_KEPT_ALIVE.get()):
                 raise
             return self._send_once(request, stream, **kwargs)
 
