@@ -13,7 +13,7 @@ import bench
 import compare
 import pytest
 from calibration_server import CalibrationServer, Schedule
-from fault_server import fault_server
+from fault_server import METRICS, Action, fault_server, response
 
 from rooflib.core.errors import UsageError
 from rooflib.load import analysis, benchrun, comparison, http1, promptgen, request_outcome, workloads
@@ -313,6 +313,20 @@ def test_the_timeline_has_a_sample_of_its_own_when_start_returns():
         timeline.stop()
     assert timeline.errors == [] and len(timeline.snapshots) == 2, (timeline.errors, timeline.snapshots)
     assert timeline.snapshots[1][1]["gauges"]["running"]["value"] is not None
+
+
+def test_a_scraping_process_whose_pages_come_too_late_is_stopped(monkeypatch):
+    """A scraping process that sends its pages after bench stopped waiting for them (a starved
+    machine) is held in the pipe's write, nobody reading, and ignores SIGTERM: left alive, it held
+    the interpreter's exit for ever (multiprocessing joins its children then). Pages larger than
+    the pipe's buffer, and no wait at all, make that the case every time."""
+    big_page = response(200, (METRICS + "# padding\n" * 20_000).encode(), "text/plain; version=0.0.4")
+    monkeypatch.setattr(watch, "PAGES_TIMEOUT_S", -1.0)
+    with fault_server(lambda r: Action(big_page) if r.path == "/metrics" else None) as url:
+        timeline = watch.Timeline(url, None, 0.1).start(_snap(0, 0, 0.0, 0, 0, 0, 0, 0))
+        timeline.stop()
+    assert timeline.errors == ["the scraping process sent nothing back"]
+    assert not timeline._process.is_alive()
 
 
 def _hist(le_s: list[float], counts: list[int], mean_s: float) -> dict:

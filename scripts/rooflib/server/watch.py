@@ -28,6 +28,9 @@ from rooflib.server import metric_sources, prometheus_text, quantiles, snapshots
 PERCENTILES = ("p50", "p95", "p99")
 # The longest bench waits for the timeline's first sample before it sends the load.
 READY_TIMEOUT_S = 30.0
+# The longest bench waits for the timeline's pages once it has told the scraping process to stop
+# (plus one interval: it may be mid-scrape).
+PAGES_TIMEOUT_S = 30.0
 
 
 class Timeline:
@@ -71,7 +74,7 @@ class Timeline:
         if self._process is None:  # start failed: nothing runs
             return
         self._stop.set()
-        pages, deadline = None, time.monotonic() + 30 + self.interval_s
+        pages, deadline = None, time.monotonic() + PAGES_TIMEOUT_S + self.interval_s
         while pages is None and time.monotonic() < deadline:
             try:
                 pages = self._pages.get(timeout=0.5)
@@ -80,7 +83,13 @@ class Timeline:
                     break
         if pages is None:
             pages, self.errors = [], ["the scraping process sent nothing back"]
-        self._process.join(5)
+        else:
+            self._process.join(5)  # it exits once its pages are read
+        if self._process.is_alive():
+            # It ignores SIGTERM, and pages it sends now, unread, hold it in the pipe's write:
+            # multiprocessing would wait for it at the interpreter's exit for ever.
+            self._process.kill()
+        self._process.join()
         for at, text, wall, error in pages:
             try:
                 if error:
