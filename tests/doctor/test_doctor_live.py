@@ -5,7 +5,7 @@ traffic in the background, and asserts the first line of `doctor`: the part of t
 that holds the symptom's figure, its owner (an engine flag with its current value, or the
 component outside the engine) and the value to set. What the faults cost is made large against
 what a busy 2-core machine adds (a 3 s delay, a stream interval of 32 tokens, whole streams in one
-read, 20% of requests over the limit), so that the verdict rests on counts and on sizes far apart.
+read, every other request over the limit), so that the verdict rests on counts and on sizes far apart.
 """
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ def starved(vllm_factory):
 # inference route's extra 1.21 s (a flake-finder round, Xeon) and 1.66 s (a fresh-clone run, a
 # 2-core AMD EPYC without AVX-512: three tries in a row, the route rightly named).
 DELAY_S = 3.0
+
 
 def first_token_part_ms(result: dict, *names: str) -> float:
     """The named segments' part of the probe's first token, in ms."""

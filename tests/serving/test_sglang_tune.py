@@ -11,7 +11,7 @@ import sys
 import pytest
 import sglang_server
 import tune_vs_grid
-from test_tune import assert_fixed, assert_no_engine_left
+from test_tune import TUNE_GUARD_S, assert_fixed, assert_no_engine_left
 from vllm_server import REPO, ServerUnavailable
 
 from rooflib.serving import profiles
@@ -39,7 +39,7 @@ def test_a_running_limit_far_too_low_is_raised_and_kept_on_sglang(tmp_path):
     cmd = [sys.executable, str(REPO / "scripts" / "tune.py"), "--profile", sglang_server.PROFILE, "--port", str(port),
            "--json", "--out", str(out), "--budget-runs", str(RUNNING_LIMIT.runs),
            *[arg for item in RUNNING_LIMIT.sets for arg in ("--set", item)], *RUNNING_LIMIT.load, *tune_vs_grid.COMMON]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=3600)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=TUNE_GUARD_S)
     assert_no_engine_left(port, out)
     doc = json.loads(done.stdout)
     start, end = assert_fixed(done.returncode, doc, RUNNING_LIMIT, out)

@@ -648,7 +648,7 @@ def tune_command(case: tune_vs_grid.Case, out: Path, port: int, *extra: str) -> 
 
 # A hang guard, not a figure: tune bounds itself by runs, and each run may be measured three times
 # where the client stalled (RERUNS). A fresh-clone run beside two busy loops on a 2-core AMD EPYC
-# without AVX-512 took 3 to 7 minutes a bench and 90 s a start there: a two-run tune measured six
+# without AVX-512 took 2 to 7 minutes a bench and 90 s a start there: a two-run tune measured six
 # times needs about 32 minutes, over the 30 this guard was.
 TUNE_GUARD_S = 3600
 
