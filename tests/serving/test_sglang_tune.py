@@ -5,16 +5,12 @@ the diagnosis knows the cap from the profile, and the first change kept is that 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import sglang_server
 import tune_vs_grid
-from test_tune import TUNE_GUARD_S, assert_fixed, assert_no_engine_left
-from vllm_server import REPO, ServerUnavailable
-
-from rooflib.serving import profiles
+from test_tune import assert_fixed, tuned
+from vllm_server import ServerUnavailable
 
 # 8 requests at once behind a cap of 1: the p95 request waits for about 6 others, each a 128-token
 # prefill and 64 decode steps, so the baseline misses the 500 ms TTFT target whatever the load;
@@ -35,14 +31,9 @@ def test_a_running_limit_far_too_low_is_raised_and_kept_on_sglang(tmp_path):
         sglang_server.setup()
     except ServerUnavailable as exc:
         pytest.skip(f"real SGLang unavailable: {exc}")  # conftest fails it in CI
-    port, out = profiles.free_port(), tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "scripts" / "tune.py"), "--profile", sglang_server.PROFILE, "--port", str(port),
-           "--json", "--out", str(out), "--budget-runs", str(RUNNING_LIMIT.runs),
-           *[arg for item in RUNNING_LIMIT.sets for arg in ("--set", item)], *RUNNING_LIMIT.load, *tune_vs_grid.COMMON]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=TUNE_GUARD_S)
-    assert_no_engine_left(port, out)
-    doc = json.loads(done.stdout)
-    start, end = assert_fixed(done.returncode, doc, RUNNING_LIMIT, out)
+    out = tmp_path / "out"
+    code, doc = tuned(RUNNING_LIMIT, tmp_path, profile=sglang_server.PROFILE)
+    start, end = assert_fixed(code, doc, RUNNING_LIMIT, out)
     assert start == 1 and (end is None or end >= 2), doc["stopped"]
     root = json.loads((out / "baseline.json").read_text())["server"]["metrics"]["diagnosis"]["root_cause"]
     assert (root["kind"], root["setting"], root["current"], root["current_source"]) == \

@@ -640,8 +640,8 @@ def cpu_vllm() -> None:
         pytest.skip(f"real vLLM unavailable: {exc}")
 
 
-def tune_command(case: tune_vs_grid.Case, out: Path, port: int, *extra: str) -> list[str]:
-    return [sys.executable, str(REPO / "scripts" / "tune.py"), "--profile", "cpu-tiny", "--port", str(port),
+def tune_command(case: tune_vs_grid.Case, out: Path, port: int, *extra: str, profile: str = "cpu-tiny") -> list[str]:
+    return [sys.executable, str(REPO / "scripts" / "tune.py"), "--profile", profile, "--port", str(port),
             "--json", "--out", str(out), "--budget-runs", str(case.runs),
             *[arg for item in case.sets for arg in ("--set", item)], *case.load, *tune_vs_grid.COMMON, *extra]
 
@@ -653,10 +653,10 @@ def tune_command(case: tune_vs_grid.Case, out: Path, port: int, *extra: str) -> 
 TUNE_GUARD_S = 3600
 
 
-def tuned(case: tune_vs_grid.Case, tmp_path: Path, *extra: str) -> tuple[int, dict]:
+def tuned(case: tune_vs_grid.Case, tmp_path: Path, *extra: str, profile: str = "cpu-tiny") -> tuple[int, dict]:
     port = profiles.free_port()
-    done = subprocess.run(tune_command(case, tmp_path / "out", port, *extra), stdout=subprocess.PIPE, text=True,
-                          timeout=TUNE_GUARD_S)
+    done = subprocess.run(tune_command(case, tmp_path / "out", port, *extra, profile=profile), stdout=subprocess.PIPE,
+                          text=True, timeout=TUNE_GUARD_S)
     assert_no_engine_left(port, tmp_path / "out")
     return done.returncode, json.loads(done.stdout)
 
