@@ -13,8 +13,9 @@ Examples:
   flake_finder.py --rounds 2 --select "tests/serving/test_tune.py -k running_limit"
   flake_finder.py --rounds 3 -- tests/doctor/test_doctor_live.py -k rejected
 
-Exit codes: 0 no test failed in any round, 1 some test failed at least once (listed), 2 usage
-error, 130 interrupted (the rounds run so far are still reported).
+Exit codes: 0 no test failed in any round, 1 some test failed at least once (listed) or a round
+did not run its tests (pytest's exit code said why, e.g. 5: no test selected), 2 usage error, 130
+interrupted (the rounds run so far are still reported).
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ DEFAULT_SELECTION = "-m 'real_vllm or real_sglang'"
 SLOWEST = 20
 # pytest-xdist's --dist loadgroup appends "@<group>" to a test's name; a parameter's "@" sits inside [].
 XDIST_GROUP = re.compile(r"@[^\[\]]*$")
+# pytest's exit codes past 0 (all passed) and 1 (some failed): the round's tests were not all judged.
+PYTEST_EXIT = {2: "interrupted", 3: "internal error", 4: "usage error", 5: "no test selected"}
 
 
 @dataclass
@@ -130,7 +133,11 @@ def human_text(result: dict) -> str:
     lines = [f"round {i}: {r['tests']} tests, {r['failed']} failed, {r['skipped']} skipped, {r['seconds']:.0f} s "
              f"(pytest exit {r['exit_code']})" for i, r in enumerate(result["rounds"], 1)]
     flaky = result["failed_at_least_once"]
-    lines.append(f"Failed at least once: {len(flaky)}" if flaky else "No test failed in any round.")
+    unjudged = [(i, r["exit_code"]) for i, r in enumerate(result["rounds"], 1) if r["exit_code"] not in (0, 1)]
+    lines += [f"Round {i} did not run its tests to the end: pytest exit {code} ({PYTEST_EXIT.get(code, 'see its output')})"
+              for i, code in unjudged]
+    if flaky or not unjudged:
+        lines.append(f"Failed at least once: {len(flaky)}" if flaky else "No test failed in any round.")
     lines += [f"  {e['test']} (rounds {', '.join(map(str, e['failed_rounds']))}): {e['first_failure']}" for e in flaky]
     if result["skipped"]:
         lines.append(f"Skipped: {len(result['skipped'])} (a skipped real-server test is a failure in CI)")

@@ -37,3 +37,13 @@ def test_a_round_reads_failures_errors_and_skips_by_node_id(tmp_path: Path):
                       "tests/core/test_stats.py::test_b": "error"}
     assert skipped == ["tests/core/test_stats.py::test_c"]
     assert durations["tests/server/test_fleet.py::TestRealFleet::test_a"] == 81.5
+
+
+@pytest.mark.parametrize("exit_code, said, not_said", [
+    (0, "No test failed in any round.", "did not run"),
+    (5, "Round 1 did not run its tests to the end: pytest exit 5 (no test selected)", "No test failed"),
+    (4, "Round 1 did not run its tests to the end: pytest exit 4 (usage error)", "No test failed"),
+])
+def test_a_round_that_did_not_run_its_tests_is_not_called_clean(exit_code: int, said: str, not_said: str):
+    text = flake_finder.human_text(flake_finder.summary([flake_finder.Round(seconds=16.0, exit_code=exit_code)]))
+    assert said in text and not_said not in text, text
