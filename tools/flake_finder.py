@@ -136,7 +136,9 @@ def human_text(result: dict) -> str:
     unjudged = [(i, r["exit_code"]) for i, r in enumerate(result["rounds"], 1) if r["exit_code"] not in (0, 1)]
     lines += [f"Round {i} did not run its tests to the end: pytest exit {code} ({PYTEST_EXIT.get(code, 'see its output')})"
               for i, code in unjudged]
-    if flaky or not unjudged:
+    if result["interrupted"]:
+        lines.append(f"Interrupted during round {len(result['rounds']) + 1}: only the rounds above finished.")
+    if flaky or not (unjudged or result["interrupted"]):
         lines.append(f"Failed at least once: {len(flaky)}" if flaky else "No test failed in any round.")
     lines += [f"  {e['test']} (rounds {', '.join(map(str, e['failed_rounds']))}): {e['first_failure']}" for e in flaky]
     if result["skipped"]:
