@@ -109,7 +109,7 @@ def run_round(selection: Sequence[str], workers: int, report: Path) -> Round:
     return result
 
 
-def summary(rounds: Sequence[Round]) -> dict:
+def summary(rounds: Sequence[Round], interrupted: bool = False) -> dict:
     """Every test that failed at least once (how often, and its first failure), and the slowest."""
     flaky: dict[str, dict] = {}
     for i, done in enumerate(rounds, 1):
@@ -126,14 +126,19 @@ def summary(rounds: Sequence[Round]) -> dict:
                                                for r in rounds],
             "failed_at_least_once": sorted(flaky.values(), key=lambda e: e["test"]),
             "skipped": sorted({t for r in rounds for t in r.skipped}),
-            "slowest": [{"test": t, "seconds": round(s, 1)} for t, s in top]}
+            "slowest": [{"test": t, "seconds": round(s, 1)} for t, s in top], "interrupted": interrupted}
+
+
+def unjudged_rounds(result: dict) -> list[tuple[int, int]]:
+    """(round, pytest exit code) of each round whose pytest did not run its tests to the end."""
+    return [(i, r["exit_code"]) for i, r in enumerate(result["rounds"], 1) if r["exit_code"] not in (0, 1)]
 
 
 def human_text(result: dict) -> str:
     lines = [f"round {i}: {r['tests']} tests, {r['failed']} failed, {r['skipped']} skipped, {r['seconds']:.0f} s "
              f"(pytest exit {r['exit_code']})" for i, r in enumerate(result["rounds"], 1)]
     flaky = result["failed_at_least_once"]
-    unjudged = [(i, r["exit_code"]) for i, r in enumerate(result["rounds"], 1) if r["exit_code"] not in (0, 1)]
+    unjudged = unjudged_rounds(result)
     lines += [f"Round {i} did not run its tests to the end: pytest exit {code} ({PYTEST_EXIT.get(code, 'see its output')})"
               for i, code in unjudged]
     if result["interrupted"]:
@@ -174,14 +179,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rounds.append(run_round(selection, args.workers, Path(tmp) / f"round-{i}.xml"))
             except KeyboardInterrupt:
                 interrupted = True
-        result = summary(rounds)
-        result["interrupted"] = interrupted
+        result = summary(rounds, interrupted)
         printed = printing.emit(result, human_text(result), args.output)
         if printed:
             return printed
         if interrupted:
             return EXIT_INTERRUPTED
-        bad = result["failed_at_least_once"] or result["skipped"] or any(r.exit_code not in (0, 1) for r in rounds)
+        bad = result["failed_at_least_once"] or result["skipped"] or unjudged_rounds(result)
         return EXIT_CHECK_FAILED if bad else EXIT_OK
 
     return cli.run_main(body)

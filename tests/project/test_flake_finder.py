@@ -45,11 +45,10 @@ def test_a_round_reads_failures_errors_and_skips_by_node_id(tmp_path: Path):
     (4, "Round 1 did not run its tests to the end: pytest exit 4 (usage error)", "No test failed"),
 ])
 def test_a_round_that_did_not_run_its_tests_is_not_called_clean(exit_code: int, said: str, not_said: str):
-    result = {**flake_finder.summary([flake_finder.Round(seconds=16.0, exit_code=exit_code)]), "interrupted": False}
-    text = flake_finder.human_text(result)
+    text = flake_finder.human_text(flake_finder.summary([flake_finder.Round(seconds=16.0, exit_code=exit_code)]))
     assert said in text and not_said not in text, text
 
 
 def test_an_interrupted_round_is_said_and_not_called_clean():
-    text = flake_finder.human_text({**flake_finder.summary([]), "interrupted": True})
+    text = flake_finder.human_text(flake_finder.summary([], interrupted=True))
     assert "Interrupted during round 1: only the rounds above finished." in text and "No test failed" not in text, text
